@@ -1,0 +1,175 @@
+"""The public entry point: argument checking, canonicalisation, backend choice."""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash2 import reference
+from jax_flash2.config import BlockSizes, default_block_sizes, padded_head_dim
+from jax_flash2.triton.tiles import Problem
+from jax_flash2.vjp import KernelCall, flash
+
+SUPPORTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+MAX_HEAD_DIM = 256
+# Compute capability from which the Pallas Triton lowering is supported.
+_MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+class Backend(enum.Enum):
+  AUTO = "auto"
+  TRITON = "triton"
+  XLA = "xla"
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    interpret: bool = False,
+    block_sizes: BlockSizes | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Exact softmax attention with FlashAttention-2 kernels.
+
+  Args:
+    q: [batch, seq_q, heads, head_dim] queries.
+    k: [batch, seq_k, heads, head_dim] keys.
+    v: [batch, seq_k, heads, head_dim] values.
+    causal: mask future keys. With seq_q != seq_k the mask is aligned
+      bottom-right: query i sees key j iff j <= i + seq_k - seq_q. For seq_q=2,
+      seq_k=5 (1 = visible)::
+
+          1 1 1 1 0
+          1 1 1 1 1
+
+      A query row that sees no key (possible when seq_q > seq_k) returns
+      zeros, lse = -inf, and zero gradients.
+    softmax_scale: multiplies q.k before the softmax; defaults to
+      1 / sqrt(head_dim).
+    return_lse: also return the log-sum-exp of each row's scaled scores.
+    backend: "auto" (Pallas kernels on an NVIDIA GPU of compute capability
+      8.0 or newer, else the XLA path with a warning), "triton" (the Pallas
+      Triton-lowering kernels) or "xla" (plain XLA; quadratic memory).
+    interpret: run the Pallas kernels in Pallas interpret mode (any platform,
+      slow; for tests).
+    block_sizes: tile sizes and launch parameters; defaults per head_dim.
+
+  Returns:
+    out: [batch, seq_q, heads, head_dim], q's dtype. With return_lse,
+    (out, lse) where lse is float32 [batch, heads, seq_q], natural log.
+  """
+  _check_arrays(q, k, v)
+  head_dim = q.shape[-1]
+  softmax_scale = _check_scale(softmax_scale, head_dim)
+  if not isinstance(causal, (bool, np.bool_)):
+    raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes must be a jax_flash2.BlockSizes or None, got {type(block_sizes).__name__}")
+  kind = _resolve_backend(backend, interpret)
+
+  if kind is Backend.XLA:
+    out, lse = reference.attention(
+        q, k, v, causal=bool(causal), softmax_scale=softmax_scale, compute_dtype=jnp.float32
+    )
+  else:
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    problem = Problem(
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=head_dim,
+        head_dim_padded=padded_head_dim(head_dim),
+        causal=bool(causal),
+        softmax_scale=softmax_scale,
+        dtype=jnp.dtype(q.dtype).name,
+    )
+    blocks = (block_sizes or default_block_sizes(head_dim)).fit(seq_q, seq_k)
+    out, lse = flash(q, k, v, KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret)))
+  return (out, lse) if return_lse else out
+
+
+def _check_arrays(q, k, v) -> None:
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {tuple(x.shape)}")
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+      raise TypeError(f"{name} has dtype {jnp.dtype(x.dtype).name}; supported: float16, bfloat16, float32")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+  shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape [batch, seq_k, heads, head_dim], got {shapes}")
+  for axis, what in ((0, "batch"), (2, "heads"), (3, "head_dim")):
+    if q.shape[axis] != k.shape[axis]:
+      raise ValueError(f"q and k/v differ in {what} (axis {axis}): {shapes}")
+  for name, x in (("q", q), ("k", k)):
+    if x.shape[1] < 1 or x.shape[0] < 1 or x.shape[2] < 1:
+      raise ValueError(f"{name} has an empty batch, seq or heads axis: {shapes}")
+  head_dim = q.shape[-1]
+  if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+    raise ValueError(f"head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim} ({shapes})")
+
+
+def _check_scale(softmax_scale, head_dim: int) -> float:
+  if softmax_scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  if isinstance(softmax_scale, jax.core.Tracer):
+    raise TypeError("softmax_scale must be a static Python float, not a traced value")
+  try:
+    scale = float(softmax_scale)
+  except (TypeError, ValueError):
+    raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}") from None
+  if not (math.isfinite(scale) and scale > 0):
+    raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
+  return scale
+
+
+def _resolve_backend(backend: str, interpret: bool) -> Backend:
+  try:
+    kind = Backend(backend)
+  except ValueError:
+    raise ValueError(f"backend must be one of {[b.value for b in Backend]}, got {backend!r}") from None
+  if interpret:
+    if kind is Backend.XLA:
+      raise ValueError("interpret=True runs the Pallas kernels; it cannot be combined with backend='xla'")
+    return Backend.TRITON
+  if kind is Backend.AUTO:
+    if _has_supported_gpu():
+      return Backend.TRITON
+    _warn_xla_fallback()
+    return Backend.XLA
+  return kind
+
+
+def _has_supported_gpu() -> bool:
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return False
+  capability = getattr(device, "compute_capability", None)
+  if capability is None:
+    return False
+  major, minor = (int(x) for x in str(capability).split(".")[:2])
+  return (major, minor) >= _MIN_COMPUTE_CAPABILITY
+
+
+@functools.cache
+def _warn_xla_fallback() -> None:
+  warnings.warn(
+      "jax_flash2: no NVIDIA GPU of compute capability >= 8.0 found; flash_attention is running "
+      "the plain XLA attention (quadratic memory), not the flash kernel. Pass backend='xla' to "
+      "silence this.",
+      RuntimeWarning,
+      stacklevel=3,
+  )

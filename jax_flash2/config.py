@@ -1,0 +1,125 @@
+"""Block-size configurations for the Pallas kernels and their selection.
+
+A `KernelConfig` describes one kernel launch: the tile of queries and keys a
+program works on, and the Triton launch parameters. `BlockSizes` bundles one
+config per kernel (forward, backward dK/dV, backward dQ). Both are frozen and
+validated on construction, so a bad value fails where it is written rather
+than deep inside a compile.
+
+Defaults come from `default_block_sizes`, a table measured on the H200
+(bench/NOTES.md records the sweeps). An explicit `block_sizes=` always wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_VALID_WARPS = (1, 2, 4, 8, 16)
+# Triton's tensor-core dot needs every tile dimension to be at least 16.
+_MIN_BLOCK = 16
+
+
+def _is_power_of_two(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Tiling and launch parameters of one Pallas kernel.
+
+  Attributes:
+    block_q: query rows per tile (power of two, >= 16).
+    block_k: key/value rows per tile (power of two, >= 16).
+    num_warps: warps per program (1, 2, 4, 8 or 16).
+    num_stages: software-pipelining depth of the inner loop's loads (>= 1).
+  """
+
+  block_q: int
+  block_k: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or not _is_power_of_two(value) or value < _MIN_BLOCK:
+        raise ValueError(f"KernelConfig.{name} must be a power of two >= {_MIN_BLOCK}, got {value!r}")
+    if self.num_warps not in _VALID_WARPS:
+      raise ValueError(f"KernelConfig.num_warps must be one of {_VALID_WARPS}, got {self.num_warps!r}")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"KernelConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
+
+  def fit(self, seq_q: int, seq_k: int) -> KernelConfig:
+    """Shrinks the tiles to the sequence lengths (short sequences waste less)."""
+    return dataclasses.replace(
+        self,
+        block_q=min(self.block_q, _next_block(seq_q)),
+        block_k=min(self.block_k, _next_block(seq_k)),
+    )
+
+
+def _next_block(n: int) -> int:
+  return max(_MIN_BLOCK, 1 << max(n - 1, 0).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """One `KernelConfig` per kernel of the Triton-lowering path.
+
+  Attributes:
+    fwd: the forward kernel (Q-outer): block_q rows of Q per program, block_k
+      rows of K/V per loop step.
+    dkv: the backward dK/dV kernel (KV-outer): block_k rows of K/V per program,
+      block_q rows of Q/dO per loop step.
+    dq: the backward dQ kernel (Q-outer): block_q rows of Q/dO per program,
+      block_k rows of K/V per loop step.
+  """
+
+  fwd: KernelConfig
+  dkv: KernelConfig
+  dq: KernelConfig
+
+  def __post_init__(self):
+    for name in ("fwd", "dkv", "dq"):
+      if not isinstance(getattr(self, name), KernelConfig):
+        raise TypeError(f"BlockSizes.{name} must be a KernelConfig, got {type(getattr(self, name)).__name__}")
+
+  def fit(self, seq_q: int, seq_k: int) -> BlockSizes:
+    return BlockSizes(
+        fwd=self.fwd.fit(seq_q, seq_k),
+        dkv=self.dkv.fit(seq_q, seq_k),
+        dq=self.dq.fit(seq_q, seq_k),
+    )
+
+
+# Measured on the H200 (bf16, batch x seq = 16k tokens): see bench/NOTES.md.
+# Keyed by padded head_dim; values are (fwd, dkv, dq).
+_H200_TABLE: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
+    64: (
+        KernelConfig(block_q=128, block_k=64, num_warps=4, num_stages=3),
+        KernelConfig(block_q=64, block_k=128, num_warps=8, num_stages=2),
+        KernelConfig(block_q=128, block_k=64, num_warps=8, num_stages=2),
+    ),
+    128: (
+        KernelConfig(block_q=128, block_k=64, num_warps=8, num_stages=3),
+        KernelConfig(block_q=64, block_k=128, num_warps=8, num_stages=2),
+        KernelConfig(block_q=128, block_k=64, num_warps=8, num_stages=2),
+    ),
+    256: (
+        KernelConfig(block_q=64, block_k=64, num_warps=8, num_stages=2),
+        KernelConfig(block_q=32, block_k=64, num_warps=8, num_stages=1),
+        KernelConfig(block_q=64, block_k=32, num_warps=8, num_stages=1),
+    ),
+}
+
+
+def padded_head_dim(head_dim: int) -> int:
+  """The power of two the kernels tile head_dim to (Triton blocks need one)."""
+  return max(_MIN_BLOCK, 1 << (head_dim - 1).bit_length())
+
+
+def default_block_sizes(head_dim: int) -> BlockSizes:
+  """The measured default for a head_dim (8..256)."""
+  # Head dims under 64 pad to 16 or 32 and run best with the head_dim-64 tiles.
+  fwd, dkv, dq = _H200_TABLE[max(64, padded_head_dim(head_dim))]
+  return BlockSizes(fwd=fwd, dkv=dkv, dq=dq)

@@ -1,0 +1,74 @@
+"""Plain-jnp attention: the definition the kernels are tested against.
+
+It materialises the [batch, heads, seq_q, seq_k] score matrix, so its memory
+is quadratic in sequence length. It doubles as the XLA backend (differentiated
+by JAX's own autodiff) on machines without a supported GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def causal_visible(seq_q: int, seq_k: int) -> jax.Array:
+  """[seq_q, seq_k] bool: query i sees key j iff j <= i + seq_k - seq_q.
+
+  The mask is aligned bottom-right, as in FlashAttention-2. For seq_q=2,
+  seq_k=5 and seq_q=5, seq_k=2 (1 = visible)::
+
+      1 1 1 1 0        0 0
+      1 1 1 1 1        0 0
+                       0 0
+                       1 0
+                       1 1
+  """
+  i = jnp.arange(seq_q)[:, None]
+  j = jnp.arange(seq_k)[None, :]
+  return j <= i + (seq_k - seq_q)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    compute_dtype: jnp.dtype | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Exact softmax attention and its log-sum-exp.
+
+  Args:
+    q: [batch, seq_q, heads, head_dim].
+    k, v: [batch, seq_k, heads, head_dim].
+    causal: bottom-right aligned causal mask (see `causal_visible`).
+    softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
+    compute_dtype: dtype of the arithmetic; defaults to q's dtype promoted to
+      at least float32 (so float64 inputs give a float64 reference).
+
+  Returns:
+    out: [batch, seq_q, heads, head_dim] in q's dtype. Rows that see no key
+      are zero.
+    lse: [batch, heads, seq_q] in compute_dtype, the natural log of the sum of
+      exp(scaled scores) of each row; -inf for rows that see no key.
+  """
+  if softmax_scale is None:
+    softmax_scale = q.shape[-1] ** -0.5
+  if compute_dtype is None:
+    compute_dtype = jnp.promote_types(q.dtype, jnp.float32)
+  qc, kc, vc = (x.astype(compute_dtype) for x in (q, k, v))
+  s = jnp.einsum("bqhd,bkhd->bhqk", qc, kc, precision=jax.lax.Precision.HIGHEST) * softmax_scale
+  if causal:
+    s = jnp.where(causal_visible(q.shape[1], k.shape[1]), s, -jnp.inf)
+  # A row that sees nothing has max -inf; shifting by 0 instead keeps exp() at
+  # 0 rather than NaN, and the guarded divide and log keep its gradient finite.
+  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  out = jnp.einsum("bhqk,bkhd->bqhd", p / l_safe, vc, precision=jax.lax.Precision.HIGHEST)
+  lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)[..., 0]
+  return out.astype(q.dtype), lse

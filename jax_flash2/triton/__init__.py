@@ -1,0 +1,1 @@
+"""Pallas kernels through the Triton lowering (any NVIDIA GPU from Ampere on)."""

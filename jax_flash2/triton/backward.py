@@ -1,0 +1,218 @@
+"""FlashAttention-2 backward pass as Pallas kernels (Triton lowering).
+
+Three kernels, none with atomics, so gradients are bitwise reproducible:
+
+1. `_delta_kernel`: delta = rowsum(dO * O), one value per query row. It is
+   the rowsum of P * dP that every dS tile needs (dS = P * (dP - delta)).
+2. `_dkv_kernel`: grid over K/V blocks. A program owns dK and dV of one K/V
+   block and streams the Q blocks that can see it, recomputing P from Q, K
+   and the forward's log-sum-exp.
+3. `_dq_kernel`: grid over Q blocks. A program owns dQ of one Q block and
+   streams the K/V blocks it can see.
+
+The probabilities are recomputed as P = exp2(S * scale * log2(e) - lse *
+log2(e)), never stored: memory stays linear in sequence length.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax_flash2.config import BlockSizes
+from jax_flash2.triton import tiles
+from jax_flash2.triton.tiles import LOG2_E, Problem
+
+_DELTA_BLOCK_Q = 64
+
+
+def _delta_kernel(o_ref, do_ref, delta_ref, *, problem: Problem, block_q: int):
+  q_idx = tiles.indices(pl.program_id(0) * block_q, block_q)
+  rows = q_idx < problem.seq_q if problem.seq_q % block_q else None
+  o = tiles.load_tile(o_ref, rows, problem.head_mask()).astype(jnp.float32)
+  do = tiles.load_tile(do_ref, rows, problem.head_mask()).astype(jnp.float32)
+  tiles.store_rows(delta_ref, jnp.sum(o * do, axis=1), rows)
+
+
+def _lse_log2(lse_ref, rows) -> jax.Array:
+  """Loads lse in the log2 domain. Rows that saw no key (lse = -inf) and rows
+  past seq_q read +inf, so that their recomputed P is exp2(s - inf) = 0."""
+  lse = tiles.load_rows(lse_ref, rows, other=jnp.inf)
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2_E)
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, problem: Problem, block_q: int, block_k: int
+):
+  # q_ref, do_ref: [seq_q, D]; lse_ref, delta_ref: [seq_q];
+  # k_ref, v_ref, dk_ref, dv_ref: [block_k, D].
+  cols = problem.head_mask()
+  k_start = pl.program_id(0) * block_k
+  k_idx = tiles.indices(k_start, block_k)
+  k_rows = k_idx < problem.seq_k if problem.seq_k % block_k else None
+  k = tiles.load_tile(k_ref, k_rows, cols)
+  v = tiles.load_tile(v_ref, k_rows, cols)
+  qk_scale = problem.softmax_scale * LOG2_E
+  ragged_q = problem.seq_q % block_q != 0
+
+  def step(qb, carry, masked: bool):
+    dk, dv = carry
+    q_start = qb * block_q
+    q_idx = tiles.indices(q_start, block_q)
+    rows = q_idx < problem.seq_q if (masked and ragged_q) else None
+    q_slice = pl.ds(q_start, block_q)
+    q = tiles.load_tile(q_ref.at[q_slice, :], rows, cols)
+    do = tiles.load_tile(do_ref.at[q_slice, :], rows, cols)
+    lse = _lse_log2(lse_ref.at[q_slice], rows)
+    delta = tiles.load_rows(delta_ref.at[q_slice], rows, other=0.0)
+    # Work on the transposed [block_k, block_q] tile: dV = P^T dO and
+    # dK = dS^T Q then take P^T and dS^T as they come out of the dot, and only
+    # the Q and dO tiles (which pass through shared memory anyway) are
+    # transposed, instead of the register-resident P and dS.
+    p_t = jnp.exp2(tiles.dot(k, q, problem, trans_b=True) * qk_scale - lse[None, :])
+    if masked:
+      p_t = jnp.where(tiles.visible(problem, q_idx[None, :], k_idx[:, None]), p_t, 0.0)
+    dv += tiles.dot(p_t.astype(do.dtype), do, problem)
+    dp_t = tiles.dot(v, do, problem, trans_b=True)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tiles.dot(ds_t.astype(q.dtype), q, problem)
+    return dk, dv
+
+  d = problem.head_dim_padded
+  zeros = jnp.zeros((block_k, d), jnp.float32)
+  lo, full_lo, full_hi, hi = tiles.q_block_range(problem, k_start, block_q, block_k)
+  dk, dv = tiles.split_loop(step, (zeros, zeros), lo, full_lo, full_hi, hi)
+  # S = scale * Q K^T, so the scale comes back once on dK.
+  tiles.store_tile(dk_ref, (dk * problem.softmax_scale).astype(dk_ref.dtype), k_rows, cols)
+  tiles.store_tile(dv_ref, dv.astype(dv_ref.dtype), k_rows, cols)
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, problem: Problem, block_q: int, block_k: int
+):
+  # q_ref, do_ref, dq_ref: [block_q, D]; lse_ref, delta_ref: [block_q];
+  # k_ref, v_ref: [seq_k, D].
+  cols = problem.head_mask()
+  q_start = pl.program_id(0) * block_q
+  q_idx = tiles.indices(q_start, block_q)
+  rows = q_idx < problem.seq_q if problem.seq_q % block_q else None
+  q = tiles.load_tile(q_ref, rows, cols)
+  do = tiles.load_tile(do_ref, rows, cols)
+  lse = _lse_log2(lse_ref, rows)
+  delta = tiles.load_rows(delta_ref, rows, other=0.0)
+  qk_scale = problem.softmax_scale * LOG2_E
+  ragged_k = problem.seq_k % block_k != 0
+
+  def step(kb, dq, masked: bool):
+    k_start = kb * block_k
+    k_idx = tiles.indices(k_start, block_k)
+    k_rows = k_idx < problem.seq_k if (masked and ragged_k) else None
+    k_slice = pl.ds(k_start, block_k)
+    k = tiles.load_tile(k_ref.at[k_slice, :], k_rows, cols)
+    v = tiles.load_tile(v_ref.at[k_slice, :], k_rows, cols)
+    p = jnp.exp2(tiles.dot(q, k, problem, trans_b=True) * qk_scale - lse[:, None])
+    if masked:
+      p = jnp.where(tiles.visible(problem, q_idx[:, None], k_idx[None, :]), p, 0.0)
+    dp = tiles.dot(do, v, problem, trans_b=True)
+    ds = p * (dp - delta[:, None])
+    return dq + tiles.dot(ds.astype(k.dtype), k, problem)
+
+  full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
+  dq = tiles.split_loop(step, jnp.zeros((block_q, problem.head_dim_padded), jnp.float32), 0, 0, full_hi, hi)
+  tiles.store_tile(dq_ref, (dq * problem.softmax_scale).astype(dq_ref.dtype), rows, cols)
+
+
+def backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    do: jax.Array,
+    dlse: jax.Array,
+    problem: Problem,
+    block_sizes: BlockSizes,
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Gradients of attention with respect to q, k and v.
+
+  Args:
+    q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads, head_dim].
+    out, do: like q (the forward output and its cotangent).
+    lse, dlse: float32 [batch, heads, seq_q] (the forward's log-sum-exp and its
+      cotangent; d lse / d S = P folds into delta).
+
+  Returns:
+    dq, dk, dv, each like its primal.
+  """
+  batch, seq_q, heads, _ = q.shape
+  seq_k = k.shape[1]
+  d = problem.head_dim_padded
+
+  def rows_spec(block):  # [block, D] of one (batch, head); grid axis 0 walks the blocks
+    return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h, 0))
+
+  def whole_spec(seq, block):  # the whole sequence of one (batch, head), read block by block
+    return pl.BlockSpec((None, tiles.round_up(seq, block), None, d), lambda i, b, h: (b, 0, h, 0))
+
+  def vec_spec(block):  # [block] of a [batch, heads, seq_q] vector, walked by grid axis 0
+    return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
+
+  def whole_vec_spec(block):
+    return pl.BlockSpec((None, None, tiles.round_up(seq_q, block)), lambda i, b, h: (b, h, 0))
+
+  delta = pl.pallas_call(
+      functools.partial(_delta_kernel, problem=problem, block_q=_DELTA_BLOCK_Q),
+      grid=(pl.cdiv(seq_q, _DELTA_BLOCK_Q), batch, heads),
+      in_specs=[rows_spec(_DELTA_BLOCK_Q), rows_spec(_DELTA_BLOCK_Q)],
+      out_specs=vec_spec(_DELTA_BLOCK_Q),
+      out_shape=jax.ShapeDtypeStruct(lse.shape, jnp.float32),
+      compiler_params=tiles.compiler_params(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="flash2_bwd_delta",
+  )(out, do)
+  # A cotangent on lse adds P * dlse to dS = P * (dP - delta).
+  delta = delta - dlse
+
+  cfg = block_sizes.dkv
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, problem=problem, block_q=cfg.block_q, block_k=cfg.block_k),
+      grid=(pl.cdiv(seq_k, cfg.block_k), batch, heads),
+      in_specs=[
+          whole_spec(seq_q, cfg.block_q),
+          rows_spec(cfg.block_k),
+          rows_spec(cfg.block_k),
+          whole_spec(seq_q, cfg.block_q),
+          whole_vec_spec(cfg.block_q),
+          whole_vec_spec(cfg.block_q),
+      ],
+      out_specs=[rows_spec(cfg.block_k), rows_spec(cfg.block_k)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=tiles.compiler_params(cfg.num_warps, cfg.num_stages),
+      interpret=interpret,
+      name="flash2_bwd_dkv",
+  )(q, k, v, do, lse, delta)
+
+  cfg = block_sizes.dq
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, problem=problem, block_q=cfg.block_q, block_k=cfg.block_k),
+      grid=(pl.cdiv(seq_q, cfg.block_q), batch, heads),
+      in_specs=[
+          rows_spec(cfg.block_q),
+          whole_spec(seq_k, cfg.block_k),
+          whole_spec(seq_k, cfg.block_k),
+          rows_spec(cfg.block_q),
+          vec_spec(cfg.block_q),
+          vec_spec(cfg.block_q),
+      ],
+      out_specs=rows_spec(cfg.block_q),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=tiles.compiler_params(cfg.num_warps, cfg.num_stages),
+      interpret=interpret,
+      name="flash2_bwd_dq",
+  )(q, k, v, do, lse, delta)
+  return dq, dk, dv

@@ -1,0 +1,114 @@
+"""FlashAttention-2 forward pass as a Pallas kernel (Triton lowering).
+
+Grid: (Q blocks, batch, heads). Each program owns one block of queries, keeps
+it on chip together with the running row max `m_i`, the running row sum `l_i`
+and the unnormalised output `acc`, and streams the K/V blocks of its (batch,
+head) past it. The output is divided by `l_i` once, at the end, and the
+log-sum-exp of each row is written for the backward pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax_flash2.config import KernelConfig
+from jax_flash2.triton import tiles
+from jax_flash2.triton.tiles import LN_2, LOG2_E, Problem
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, problem: Problem, block_q: int, block_k: int):
+  # q_ref, o_ref: [block_q, D]; k_ref, v_ref: [seq_k, D]; lse_ref: [block_q].
+  seq_q, seq_k = problem.seq_q, problem.seq_k
+  q_start = pl.program_id(0) * block_q
+  q_idx = tiles.indices(q_start, block_q)
+  cols = problem.head_mask()
+  ragged_q = seq_q % block_q != 0
+  q_rows = q_idx < seq_q if ragged_q else None
+
+  q = tiles.load_tile(q_ref, q_rows, cols)
+  # Fold the softmax scale and the change to base 2 into one multiply.
+  qk_scale = problem.softmax_scale * LOG2_E
+
+  def step(kb, carry, masked: bool):
+    acc, m_i, l_i = carry
+    k_start = kb * block_k
+    k_idx = tiles.indices(k_start, block_k)
+    k_rows = k_idx < seq_k if (masked and seq_k % block_k) else None
+    k = tiles.load_tile(k_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
+    s = tiles.dot(q, k, problem, trans_b=True) * qk_scale  # [block_q, block_k]
+    if masked:
+      s = jnp.where(tiles.visible(problem, q_idx[:, None], k_idx[None, :]), s, -jnp.inf)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    if masked:
+      # A row that has seen only masked scores so far keeps m = -inf; shift
+      # it by 0 so that exp2 gives 0 instead of exp2(-inf + inf) = NaN.
+      m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    p = jnp.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + jnp.sum(p, axis=1)
+    v = tiles.load_tile(v_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
+    acc = acc * alpha[:, None] + tiles.dot(p.astype(v.dtype), v, problem)
+    return acc, m_new, l_i
+
+  full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
+  acc = jnp.zeros((block_q, problem.head_dim_padded), jnp.float32)
+  m_i = jnp.full((block_q,), -jnp.inf, jnp.float32)
+  l_i = jnp.zeros((block_q,), jnp.float32)
+  acc, m_i, l_i = tiles.split_loop(step, (acc, m_i, l_i), 0, 0, full_hi, hi)
+
+  # Rows that saw no key (causal with seq_q > seq_k) have l_i = 0: they get
+  # zeros and lse = -inf rather than 0/0.
+  seen = l_i > 0.0
+  l_safe = jnp.where(seen, l_i, 1.0)
+  out = acc / l_safe[:, None]
+  tiles.store_tile(o_ref, out.astype(o_ref.dtype), q_rows, cols)
+  lse = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN_2, -jnp.inf)
+  tiles.store_rows(lse_ref, lse, q_rows)
+
+
+def forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    problem: Problem,
+    config: KernelConfig,
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """Runs the forward kernel.
+
+  Args:
+    q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads, head_dim].
+
+  Returns:
+    out: like q. lse: float32 [batch, heads, seq_q], natural log.
+  """
+  batch, seq_q, heads, _ = q.shape
+  seq_k = k.shape[1]
+  d = problem.head_dim_padded
+  bq, bk = config.block_q, config.block_k
+  kernel = functools.partial(_forward_kernel, problem=problem, block_q=bq, block_k=bk)
+  # Q blocks are the fastest-varying grid axis, so programs running together
+  # share one (batch, head) and hit the same K/V in L2.
+  grid = (pl.cdiv(seq_q, bq), batch, heads)
+  q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0))
+  # The whole K/V sequence, rounded up to whole blocks: the kernel slices it
+  # block by block and masks the ragged end.
+  kv_spec = pl.BlockSpec((None, tiles.round_up(seq_k, bk), None, d), lambda i, b, h: (b, 0, h, 0))
+  return pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=[q_spec, kv_spec, kv_spec],
+      out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+      out_shape=[
+          jax.ShapeDtypeStruct(q.shape, q.dtype),
+          jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),
+      ],
+      compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
+      interpret=interpret,
+      name="flash2_fwd",
+  )(q, k, v)

@@ -1,0 +1,216 @@
+"""What the Triton-lowering kernels share: static problem facts, masked tile
+loads, the visibility mask, and the split of a block loop into masked and
+unmasked stretches."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Scores are kept in the log2 domain inside the kernels: exp2 is a single
+# instruction (ex2.approx) where exp is a multiply plus ex2.
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Static facts of one attention call, closed over by every kernel."""
+
+  seq_q: int
+  seq_k: int
+  head_dim: int
+  head_dim_padded: int
+  causal: bool
+  softmax_scale: float
+  dtype: Any
+
+  @property
+  def offset(self) -> int:
+    """Bottom-right causal alignment: query i sees key j iff j <= i + offset."""
+    return self.seq_k - self.seq_q
+
+  @property
+  def precision(self) -> lax.Precision | None:
+    # float32 inputs get true float32 dots, not Triton's default tf32.
+    return lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None
+
+  def head_mask(self) -> jax.Array | None:
+    """[head_dim_padded] bool, or None when no padding columns exist."""
+    if self.head_dim == self.head_dim_padded:
+      return None
+    return jnp.arange(self.head_dim_padded, dtype=jnp.int32) < self.head_dim
+
+
+def dot(a: jax.Array, b: jax.Array, problem: Problem, *, trans_a=False, trans_b=False) -> jax.Array:
+  """a @ b with float32 accumulation; trans_* contract over the other axis."""
+  contract = ((0 if trans_a else 1,), (1 if trans_b else 0,))
+  return lax.dot_general(
+      a, b, (contract, ((), ())), precision=problem.precision, preferred_element_type=jnp.float32
+  )
+
+
+def _and(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return a & b
+
+
+def load_tile(ref, rows: jax.Array | None, cols: jax.Array | None) -> jax.Array:
+  """Loads a [rows, cols] tile, zero-filling rows or columns outside the array.
+
+  `rows` and `cols` are bool validity vectors, or None where every index is
+  valid; with both None this is a plain, unmasked (fastest) load.
+  """
+  mask = _and(None if rows is None else rows[:, None], None if cols is None else cols[None, :])
+  if mask is None:
+    return ref[...]
+  return plgpu.load(ref, mask=mask, other=0.0)
+
+
+def store_tile(ref, value: jax.Array, rows: jax.Array | None, cols: jax.Array | None) -> None:
+  mask = _and(None if rows is None else rows[:, None], None if cols is None else cols[None, :])
+  if mask is None:
+    ref[...] = value
+  else:
+    plgpu.store(ref, value, mask=mask)
+
+
+def load_rows(ref, rows: jax.Array | None, other: float) -> jax.Array:
+  """Loads a per-row vector (lse, delta); rows outside the array read `other`."""
+  if rows is None:
+    return ref[...]
+  return plgpu.load(ref, mask=rows, other=other)
+
+
+def store_rows(ref, value: jax.Array, rows: jax.Array | None) -> None:
+  if rows is None:
+    ref[...] = value
+  else:
+    plgpu.store(ref, value, mask=rows)
+
+
+def visible(problem: Problem, q_idx: jax.Array, k_idx: jax.Array) -> jax.Array:
+  """Which scores of a tile take part, for broadcastable query/key indices.
+
+  Pass q_idx[:, None], k_idx[None, :] for a [q, k] tile, or the transposes for
+  a [k, q] tile. Used only on tiles that cross the causal diagonal or a ragged
+  sequence end; every other tile is known to be fully visible and skips this.
+  """
+  mask = (q_idx < problem.seq_q) & (k_idx < problem.seq_k)
+  if problem.causal:
+    mask &= k_idx <= q_idx + problem.offset
+  return mask
+
+
+def kv_block_range(problem: Problem, q_start, block_q: int, block_k: int):
+  """(full_hi, hi) for the K/V-block loop of a Q-outer program.
+
+  K/V blocks [0, full_hi) are visible to every row of the Q block; blocks
+  [full_hi, hi) need the element mask; blocks from hi on are above the causal
+  diagonal and skipped.
+  """
+  num_blocks = pl.cdiv(problem.seq_k, block_k)
+  full_blocks = problem.seq_k // block_k
+  if not problem.causal:
+    return full_blocks, num_blocks
+  # Keys visible to the block's last row bound the loop; keys visible to its
+  # first row are the prefix of blocks that need no mask.
+  last_row_keys = jnp.maximum(q_start + block_q + problem.offset, 0)
+  first_row_keys = jnp.maximum(q_start + 1 + problem.offset, 0)
+  hi = jnp.minimum(cdiv(last_row_keys, block_k), num_blocks)
+  full_hi = jnp.minimum(jnp.minimum(floordiv(first_row_keys, block_k), full_blocks), hi)
+  return full_hi, hi
+
+
+def q_block_range(problem: Problem, k_start, block_q: int, block_k: int):
+  """(lo, full_lo, full_hi, hi) for the Q-block loop of a KV-outer program.
+
+  Q blocks before lo see none of this K/V block (causal) and are skipped;
+  [full_lo, full_hi) see all of it and need no mask; the rest need the mask.
+  """
+  num_blocks = pl.cdiv(problem.seq_q, block_q)
+  full_blocks = problem.seq_q // block_q
+  if problem.causal:
+    lo = jnp.minimum(floordiv(jnp.maximum(k_start - problem.offset, 0), block_q), num_blocks)
+    # The first Q block whose first row sees this block's last key.
+    full_lo = cdiv(jnp.maximum(k_start + block_k - 1 - problem.offset, 0), block_q)
+    full_lo = jnp.clip(full_lo, lo, num_blocks)
+  else:
+    lo, full_lo = 0, 0
+  if problem.seq_k % block_k:
+    # The ragged last K/V block is masked against every Q block.
+    full_lo = jnp.where(k_start + block_k <= problem.seq_k, full_lo, num_blocks)
+  full_hi = max(full_lo, full_blocks) if isinstance(full_lo, int) else jnp.maximum(full_lo, full_blocks)
+  return lo, full_lo, full_hi, num_blocks
+
+
+def split_loop(
+    step: Callable[[Any, Any, bool], Any],
+    carry: Any,
+    lo: Any,
+    full_lo: Any,
+    full_hi: Any,
+    hi: Any,
+) -> Any:
+  """Runs `step(i, carry, masked)` for i in [lo, hi).
+
+  Blocks in [full_lo, full_hi) are known to be wholly visible and run without
+  the element mask; those in [lo, full_lo) and [full_hi, hi) cross the causal
+  diagonal or a ragged end and run with it. Requires
+  lo <= full_lo <= full_hi <= hi.
+  """
+
+  def run(start, stop, masked, carry):
+    return lax.fori_loop(start, stop, lambda i, c: step(i, c, masked), carry)
+
+  if not (isinstance(lo, int) and isinstance(full_lo, int) and lo == full_lo):
+    carry = run(lo, full_lo, True, carry)
+  carry = run(full_lo, full_hi, False, carry)
+  if not (isinstance(full_hi, int) and isinstance(hi, int) and full_hi == hi):
+    carry = run(full_hi, hi, True, carry)
+  return carry
+
+
+def floordiv(a: jax.Array, b: int) -> jax.Array:
+  """Division of a non-negative traced int32 by a static int (int32 even under x64)."""
+  return lax.div(a, jnp.int32(b))
+
+
+def cdiv(a: jax.Array, b: int) -> jax.Array:
+  """Ceiling division of a non-negative traced int32 by a static int."""
+  return floordiv(a + (b - 1), b)
+
+
+def round_up(n: int, block: int) -> int:
+  return -(-n // block) * block
+
+
+def indices(start: jax.Array, size: int) -> jax.Array:
+  """[size] int32 positions start, start + 1, ... of a tile's rows."""
+  return start + jnp.arange(size, dtype=jnp.int32)
+
+
+# jax 0.11 deprecates the Pallas Triton lowering in favour of Mosaic GPU (our
+# Hopper path). It still works and is the only Pallas lowering for Ampere, so
+# we keep it and hide just that one message. The warning fires when a
+# pallas_call is lowered, which under a user's jax.jit happens after our code
+# has returned, so a catch_warnings() around the call cannot reach it.
+warnings.filterwarnings(
+    "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning
+)
+
+
+def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
