@@ -1,0 +1,70 @@
+"""Shared test helpers: random inputs, the float64 reference, error metrics."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_flash2 import reference
+
+# The CPU suite compares against a float64 reference.
+jax.config.update("jax_enable_x64", True)
+
+
+def has_supported_gpu() -> bool:
+  try:
+    device = jax.devices("gpu")[0]
+  except RuntimeError:
+    return False
+  major = int(str(getattr(device, "compute_capability", "0.0")).split(".")[0])
+  return major >= 8
+
+
+def pytest_collection_modifyitems(config, items):
+  if has_supported_gpu():
+    return
+  skip = pytest.mark.skip(reason="needs an NVIDIA GPU of compute capability >= 8.0")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+def random_inputs(seed: int, batch, seq_q, seq_k, heads, head_dim, dtype=jnp.float32):
+  """Fresh normal q, k, v and a random output cotangent dout."""
+  kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(kq, (batch, seq_q, heads, head_dim), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (batch, seq_k, heads, head_dim), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (batch, seq_k, heads, head_dim), jnp.float32).astype(dtype)
+  dout = jax.random.normal(kd, (batch, seq_q, heads, head_dim), jnp.float32).astype(dtype)
+  return q, k, v, dout
+
+
+def rel_err(x, ref) -> float:
+  """||x - ref|| / ||ref||, in float64; inf if x has a NaN.
+
+  The denominator has a floor of 1e-6 * sqrt(size) so that an exactly-zero
+  reference (a gradient that vanishes, say) is compared on an absolute scale.
+  """
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  ref = np.asarray(jnp.asarray(ref, jnp.float64), np.float64)
+  if not np.all(np.isfinite(x) | ~np.isfinite(ref)):
+    return float("inf")
+  finite = np.isfinite(ref)
+  if not np.array_equal(np.isfinite(x), finite) or not np.array_equal(x[~finite], ref[~finite]):
+    return float("inf")
+  diff = np.linalg.norm((x - ref)[finite])
+  return float(diff / max(np.linalg.norm(ref[finite]), 1e-6 * np.sqrt(ref.size)))
+
+
+def reference_with_grads(q, k, v, dout, dlse=None, *, causal=False, softmax_scale=None, dtype=jnp.float64):
+  """(out, lse, dq, dk, dv) of the plain-jnp reference computed in `dtype`."""
+  args = [x.astype(dtype) for x in (q, k, v)]
+  (out, lse), vjp = jax.vjp(
+      lambda q, k, v: reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale), *args
+  )
+  if dlse is None:
+    dlse = jnp.zeros_like(lse)
+  dq, dk, dv = vjp((dout.astype(dtype), dlse.astype(lse.dtype)))
+  return out, lse, dq, dk, dv
