@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax_flash2.config import BlockSizes
+from jax_flash2.config import BlockSizes, KernelConfig
 from jax_flash2.triton import tiles
 from jax_flash2.triton.tiles import LOG2_E, Problem
 
@@ -125,6 +125,68 @@ def _dq_kernel(
   tiles.store_tile(dq_ref, (dq * problem.softmax_scale).astype(dq_ref.dtype), rows, cols)
 
 
+def compute_delta(out: jax.Array, do: jax.Array, problem: Problem, *, interpret: bool = False) -> jax.Array:
+  """delta = rowsum(dO * O): float32 [batch, heads, seq_q]."""
+  batch, seq_q, heads, _ = out.shape
+  d, block = problem.head_dim_padded, _DELTA_BLOCK_Q
+  return pl.pallas_call(
+      functools.partial(_delta_kernel, problem=problem, block_q=block),
+      grid=(pl.cdiv(seq_q, block), batch, heads),
+      in_specs=[tiles.rows_spec(block, d), tiles.rows_spec(block, d)],
+      out_specs=tiles.row_vector_spec(block),
+      out_shape=jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),
+      compiler_params=tiles.compiler_params(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="flash2_bwd_delta",
+  )(out, do)
+
+
+def compute_dkv(q, k, v, do, lse, delta, problem: Problem, config: KernelConfig, *, interpret: bool = False):
+  """(dK, dV), each like k; lse and delta are float32 [batch, heads, seq_q]."""
+  batch, seq_q, heads, d = *q.shape[:3], problem.head_dim_padded
+  bq, bk = config.block_q, config.block_k
+  return pl.pallas_call(
+      functools.partial(_dkv_kernel, problem=problem, block_q=bq, block_k=bk),
+      grid=(pl.cdiv(k.shape[1], bk), batch, heads),
+      in_specs=[
+          tiles.whole_seq_spec(seq_q, bq, d),
+          tiles.rows_spec(bk, d),
+          tiles.rows_spec(bk, d),
+          tiles.whole_seq_spec(seq_q, bq, d),
+          tiles.whole_row_vector_spec(seq_q, bq),
+          tiles.whole_row_vector_spec(seq_q, bq),
+      ],
+      out_specs=[tiles.rows_spec(bk, d), tiles.rows_spec(bk, d)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
+      interpret=interpret,
+      name="flash2_bwd_dkv",
+  )(q, k, v, do, lse, delta)
+
+
+def compute_dq(q, k, v, do, lse, delta, problem: Problem, config: KernelConfig, *, interpret: bool = False):
+  """dQ, like q; lse and delta are float32 [batch, heads, seq_q]."""
+  batch, seq_q, heads, d = *q.shape[:3], problem.head_dim_padded
+  bq, bk = config.block_q, config.block_k
+  return pl.pallas_call(
+      functools.partial(_dq_kernel, problem=problem, block_q=bq, block_k=bk),
+      grid=(pl.cdiv(seq_q, bq), batch, heads),
+      in_specs=[
+          tiles.rows_spec(bq, d),
+          tiles.whole_seq_spec(k.shape[1], bk, d),
+          tiles.whole_seq_spec(k.shape[1], bk, d),
+          tiles.rows_spec(bq, d),
+          tiles.row_vector_spec(bq),
+          tiles.row_vector_spec(bq),
+      ],
+      out_specs=tiles.rows_spec(bq, d),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
+      interpret=interpret,
+      name="flash2_bwd_dq",
+  )(q, k, v, do, lse, delta)
+
+
 def backward(
     q: jax.Array,
     k: jax.Array,
@@ -144,75 +206,14 @@ def backward(
     q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads, head_dim].
     out, do: like q (the forward output and its cotangent).
     lse, dlse: float32 [batch, heads, seq_q] (the forward's log-sum-exp and its
-      cotangent; d lse / d S = P folds into delta).
+      cotangent).
 
   Returns:
     dq, dk, dv, each like its primal.
   """
-  batch, seq_q, heads, _ = q.shape
-  seq_k = k.shape[1]
-  d = problem.head_dim_padded
-
-  def rows_spec(block):  # [block, D] of one (batch, head); grid axis 0 walks the blocks
-    return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h, 0))
-
-  def whole_spec(seq, block):  # the whole sequence of one (batch, head), read block by block
-    return pl.BlockSpec((None, tiles.round_up(seq, block), None, d), lambda i, b, h: (b, 0, h, 0))
-
-  def vec_spec(block):  # [block] of a [batch, heads, seq_q] vector, walked by grid axis 0
-    return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
-
-  def whole_vec_spec(block):
-    return pl.BlockSpec((None, None, tiles.round_up(seq_q, block)), lambda i, b, h: (b, h, 0))
-
-  delta = pl.pallas_call(
-      functools.partial(_delta_kernel, problem=problem, block_q=_DELTA_BLOCK_Q),
-      grid=(pl.cdiv(seq_q, _DELTA_BLOCK_Q), batch, heads),
-      in_specs=[rows_spec(_DELTA_BLOCK_Q), rows_spec(_DELTA_BLOCK_Q)],
-      out_specs=vec_spec(_DELTA_BLOCK_Q),
-      out_shape=jax.ShapeDtypeStruct(lse.shape, jnp.float32),
-      compiler_params=tiles.compiler_params(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name="flash2_bwd_delta",
-  )(out, do)
-  # A cotangent on lse adds P * dlse to dS = P * (dP - delta).
-  delta = delta - dlse
-
-  cfg = block_sizes.dkv
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, problem=problem, block_q=cfg.block_q, block_k=cfg.block_k),
-      grid=(pl.cdiv(seq_k, cfg.block_k), batch, heads),
-      in_specs=[
-          whole_spec(seq_q, cfg.block_q),
-          rows_spec(cfg.block_k),
-          rows_spec(cfg.block_k),
-          whole_spec(seq_q, cfg.block_q),
-          whole_vec_spec(cfg.block_q),
-          whole_vec_spec(cfg.block_q),
-      ],
-      out_specs=[rows_spec(cfg.block_k), rows_spec(cfg.block_k)],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=tiles.compiler_params(cfg.num_warps, cfg.num_stages),
-      interpret=interpret,
-      name="flash2_bwd_dkv",
-  )(q, k, v, do, lse, delta)
-
-  cfg = block_sizes.dq
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, problem=problem, block_q=cfg.block_q, block_k=cfg.block_k),
-      grid=(pl.cdiv(seq_q, cfg.block_q), batch, heads),
-      in_specs=[
-          rows_spec(cfg.block_q),
-          whole_spec(seq_k, cfg.block_k),
-          whole_spec(seq_k, cfg.block_k),
-          rows_spec(cfg.block_q),
-          vec_spec(cfg.block_q),
-          vec_spec(cfg.block_q),
-      ],
-      out_specs=rows_spec(cfg.block_q),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=tiles.compiler_params(cfg.num_warps, cfg.num_stages),
-      interpret=interpret,
-      name="flash2_bwd_dq",
-  )(q, k, v, do, lse, delta)
+  # d lse / d S = P, so a cotangent on lse adds P * dlse to
+  # dS = P * (dP - delta): it folds into delta.
+  delta = compute_delta(out, do, problem, interpret=interpret) - dlse
+  dk, dv = compute_dkv(q, k, v, do, lse, delta, problem, block_sizes.dkv, interpret=interpret)
+  dq = compute_dq(q, k, v, do, lse, delta, problem, block_sizes.dq, interpret=interpret)
   return dq, dk, dv

@@ -95,15 +95,12 @@ def forward(
   # Q blocks are the fastest-varying grid axis, so programs running together
   # share one (batch, head) and hit the same K/V in L2.
   grid = (pl.cdiv(seq_q, bq), batch, heads)
-  q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0))
-  # The whole K/V sequence, rounded up to whole blocks: the kernel slices it
-  # block by block and masks the ragged end.
-  kv_spec = pl.BlockSpec((None, tiles.round_up(seq_k, bk), None, d), lambda i, b, h: (b, 0, h, 0))
+  kv_spec = tiles.whole_seq_spec(seq_k, bk, d)
   return pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=[q_spec, kv_spec, kv_spec],
-      out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+      in_specs=[tiles.rows_spec(bq, d), kv_spec, kv_spec],
+      out_specs=[tiles.rows_spec(bq, d), tiles.row_vector_spec(bq)],
       out_shape=[
           jax.ShapeDtypeStruct(q.shape, q.dtype),
           jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),

@@ -212,5 +212,29 @@ warnings.filterwarnings(
 )
 
 
+# BlockSpecs over grids (blocks of axis 0, batch, heads) on [batch, seq, heads, D]
+# arrays and [batch, heads, seq] row vectors (lse, delta).
+
+
+def rows_spec(block: int, d: int) -> pl.BlockSpec:
+  """[block, D] rows of one (batch, head); grid axis 0 walks the blocks."""
+  return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h, 0))
+
+
+def whole_seq_spec(seq: int, block: int, d: int) -> pl.BlockSpec:
+  """The whole sequence of one (batch, head), rounded up to whole blocks: the
+  kernel slices it block by block and masks the ragged end."""
+  return pl.BlockSpec((None, round_up(seq, block), None, d), lambda i, b, h: (b, 0, h, 0))
+
+
+def row_vector_spec(block: int) -> pl.BlockSpec:
+  """[block] of a [batch, heads, seq] vector; grid axis 0 walks the blocks."""
+  return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
+
+
+def whole_row_vector_spec(seq: int, block: int) -> pl.BlockSpec:
+  return pl.BlockSpec((None, None, round_up(seq, block)), lambda i, b, h: (b, h, 0))
+
+
 def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)

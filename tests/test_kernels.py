@@ -1,0 +1,139 @@
+"""The Pallas kernels in interpret mode (CPU), float32, against a float64 reference.
+
+Interpret mode poisons for us: every output buffer starts as NaN and reads past
+the end of an input return NaN (see test_interpret_mode_poisons_outputs), so a
+block the kernel fails to write, or a ragged tail it fails to mask, shows up as
+an infinite error.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from conftest import random_inputs, reference_with_grads, rel_err
+from jax_flash2 import BlockSizes, KernelConfig, flash_attention
+
+# Tiles of 16 make even small sequences span several blocks, ragged tails and
+# diagonal blocks included.
+SMALL = BlockSizes(fwd=KernelConfig(16, 16), dkv=KernelConfig(16, 16), dq=KernelConfig(16, 16))
+# Unequal tiles exercise the index arithmetic where block_q != block_k.
+MIXED = BlockSizes(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(32, 16))
+
+FP32_TOL = 1e-5
+
+# (batch, seq_q, seq_k, heads, head_dim)
+SHAPES = [
+    (1, 1, 1, 1, 8),  # one token
+    (2, 37, 53, 3, 40),  # ragged, seq_q < seq_k, head_dim not a power of two
+    (1, 53, 37, 2, 24),  # seq_q > seq_k: causal leaves rows with no key
+    (2, 64, 64, 2, 64),  # whole blocks only
+    (1, 17, 1, 2, 8),  # a single key
+    (1, 33, 80, 1, 96),
+    (1, 20, 20, 1, 256),
+]
+
+
+def _run(q, k, v, dout, dlse, **kwargs):
+  def f(q, k, v):
+    return flash_attention(q, k, v, return_lse=True, interpret=True, **kwargs)
+
+  (out, lse), vjp = jax.vjp(f, q, k, v)
+  return (out, lse, *vjp((dout, dlse)))
+
+
+def _check_against_reference(shape, causal, block_sizes, seed, softmax_scale=None, lse_cotangent=False):
+  batch, seq_q, seq_k, heads, head_dim = shape
+  q, k, v, dout = random_inputs(seed, batch, seq_q, seq_k, heads, head_dim)
+  dlse = jax.random.normal(jax.random.PRNGKey(seed + 1), (batch, heads, seq_q), jnp.float32)
+  if not lse_cotangent:
+    dlse = jnp.zeros_like(dlse)
+  got = _run(q, k, v, dout, dlse, causal=causal, block_sizes=block_sizes, softmax_scale=softmax_scale)
+  want = reference_with_grads(q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale)
+  grad_floor = 0.1 * float(jnp.linalg.norm(dout))
+  for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    assert x.shape == ref.shape, name
+    err = rel_err(x, ref, floor=grad_floor if name.startswith("d") else 0.0)
+    assert err < FP32_TOL, f"{name}: relative error {err:.3g}"
+  return got
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference(shape, causal):
+  seed = hash((shape, causal)) % 2**31
+  _check_against_reference(shape, causal, SMALL, seed)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(1, 70, 45, 2, 32), (1, 45, 70, 2, 32)], ids=lambda s: "x".join(map(str, s)))
+def test_unequal_tiles(shape, causal):
+  _check_against_reference(shape, causal, MIXED, seed=7)
+
+
+def test_default_block_sizes():
+  # The production tiles (128 x 64 and friends), shrunk to the sequence.
+  _check_against_reference((1, 130, 200, 1, 64), True, None, seed=3)
+
+
+def test_softmax_scale_and_lse_cotangent():
+  _check_against_reference((1, 40, 24, 2, 16), True, SMALL, seed=11, softmax_scale=0.3, lse_cotangent=True)
+
+
+def test_fully_masked_rows_are_zero_with_finite_gradients():
+  # causal with seq_q > seq_k: query i sees key j iff j <= i - 20, so the
+  # first 20 rows see nothing.
+  out, lse, dq, dk, dv = _check_against_reference((1, 30, 10, 2, 16), True, SMALL, seed=5)
+  np.testing.assert_array_equal(np.asarray(out[:, :20]), 0.0)
+  assert np.all(np.asarray(lse[:, :, :20]) == -np.inf)
+  assert np.all(np.isfinite(np.asarray(lse[:, :, 20:])))
+  for g in (dq, dk, dv):
+    assert np.all(np.isfinite(np.asarray(g)))
+  np.testing.assert_array_equal(np.asarray(dq[:, :20]), 0.0)
+
+
+def test_gradients_are_deterministic():
+  q, k, v, dout = random_inputs(0, 1, 40, 40, 2, 16)
+  dlse = jnp.zeros((1, 2, 40), jnp.float32)
+  first = _run(q, k, v, dout, dlse, causal=True, block_sizes=SMALL)
+  second = _run(q, k, v, dout, dlse, causal=True, block_sizes=SMALL)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(dtype):
+  q, k, v, dout = random_inputs(2, 1, 48, 40, 2, 32, dtype)
+  dlse = jnp.zeros((1, 2, 48), jnp.float32)
+  got = _run(q, k, v, dout, dlse, causal=True, block_sizes=SMALL)
+  want = reference_with_grads(q, k, v, dout, causal=True)
+  for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    assert x.dtype == (jnp.float32 if name == "lse" else dtype), name
+    assert rel_err(x, ref) < 1e-2, name
+
+
+def test_interpret_mode_poisons_outputs():
+  """The premise of this file: an output block nobody writes reads NaN."""
+
+  def kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[...] = x_ref[...]
+
+  x = jnp.ones((32,), jnp.float32)
+  out = pl.pallas_call(
+      kernel,
+      grid=(2,),
+      in_specs=[pl.BlockSpec((16,), lambda i: (i,))],
+      out_specs=pl.BlockSpec((16,), lambda i: (i,)),
+      out_shape=jax.ShapeDtypeStruct((32,), jnp.float32),
+      interpret=True,
+  )(x)
+  assert np.all(np.asarray(out[:16]) == 1.0)
+  assert np.all(np.isnan(np.asarray(out[16:])))
+  assert rel_err(out, x) == float("inf")
