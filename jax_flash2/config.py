@@ -101,9 +101,9 @@ _H200_TABLE: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
         KernelConfig(block_q=128, block_k=64, num_warps=8, num_stages=2),
     ),
     128: (
+        KernelConfig(block_q=128, block_k=128, num_warps=8, num_stages=3),
+        KernelConfig(block_q=64, block_k=128, num_warps=8, num_stages=3),
         KernelConfig(block_q=128, block_k=64, num_warps=8, num_stages=3),
-        KernelConfig(block_q=64, block_k=128, num_warps=8, num_stages=2),
-        KernelConfig(block_q=128, block_k=64, num_warps=8, num_stages=2),
     ),
     256: (
         KernelConfig(block_q=64, block_k=64, num_warps=8, num_stages=2),

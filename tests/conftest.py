@@ -59,10 +59,13 @@ def rel_err(x, ref, floor: float = 0.0) -> float:
 
 
 def reference_with_grads(q, k, v, dout, dlse=None, *, causal=False, softmax_scale=None, dtype=jnp.float64):
-  """(out, lse, dq, dk, dv) of the plain-jnp reference computed in `dtype`."""
+  """(out, lse, dq, dk, dv) of the plain-jnp reference, all arithmetic in `dtype`."""
   args = [x.astype(dtype) for x in (q, k, v)]
   (out, lse), vjp = jax.vjp(
-      lambda q, k, v: reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale), *args
+      lambda q, k, v: reference.attention(
+          q, k, v, causal=causal, softmax_scale=softmax_scale, compute_dtype=dtype
+      ),
+      *args,
   )
   if dlse is None:
     dlse = jnp.zeros_like(lse)

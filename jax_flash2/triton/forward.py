@@ -30,7 +30,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, problem: Problem, bl
   q_rows = q_idx < seq_q if ragged_q else None
 
   q = tiles.load_tile(q_ref, q_rows, cols)
-  # Fold the softmax scale and the change to base 2 into one multiply.
+  # The softmax scale and the change to base 2 fold into one factor. Scores
+  # stay unscaled; m_i is kept scaled, so each score costs a single FMA
+  # (s * qk_scale - m) on its way into exp2.
   qk_scale = problem.softmax_scale * LOG2_E
 
   def step(kb, carry, masked: bool):
@@ -39,16 +41,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, problem: Problem, bl
     k_idx = tiles.indices(k_start, block_k)
     k_rows = k_idx < seq_k if (masked and seq_k % block_k) else None
     k = tiles.load_tile(k_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
-    s = tiles.dot(q, k, problem, trans_b=True) * qk_scale  # [block_q, block_k]
+    s = tiles.dot(q, k, problem, trans_b=True)  # [block_q, block_k]
     if masked:
       s = jnp.where(tiles.visible(problem, q_idx[:, None], k_idx[None, :]), s, -jnp.inf)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * qk_scale)
     if masked:
       # A row that has seen only masked scores so far keeps m = -inf; shift
       # it by 0 so that exp2 gives 0 instead of exp2(-inf + inf) = NaN.
       m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-    p = jnp.exp2(s - m_new[:, None])
+    p = jnp.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + jnp.sum(p, axis=1)
     v = tiles.load_tile(v_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
     acc = acc * alpha[:, None] + tiles.dot(p.astype(v.dtype), v, problem)

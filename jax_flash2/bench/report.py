@@ -1,0 +1,318 @@
+"""Terminal tables, JSON, CSV and PNG plots of a run."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from typing import Any, Iterable
+
+from jax_flash2.bench.memory import summarize
+from jax_flash2.bench.spec import CELL_FIELDS, SHORT_DTYPE, CellResult, CheckResult, MemoryStep, SweepConfig
+
+SCHEMA_VERSION = 1
+_MIB = 1 << 20
+
+
+# ------------------------------------------------------------------ metadata
+
+
+def _nvidia_smi() -> dict[str, str] | None:
+  exe = shutil.which("nvidia-smi")
+  if exe is None:
+    return None
+  try:
+    proc = subprocess.run(
+        [exe, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+  except (OSError, subprocess.SubprocessError):
+    return None
+  if proc.returncode != 0 or not proc.stdout.strip():
+    return None
+  name, driver, memory = (part.strip() for part in (proc.stdout.strip().splitlines()[0].split(",") + ["", ""])[:3])
+  return {"name": name, "driver_version": driver, "memory_total": memory}
+
+
+def metadata(argv: list[str]) -> dict[str, Any]:
+  """Where and how the run happened: device, versions, date, command line."""
+  import jax
+  import jaxlib
+
+  import jax_flash2
+
+  devices = jax.devices()
+  smi = _nvidia_smi()
+  return {
+      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "command": " ".join(["jax-flash2-bench", *argv]),
+      "backend": jax.default_backend(),
+      "device_kind": devices[0].device_kind,
+      "device_count": len(devices),
+      "compute_capability": getattr(devices[0], "compute_capability", None),
+      "gpu_name": smi["name"] if smi else (devices[0].device_kind if jax.default_backend() == "gpu" else None),
+      "driver_version": smi["driver_version"] if smi else None,
+      "gpu_memory_total": smi["memory_total"] if smi else None,
+      "jax_version": jax.__version__,
+      "jaxlib_version": jaxlib.__version__,
+      "jax_flash2_version": jax_flash2.__version__,
+      "python_version": sys.version.split()[0],
+      "platform": platform.platform(),
+      "hostname": platform.node(),
+  }
+
+
+# -------------------------------------------------------------------- tables
+
+
+def _fmt_ms(ms: float) -> str:
+  return f"{ms:.3f}" if ms < 100 else f"{ms:.1f}"
+
+
+def _fmt_err(e: float | None) -> str:
+  if e is None:
+    return "-"
+  if not math.isfinite(e):
+    return str(e)
+  return f"{e:.2e}"
+
+
+def _fmt_mib(b: int | None) -> str:
+  return "-" if b is None else f"{b / _MIB:.1f}"
+
+
+def _cell_text(c: CellResult | None) -> tuple[str, str, str] | str:
+  if c is None:
+    return "-"
+  if c.status == "ok":
+    ratio = "-" if c.speed_vs_cudnn is None else f"{c.speed_vs_cudnn:.2f}x"
+    return (_fmt_ms(c.ms), f"{c.tflops:.2f}" if c.tflops < 10 else f"{c.tflops:.1f}", ratio)
+  if c.status == "error":
+    return f"error: {c.error or ''}"
+  return c.status
+
+
+def _group(cells: Iterable[CellResult]) -> dict[tuple, dict[tuple[int, int, int], dict[str, CellResult]]]:
+  """(dtype, head_dim, causal, mode) -> (seqlen, batch, heads) -> impl -> cell, in run order."""
+  groups: dict[tuple, dict] = {}
+  for c in cells:
+    rows = groups.setdefault((c.dtype, c.head_dim, c.causal, c.mode), {})
+    rows.setdefault((c.seqlen, c.batch, c.heads, c.kv_heads), {})[c.impl] = c
+  return groups
+
+
+def format_table(cells: list[CellResult], impls: Iterable[str]) -> str:
+  """One block per (dtype, head_dim, mask, mode); implementations side by side.
+
+  Each implementation shows ms (median), TFLOP/s and its speed relative to
+  cuDNN (cuDNN ms / its ms: above 1 is faster than cuDNN), or the reason the
+  cell did not run.
+  """
+  impls = list(impls)
+  width = 26
+  lines = []
+  for (dtype, head_dim, causal, mode), rows in _group(cells).items():
+    mask = "causal" if causal else "non-causal"
+    lines.append(f"== {mode}  head_dim {head_dim}  {mask}  {SHORT_DTYPE.get(dtype, dtype)} ==")
+    left = f"{'seq':>6} {'batch':>5} {'heads':>7}"
+    lines.append(left + " | " + " | ".join(f"{name:^{width}}" for name in impls))
+    sub = f"{'ms':>9} {'TFLOP/s':>8} {'vs cuDNN':>8}"
+    lines.append(" " * len(left) + " | " + " | ".join(f"{sub:>{width}}" for _ in impls))
+    for (seqlen, batch, heads, kv_heads), by_impl in rows.items():
+      h = f"{heads}" if heads == kv_heads else f"{heads}/{kv_heads}"
+      parts = []
+      for name in impls:
+        text = _cell_text(by_impl.get(name))
+        if isinstance(text, tuple):
+          parts.append(f"{text[0]:>9} {text[1]:>8} {text[2]:>8}")
+        else:
+          parts.append(f"{text[:width]:>{width}}")
+      lines.append(f"{seqlen:>6} {batch:>5} {h:>7} | " + " | ".join(parts))
+    lines.append("")
+  return "\n".join(lines)
+
+
+def format_memory_table(cells: list[CellResult], impls: Iterable[str]) -> str:
+  """fwd+bwd memory in MiB: XLA's compiled footprint and the device high-water mark.
+
+  "device peak" is the process-wide peak_bytes_in_use after the cell; a "*"
+  marks a mark that rose during the cell (so it is that cell's own peak),
+  otherwise the cell needed at most that much.
+  """
+  impls = list(impls)
+  fb = [c for c in cells if c.mode == "fwd+bwd"]
+  if not fb:
+    return ""
+  width = 24
+  lines = ["fwd+bwd memory, MiB (compiled = XLA argument+output+temp bytes of the executable; "
+           "device peak = process high-water mark, * = set by this cell; min = inputs+outputs+lse)"]
+  for (dtype, head_dim, causal, _), rows in _group(fb).items():
+    mask = "causal" if causal else "non-causal"
+    lines.append(f"== fwd+bwd memory  head_dim {head_dim}  {mask}  {SHORT_DTYPE.get(dtype, dtype)} ==")
+    left = f"{'seq':>6} {'batch':>5} {'min':>9}"
+    lines.append(left + " | " + " | ".join(f"{name:^{width}}" for name in impls))
+    sub = f"{'compiled':>11} {'device peak':>12}"
+    lines.append(" " * len(left) + " | " + " | ".join(f"{sub:>{width}}" for _ in impls))
+    for (seqlen, batch, _, _), by_impl in rows.items():
+      any_cell = next(iter(by_impl.values()))
+      parts = []
+      for name in impls:
+        c = by_impl.get(name)
+        if c is None:
+          parts.append(f"{'-':>{width}}")
+        elif c.status != "ok":
+          parts.append(f"{c.status[:width]:>{width}}")
+        else:
+          peak = _fmt_mib(c.device_peak_bytes) + ("*" if c.device_peak_new else "")
+          parts.append(f"{_fmt_mib(c.compiled_bytes):>11} {peak:>12}")
+      lines.append(f"{seqlen:>6} {batch:>5} {_fmt_mib(any_cell.min_bytes):>9} | " + " | ".join(parts))
+    lines.append("")
+  return "\n".join(lines)
+
+
+def format_checks(checks: list[CheckResult]) -> str:
+  """Relative error ||x - ref|| / ||ref|| against the float32 reference."""
+  if not checks:
+    return ""
+  lines = [
+      "Accuracy vs float32 reference, ||x - ref|| / ||ref||:",
+      f"{'impl':<15} {'dtype':>5} {'hd':>4} {'mask':>10} {'shape (b,s,h)':>16} {'out':>9} {'dq':>9} {'dk':>9} {'dv':>9}",
+  ]
+  for r in checks:
+    mask = "causal" if r.causal else "non-causal"
+    h = f"{r.heads}" if r.heads == r.kv_heads else f"{r.heads}/{r.kv_heads}"
+    where = f"{r.batch},{r.seqlen},{h}"
+    head = f"{r.impl:<15} {SHORT_DTYPE.get(r.dtype, r.dtype):>5} {r.head_dim:>4} {mask:>10} {where:>16}"
+    if r.status == "ok":
+      errs = (r.rel_err_out, r.rel_err_dq, r.rel_err_dk, r.rel_err_dv)
+      lines.append(head + " " + " ".join(f"{_fmt_err(e):>9}" for e in errs))
+    else:
+      text = r.status if r.status != "error" else f"error: {r.error}"
+      lines.append(head + " " + text)
+  return "\n".join(lines) + "\n"
+
+
+def format_memory_probe(steps: list[MemoryStep]) -> str:
+  if not steps:
+    return ""
+  s0 = steps[0]
+  lines = [
+      f"Memory probe: longest fwd+bwd sequence (batch {s0.batch}, {s0.heads} heads, head_dim {s0.head_dim}, "
+      f"{'causal' if s0.causal else 'non-causal'}, {SHORT_DTYPE.get(s0.dtype, s0.dtype)}); MiB",
+      f"{'impl':<15} {'max seq':>8} {'compiled':>10} {'device peak':>12} {'min':>9}  first failure",
+  ]
+  for impl, entry in summarize(steps).items():
+    ok: MemoryStep | None = entry["ok_step"]
+    fail: MemoryStep | None = entry["first_failure"]
+    fail_text = "-" if fail is None else f"seq {fail.seqlen}: {fail.status}" + (
+        f" ({fail.error})" if fail.status == "error" or fail.status == "unsupported" else ""
+    )
+    if ok is None:
+      lines.append(f"{impl:<15} {'none':>8} {'-':>10} {'-':>12} {'-':>9}  {fail_text}")
+      continue
+    peak = _fmt_mib(ok.device_peak_bytes) + ("*" if ok.device_peak_new else "")
+    lines.append(
+        f"{impl:<15} {ok.seqlen:>8} {_fmt_mib(ok.compiled_bytes):>10} {peak:>12} {_fmt_mib(ok.min_bytes):>9}  {fail_text}"
+    )
+  return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------ JSON, CSV, PNG
+
+
+def _clean(value: Any) -> Any:
+  """JSON-safe: non-finite floats become None."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {k: _clean(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_clean(v) for v in value]
+  return value
+
+
+def write_json(
+    path: str,
+    meta: dict[str, Any],
+    cfg: SweepConfig,
+    cells: list[CellResult],
+    checks: list[CheckResult],
+    memory_steps: list[MemoryStep],
+) -> None:
+  doc = {
+      "schema_version": SCHEMA_VERSION,
+      "metadata": meta,
+      "config": dataclasses.asdict(cfg),
+      "notes": {
+          "tiny_cpu_run": cfg.tiny,
+          "ms": "median over iters of perf_counter around call + block_until_ready",
+          "tflops": "FlashAttention convention: fwd 4*B*H*S*S*D (halved if causal), bwd 2.5x, fwd+bwd 3.5x",
+          "speed_vs_cudnn": "cuDNN ms / this ms (> 1: faster than cuDNN)",
+          "compiled_bytes": "XLA memory_analysis of the fwd+bwd executable: argument+output+temp-alias",
+          "device_peak_bytes": "process-wide peak_bytes_in_use after the cell (never reset); "
+          "the cell's own peak only where device_peak_new is true",
+          "min_bytes": "q,k,v,dout + out,dq,dk,dv (input dtype) + float32 lse",
+      },
+      "checks": [r.to_record() | {"rel_err_grad": r.rel_err_grad} for r in checks],
+      "cells": [c.to_record() for c in cells],
+      "memory_probe": [s.to_record() for s in memory_steps],
+  }
+  with open(path, "w") as f:
+    json.dump(_clean(doc), f, indent=1, allow_nan=False)
+
+
+def write_csv(path: str, cells: list[CellResult]) -> None:
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(CELL_FIELDS))
+    writer.writeheader()
+    for c in cells:
+      writer.writerow({k: ("" if v is None else v) for k, v in _clean(c.to_record()).items()})
+
+
+def write_plots(out_dir: str, cells: list[CellResult], impls: Iterable[str], title: str = "") -> list[str]:
+  """TFLOP/s against sequence length: one panel per head_dim x mask x mode, one
+  line per implementation. One PNG per dtype. Returns the files written."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  impls = list(impls)
+  written = []
+  for dtype in dict.fromkeys(c.dtype for c in cells):
+    dcells = [c for c in cells if c.dtype == dtype]
+    rows = list(dict.fromkeys((c.head_dim, c.causal) for c in dcells))
+    modes = list(dict.fromkeys(c.mode for c in dcells))
+    fig, axes = plt.subplots(
+        len(rows), len(modes), figsize=(4.2 * len(modes), 3.2 * len(rows)), squeeze=False, constrained_layout=True
+    )
+    for i, (head_dim, causal) in enumerate(rows):
+      for j, mode in enumerate(modes):
+        ax = axes[i][j]
+        panel = [c for c in dcells if c.head_dim == head_dim and c.causal == causal and c.mode == mode]
+        for name in impls:
+          pts = sorted((c.seqlen, c.tflops) for c in panel if c.impl == name and c.status == "ok")
+          if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{mode}, d={head_dim}, {'causal' if causal else 'non-causal'}", fontsize=9)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+          ax.legend(fontsize=7)
+    fig.suptitle(f"{title} {SHORT_DTYPE.get(dtype, dtype)}".strip())
+    path = os.path.join(out_dir, f"tflops_{SHORT_DTYPE.get(dtype, dtype)}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+  return written

@@ -1,0 +1,228 @@
+"""Frozen records describing what to run and what came out."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Mode = Literal["fwd", "bwd", "fwd+bwd"]
+MODES: tuple[str, ...] = ("fwd", "bwd", "fwd+bwd")
+Status = Literal["ok", "unsupported", "OOM", "error"]
+
+# Short names accepted on the command line -> jnp dtype names.
+DTYPE_ALIASES: dict[str, str] = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "float32": "float32",
+}
+SHORT_DTYPE: dict[str, str] = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """One attention problem, layout [batch, seq, heads, head_dim], seq_q == seq_k."""
+
+  batch: int
+  seqlen: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  causal: bool
+  dtype: str  # a jnp dtype name: "bfloat16", "float16" or "float32"
+
+  @property
+  def q_shape(self) -> tuple[int, int, int, int]:
+    return (self.batch, self.seqlen, self.heads, self.head_dim)
+
+  @property
+  def kv_shape(self) -> tuple[int, int, int, int]:
+    return (self.batch, self.seqlen, self.kv_heads, self.head_dim)
+
+  @property
+  def is_gqa(self) -> bool:
+    return self.kv_heads != self.heads
+
+  def describe(self) -> str:
+    heads = f"{self.heads}" if not self.is_gqa else f"{self.heads}/{self.kv_heads}kv"
+    mask = "causal" if self.causal else "full"
+    return f"b{self.batch} s{self.seqlen} h{heads} d{self.head_dim} {mask} {SHORT_DTYPE.get(self.dtype, self.dtype)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+  """The grid of a run plus how to time it. Built by `cli.config_from_args`.
+
+  `batch` None means tokens // seqlen; `heads` None means hidden // head_dim;
+  `kv_heads` None means heads.
+  """
+
+  seqlens: tuple[int, ...]
+  head_dims: tuple[int, ...]
+  causal: tuple[bool, ...]
+  dtypes: tuple[str, ...]
+  modes: tuple[str, ...]
+  impls: tuple[str, ...]
+  tokens: int = 16384
+  hidden: int = 2048
+  batch: int | None = None
+  heads: int | None = None
+  kv_heads: int | None = None
+  warmup: int = 3
+  iters: int = 20
+  input_sets: int = 2
+  check: bool = True
+  interpret: bool = False
+  platform: str = "gpu"
+  out: str | None = None
+  plot: bool = False
+  memory: bool = False
+  memory_only: bool = False
+  memory_max_seqlen: int | None = None
+  seed: int = 0
+
+  @property
+  def tiny(self) -> bool:
+    """True when running without a GPU: figures are CPU / interpret figures."""
+    return self.platform != "gpu"
+
+  def batch_for(self, seqlen: int) -> int:
+    return self.batch if self.batch is not None else max(1, self.tokens // seqlen)
+
+  def heads_for(self, head_dim: int) -> int:
+    return self.heads if self.heads is not None else max(1, self.hidden // head_dim)
+
+  def kv_heads_for(self, head_dim: int) -> int:
+    return self.kv_heads if self.kv_heads is not None else self.heads_for(head_dim)
+
+  def shape(self, dtype: str, head_dim: int, causal: bool, seqlen: int) -> Shape:
+    return Shape(
+        batch=self.batch_for(seqlen),
+        seqlen=seqlen,
+        heads=self.heads_for(head_dim),
+        kv_heads=self.kv_heads_for(head_dim),
+        head_dim=head_dim,
+        causal=causal,
+        dtype=dtype,
+    )
+
+  def groups(self) -> list[tuple[str, int, bool]]:
+    """(dtype, head_dim, causal) in sweep order; each group runs all seqlens."""
+    return [(d, h, c) for d in self.dtypes for h in self.head_dims for c in self.causal]
+
+  def num_cells(self) -> int:
+    return len(self.groups()) * len(self.seqlens) * len(self.modes) * len(self.impls)
+
+
+@dataclasses.dataclass(frozen=True)
+class CellResult:
+  """One (implementation, shape, mode) cell of the sweep.
+
+  Memory fields are filled for mode fwd+bwd only (None elsewhere):
+    compiled_bytes: argument + output + temp - alias bytes of the compiled
+      executable, from XLA's `memory_analysis()`; per function, reliable.
+    compiled_temp_bytes: the temp part of that (workspace, intermediates).
+    device_peak_bytes: the device's `peak_bytes_in_use` after the cell. It is
+      a process-wide high-water mark that never resets, so it is this cell's
+      own peak only when `device_peak_new` is True (the mark rose during it);
+      otherwise the cell's peak was at most this. None where the device
+      reports no memory stats (CPU).
+    min_bytes: the theoretical minimum: q, k, v, dout in and out, dq, dk, dv
+      out (q's dtype) plus a float32 lse.
+  rel_err_out / rel_err_grad: ||x - ref|| / ||ref|| against the float32
+    reference on this (impl, dtype, head_dim, causal) group's check shape
+    (rel_err_grad: the largest of dq, dk, dv). None when not checked.
+  """
+
+  impl: str
+  dtype: str
+  batch: int
+  heads: int
+  kv_heads: int
+  seqlen: int
+  head_dim: int
+  causal: bool
+  mode: str
+  status: str
+  error: str | None = None
+  ms: float | None = None
+  ms_min: float | None = None
+  iters: int | None = None
+  flops: int | None = None
+  tflops: float | None = None
+  speed_vs_cudnn: float | None = None
+  compiled_bytes: int | None = None
+  compiled_temp_bytes: int | None = None
+  device_peak_bytes: int | None = None
+  device_peak_new: bool | None = None
+  min_bytes: int | None = None
+  rel_err_out: float | None = None
+  rel_err_grad: float | None = None
+
+  @property
+  def shape(self) -> Shape:
+    return Shape(self.batch, self.seqlen, self.heads, self.kv_heads, self.head_dim, self.causal, self.dtype)
+
+  def to_record(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+CELL_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CellResult))
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+  """Accuracy of one implementation against the float32 reference."""
+
+  impl: str
+  dtype: str
+  batch: int
+  heads: int
+  kv_heads: int
+  seqlen: int
+  head_dim: int
+  causal: bool
+  status: str
+  error: str | None = None
+  rel_err_out: float | None = None
+  rel_err_dq: float | None = None
+  rel_err_dk: float | None = None
+  rel_err_dv: float | None = None
+
+  @property
+  def rel_err_grad(self) -> float | None:
+    errs = [e for e in (self.rel_err_dq, self.rel_err_dk, self.rel_err_dv) if e is not None]
+    return max(errs) if errs else None
+
+  def to_record(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStep:
+  """One step of the `--memory` probe: fwd+bwd at one sequence length."""
+
+  impl: str
+  dtype: str
+  batch: int
+  heads: int
+  kv_heads: int
+  seqlen: int
+  head_dim: int
+  causal: bool
+  status: str
+  error: str | None = None
+  ms: float | None = None
+  compiled_bytes: int | None = None
+  compiled_temp_bytes: int | None = None
+  device_peak_bytes: int | None = None
+  device_peak_new: bool | None = None
+  min_bytes: int | None = None
+
+  def to_record(self) -> dict:
+    return dataclasses.asdict(self)

@@ -1,0 +1,167 @@
+"""Building, compiling and timing one mode of one implementation.
+
+Every timed function is compiled ahead of time (`jax.jit(...).lower().compile()`),
+run `warmup` times, then `iters` times with ``time.perf_counter`` around each
+call plus `jax.block_until_ready`; the median is reported. Calls rotate over
+a few independent sets of random normal inputs so that no run reads inputs a
+previous run left in L2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash2.bench.impls import AttentionFn
+from jax_flash2.bench.spec import Shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+  """q, k, v and an output cotangent dout, random normal, in the shape's dtype."""
+
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  dout: jax.Array
+
+
+def make_inputs(shape: Shape, seed: int) -> Inputs:
+  dtype = jnp.dtype(shape.dtype)
+  kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(seed), 4)
+  draw = lambda key, s: jax.random.normal(key, s, jnp.float32).astype(dtype)
+  x = Inputs(
+      q=draw(kq, shape.q_shape),
+      k=draw(kk, shape.kv_shape),
+      v=draw(kv, shape.kv_shape),
+      dout=draw(kd, shape.q_shape),
+  )
+  jax.block_until_ready(dataclasses.astuple(x))
+  return x
+
+
+def fwd_bwd_fn(attn: AttentionFn) -> Callable[..., tuple[jax.Array, ...]]:
+  """(q, k, v, dout) -> (out, dq, dk, dv): forward and backward in one function."""
+
+  def f(q, k, v, dout):
+    out, vjp = jax.vjp(attn, q, k, v)
+    return (out, *vjp(dout))
+
+  return f
+
+
+def _apply(fn, *args):
+  return fn(*args)
+
+
+@dataclasses.dataclass
+class Prepared:
+  """A compiled function and the argument tuples the timed calls rotate over."""
+
+  compiled: Any  # jax.stages.Compiled
+  args: list[tuple]
+
+  def __call__(self, i: int):
+    return self.compiled(*self.args[i % len(self.args)])
+
+
+def prepare(attn: AttentionFn, mode: str, inputs: list[Inputs], compiled: Any = None) -> Prepared:
+  """Compiles `mode` of `attn` and lays out its arguments.
+
+  fwd: attn(q, k, v). bwd: the pullback of ``jax.vjp(attn, q, k, v)``, built
+  once here (the forward runs here, outside any timed region) and applied to
+  each input set's cotangent. fwd+bwd: `fwd_bwd_fn`. `compiled` reuses an
+  executable compiled earlier for the same shape and mode.
+  """
+  if mode == "fwd":
+    args = [(x.q, x.k, x.v) for x in inputs]
+    fn = attn
+  elif mode == "bwd":
+    x0 = inputs[0]
+    _, pullback = jax.vjp(attn, x0.q, x0.k, x0.v)
+    args = [(pullback, x.dout) for x in inputs]
+    fn = _apply
+  elif mode == "fwd+bwd":
+    args = [(x.q, x.k, x.v, x.dout) for x in inputs]
+    fn = fwd_bwd_fn(attn)
+  else:
+    raise ValueError(f"unknown mode {mode!r}")
+  if compiled is None:
+    compiled = jax.jit(fn).lower(*args[0]).compile()
+  return Prepared(compiled=compiled, args=args)
+
+
+def time_calls(prepared: Prepared, warmup: int, iters: int) -> list[float]:
+  """Seconds of each of `iters` timed calls, after `warmup` untimed ones."""
+  for i in range(warmup):
+    jax.block_until_ready(prepared(i))
+  times = []
+  for i in range(iters):
+    t0 = time.perf_counter()
+    result = prepared(i)
+    jax.block_until_ready(result)
+    times.append(time.perf_counter() - t0)
+    del result
+  return times
+
+
+def median_ms(times: list[float]) -> float:
+  return statistics.median(times) * 1e3
+
+
+def compiled_memory(compiled: Any) -> tuple[int | None, int | None]:
+  """(argument + output + temp - alias bytes, temp bytes) from XLA's memory analysis."""
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # not every backend implements it
+    return None, None
+  if stats is None:
+    return None, None
+  total = (
+      stats.argument_size_in_bytes
+      + stats.output_size_in_bytes
+      + stats.temp_size_in_bytes
+      - stats.alias_size_in_bytes
+  )
+  return int(total), int(stats.temp_size_in_bytes)
+
+
+def device_peak_bytes() -> int | None:
+  """The device's peak_bytes_in_use so far in this process (never reset), or None."""
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:
+    return None
+  if not stats or "peak_bytes_in_use" not in stats:
+    return None
+  return int(stats["peak_bytes_in_use"])
+
+
+_OOM_MARKERS = ("resource_exhausted", "out of memory", "oom when allocating", "failed to allocate")
+_UNSUPPORTED_MARKERS = ("not supported", "unsupported", "not implemented")
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+  """(status, short message) of an exception: "OOM", "unsupported" or "error"."""
+  text = f"{type(exc).__name__}: {exc}"
+  low = text.lower()
+  first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+  short = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+  if len(short) > 160:
+    short = short[:157] + "..."
+  if any(m in low for m in _OOM_MARKERS):
+    return "OOM", short
+  if isinstance(exc, NotImplementedError) or any(m in low for m in _UNSUPPORTED_MARKERS):
+    return "unsupported", short
+  return "error", short
+
+
+def free() -> None:
+  """Drops Python garbage so device buffers of a finished cell go back."""
+  gc.collect()
