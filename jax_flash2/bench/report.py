@@ -78,6 +78,12 @@ def _fmt_ms(ms: float) -> str:
   return f"{ms:.3f}" if ms < 100 else f"{ms:.1f}"
 
 
+def _fmt_tflops(t: float) -> str:
+  if t >= 10:
+    return f"{t:.1f}"
+  return f"{t:.2f}" if t >= 0.1 else f"{t:.2g}"
+
+
 def _fmt_err(e: float | None) -> str:
   if e is None:
     return "-"
@@ -95,7 +101,7 @@ def _cell_text(c: CellResult | None) -> tuple[str, str, str] | str:
     return "-"
   if c.status == "ok":
     ratio = "-" if c.speed_vs_cudnn is None else f"{c.speed_vs_cudnn:.2f}x"
-    return (_fmt_ms(c.ms), f"{c.tflops:.2f}" if c.tflops < 10 else f"{c.tflops:.1f}", ratio)
+    return (_fmt_ms(c.ms), _fmt_tflops(c.tflops), ratio)
   if c.status == "error":
     return f"error: {c.error or ''}"
   return c.status
@@ -118,7 +124,7 @@ def format_table(cells: list[CellResult], impls: Iterable[str]) -> str:
   cell did not run.
   """
   impls = list(impls)
-  width = 26
+  width = 27
   lines = []
   for (dtype, head_dim, causal, mode), rows in _group(cells).items():
     mask = "causal" if causal else "non-causal"
@@ -304,6 +310,9 @@ def write_plots(out_dir: str, cells: list[CellResult], impls: Iterable[str], tit
           if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_xscale("log", base=2)
+        seqs = sorted({c.seqlen for c in panel})
+        ax.set_xticks(seqs, [f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s) for s in seqs])
+        ax.minorticks_off()
         ax.set_title(f"{mode}, d={head_dim}, {'causal' if causal else 'non-causal'}", fontsize=9)
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")

@@ -1,0 +1,284 @@
+"""``jax-flash2-bench``: time jax_flash2 against cuDNN and XLA attention.
+
+On a GPU the default sweep is batch x seq = 16384 tokens, hidden 2048
+(heads = 2048 / head_dim), seq 512..16384, head_dim 64 and 128, causal and
+non-causal, modes fwd, bwd and fwd+bwd, bf16. Without a GPU it runs a tiny
+sweep through the Pallas interpret mode and XLA, to show the bench works;
+those figures say nothing about GPU speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from jax_flash2.bench import impls as impls_lib
+from jax_flash2.bench.spec import DTYPE_ALIASES, MODES, SweepConfig
+
+GPU_DEFAULTS = dict(
+    seqlens=(512, 1024, 2048, 4096, 8192, 16384),
+    head_dims=(64, 128),
+    batch=None,
+    heads=None,
+    warmup=3,
+    iters=20,
+)
+CPU_DEFAULTS = dict(seqlens=(64, 128), head_dims=(64,), batch=1, heads=2, warmup=1, iters=3)
+
+CPU_NOTICE = (
+    "NOTE: no GPU found (jax backend: {backend}). These are CPU / Pallas-interpret figures, "
+    "NOT GPU figures: they show that the bench runs, nothing about kernel speed."
+)
+
+
+class UsageError(ValueError):
+  """A bad combination of flags."""
+
+
+def _split(values: Sequence[str] | None) -> list[str] | None:
+  """Accepts both ``--x 1 2`` and ``--x 1,2``."""
+  if values is None:
+    return None
+  return [part.strip() for v in values for part in v.split(",") if part.strip()]
+
+
+def _ints(values: Sequence[str] | None, flag: str) -> tuple[int, ...] | None:
+  parts = _split(values)
+  if parts is None:
+    return None
+  out = []
+  for p in parts:
+    mult = 1
+    if p.lower().endswith("k"):
+      p, mult = p[:-1], 1024
+    try:
+      n = int(p) * mult
+    except ValueError:
+      raise UsageError(f"{flag}: not an integer: {p!r}") from None
+    if n < 1:
+      raise UsageError(f"{flag}: must be positive, got {n}")
+    out.append(n)
+  return tuple(out)
+
+
+def _causal(values: Sequence[str]) -> tuple[bool, ...]:
+  table = {"both": (False, True), "true": (True,), "false": (False,), "causal": (True,), "none": (False,)}
+  out: list[bool] = []
+  for p in _split(values) or ["both"]:
+    if p.lower() not in table:
+      raise UsageError(f"--causal: expected both, true or false, got {p!r}")
+    out.extend(c for c in table[p.lower()] if c not in out)
+  return tuple(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="jax-flash2-bench",
+      description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  g = p.add_argument_group("sweep (lists take spaces or commas; defaults depend on GPU vs no GPU)")
+  g.add_argument("--seqlens", nargs="+", metavar="N", help="sequence lengths (default 512..16384; 64,128 on CPU); '4k' ok")
+  g.add_argument("--head-dims", nargs="+", metavar="D", help="head dims (default 64 128; 256 on request; 64 on CPU)")
+  g.add_argument("--batch", type=int, help="batch size (default: tokens // seqlen; 1 on CPU)")
+  g.add_argument("--tokens", type=int, default=16384, help="batch x seq when --batch is not given (default 16384)")
+  g.add_argument("--heads", type=int, help="query heads (default: hidden // head_dim; 2 on CPU)")
+  g.add_argument("--hidden", type=int, default=2048, help="heads x head_dim when --heads is not given (default 2048)")
+  g.add_argument("--kv-heads", type=int, help="key/value heads (default = heads); != heads is grouped-query attention")
+  g.add_argument("--causal", nargs="+", default=["both"], metavar="both|true|false", help="masks (default both)")
+  g.add_argument("--dtype", nargs="+", default=["bf16"], metavar="bf16|fp16|fp32", help="dtypes (default bf16)")
+  g.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE", help="fwd, bwd, fwd+bwd (default all)")
+  g.add_argument(
+      "--impls",
+      nargs="+",
+      default=list(impls_lib.DEFAULT_IMPLS),
+      metavar="IMPL",
+      help=f"implementations (default {' '.join(impls_lib.DEFAULT_IMPLS)}; known: {', '.join(impls_lib.REGISTRY)})",
+  )
+  t = p.add_argument_group("timing and checks")
+  t.add_argument("--warmup", type=int, help="untimed runs per cell (default 3; 1 on CPU)")
+  t.add_argument("--iters", type=int, help="timed runs per cell, median reported (default 20; 3 on CPU)")
+  t.add_argument("--input-sets", type=int, default=2, help="random input sets the runs rotate over (default 2)")
+  t.add_argument("--no-check", action="store_true", help="skip the accuracy check against the float32 reference")
+  t.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode (automatic without a GPU)")
+  t.add_argument("--seed", type=int, default=0, help="PRNG seed of the inputs (default 0)")
+  o = p.add_argument_group("output")
+  o.add_argument("--out", metavar="DIR", help="write results.json and results.csv (and plots) here")
+  o.add_argument("--plot", action="store_true", help="write TFLOP/s plots (PNG) into --out")
+  o.add_argument("--memory", action="store_true", help="after the sweep, probe the longest fwd+bwd sequence per impl")
+  o.add_argument("--memory-only", action="store_true", help="run only the --memory probe, no sweep")
+  o.add_argument("--memory-max-seqlen", metavar="N", help="longest sequence the probe tries (default 128k; 256 on CPU)")
+  o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+  o.add_argument("--list-impls", action="store_true", help="list the registered implementations and exit")
+  return p
+
+
+def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
+  """The sweep `ns` asks for on `platform` (jax.default_backend())."""
+  tiny = platform != "gpu"
+  d = CPU_DEFAULTS if tiny else GPU_DEFAULTS
+  seqlens = _ints(ns.seqlens, "--seqlens") or d["seqlens"]
+  head_dims = _ints(ns.head_dims, "--head-dims") or d["head_dims"]
+  batch = ns.batch if ns.batch is not None else d["batch"]
+  heads = ns.heads if ns.heads is not None else d["heads"]
+  for hd in head_dims:
+    if hd % 8 or hd > 256:
+      raise UsageError(f"--head-dims: {hd} is not a multiple of 8 in [8, 256]")
+    if heads is None and ns.hidden % hd:
+      raise UsageError(f"--hidden {ns.hidden} is not a multiple of head_dim {hd}; pass --heads")
+  for flag, value in (("--batch", batch), ("--heads", heads), ("--kv-heads", ns.kv_heads), ("--tokens", ns.tokens),
+                      ("--hidden", ns.hidden)):
+    if value is not None and value < 1:
+      raise UsageError(f"{flag} must be positive, got {value}")
+  if ns.kv_heads is not None:
+    for hd in head_dims:
+      h = heads if heads is not None else ns.hidden // hd
+      if h % ns.kv_heads:
+        raise UsageError(f"--kv-heads {ns.kv_heads} does not divide heads {h} (head_dim {hd})")
+  dtypes = []
+  for name in _split(ns.dtype) or []:
+    if name.lower() not in DTYPE_ALIASES:
+      raise UsageError(f"--dtype: unknown {name!r}; choose bf16, fp16 or fp32")
+    if DTYPE_ALIASES[name.lower()] not in dtypes:
+      dtypes.append(DTYPE_ALIASES[name.lower()])
+  modes = []
+  for m in _split(ns.modes) or []:
+    m = {"fwdbwd": "fwd+bwd", "fwd_bwd": "fwd+bwd", "both": "fwd+bwd"}.get(m.lower(), m.lower())
+    if m not in MODES:
+      raise UsageError(f"--modes: unknown {m!r}; choose from {', '.join(MODES)}")
+    if m not in modes:
+      modes.append(m)
+  impls = []
+  for name in _split(ns.impls) or []:
+    if name not in impls_lib.REGISTRY:
+      raise UsageError(f"--impls: unknown {name!r}; known: {', '.join(impls_lib.REGISTRY)}")
+    if name not in impls:
+      impls.append(name)
+  warmup = ns.warmup if ns.warmup is not None else d["warmup"]
+  iters = ns.iters if ns.iters is not None else d["iters"]
+  if warmup < 0 or iters < 1 or ns.input_sets < 1:
+    raise UsageError("--warmup must be >= 0, --iters and --input-sets >= 1")
+  if ns.plot and not ns.out:
+    raise UsageError("--plot writes into --out DIR; pass --out")
+  max_seq = _ints([ns.memory_max_seqlen], "--memory-max-seqlen")[0] if ns.memory_max_seqlen else None
+  return SweepConfig(
+      seqlens=seqlens,
+      head_dims=head_dims,
+      causal=_causal(ns.causal),
+      dtypes=tuple(dtypes),
+      modes=tuple(modes),
+      impls=tuple(impls),
+      tokens=ns.tokens,
+      hidden=ns.hidden,
+      batch=batch,
+      heads=heads,
+      kv_heads=ns.kv_heads,
+      warmup=warmup,
+      iters=iters,
+      input_sets=ns.input_sets,
+      check=not ns.no_check,
+      interpret=bool(ns.interpret or tiny),
+      platform=platform,
+      out=ns.out,
+      plot=ns.plot,
+      memory=bool(ns.memory or ns.memory_only),
+      memory_only=ns.memory_only,
+      memory_max_seqlen=max_seq,
+      seed=ns.seed,
+  )
+
+
+def parse(argv: Sequence[str] | None, platform: str) -> SweepConfig:
+  """Parses `argv` into a config for `platform`; bad flags exit with status 2."""
+  parser = build_parser()
+  ns = parser.parse_args(argv)
+  try:
+    return config_from_args(ns, platform)
+  except UsageError as exc:
+    parser.error(str(exc))
+    raise  # unreachable: parser.error exits
+
+
+def _describe(cfg: SweepConfig) -> str:
+  batch = f"{cfg.batch}" if cfg.batch is not None else f"{cfg.tokens} tokens / seq"
+  heads = f"{cfg.heads}" if cfg.heads is not None else f"{cfg.hidden} / head_dim"
+  kv = f", kv_heads {cfg.kv_heads}" if cfg.kv_heads is not None else ""
+  return (
+      f"seqlens {list(cfg.seqlens)}, head_dims {list(cfg.head_dims)}, batch {batch}, heads {heads}{kv}, "
+      f"causal {list(cfg.causal)}, dtypes {list(cfg.dtypes)}, modes {list(cfg.modes)}, impls {list(cfg.impls)}, "
+      f"warmup {cfg.warmup}, iters {cfg.iters} (median), input sets {cfg.input_sets}"
+      + (", Pallas interpret mode" if cfg.interpret else "")
+  )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the bench; returns 0 (failed cells are reported, not fatal)."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  ns = build_parser().parse_args(argv)
+  if ns.list_impls:
+    for impl in impls_lib.REGISTRY.values():
+      default = " (default)" if impl.name in impls_lib.DEFAULT_IMPLS else ""
+      print(f"{impl.name:<15} {impl.description}{default}")
+    return 0
+
+  import jax
+
+  from jax_flash2.bench import memory, report, sweep
+  from jax_flash2.bench.progress import Progress
+
+  backend = jax.default_backend()
+  cfg = parse(argv, backend)
+  device = jax.devices()[0]
+  print(f"jax-flash2-bench: {device.device_kind} ({backend}), jax {jax.__version__}")
+  if cfg.tiny:
+    print(CPU_NOTICE.format(backend=backend))
+  if not cfg.memory_only:
+    print("sweep: " + _describe(cfg))
+  sys.stdout.flush()
+  meta = report.metadata(argv)
+  show_progress = not ns.no_progress
+
+  cells, checks = [], []
+  if not cfg.memory_only:
+    progress = Progress(sweep.num_steps(cfg), desc="sweep", enabled=show_progress)
+    cells, checks = sweep.run_sweep(cfg, progress)
+    progress.close()
+    print()
+    if checks:
+      print(report.format_checks(checks))
+    print(report.format_table(cells, cfg.impls))
+    mem = report.format_memory_table(cells, cfg.impls)
+    if mem:
+      print(mem)
+
+  steps = []
+  if cfg.memory:
+    seqs = memory.probe_seqlens(cfg)
+    if cfg.tiny:
+      print(f"memory probe: no GPU, so a tiny CPU version (seq {seqs[0]}..{seqs[-1]}); "
+            "its bytes are host bytes, not GPU memory figures.")
+    progress = Progress(len(seqs) * len(cfg.impls), desc="memory", enabled=show_progress)
+    steps = memory.run_memory_probe(cfg, progress)
+    progress.close()
+    print(report.format_memory_probe(steps))
+
+  if cfg.out:
+    os.makedirs(cfg.out, exist_ok=True)
+    written = [os.path.join(cfg.out, "results.json"), os.path.join(cfg.out, "results.csv")]
+    report.write_json(written[0], meta, cfg, cells, checks, steps)
+    report.write_csv(written[1], cells)
+    if cfg.plot and cells:
+      try:
+        written += report.write_plots(cfg.out, cells, cfg.impls, title=meta["device_kind"] + (" (CPU/interpret, not GPU figures)" if cfg.tiny else ""))
+      except ImportError:
+        print("--plot: matplotlib is not installed (pip install 'jax_flash2[bench]'); no plots written.")
+    print("wrote " + ", ".join(written))
+  if cfg.tiny:
+    print(CPU_NOTICE.format(backend=backend))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
