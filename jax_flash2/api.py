@@ -93,7 +93,7 @@ def flash_attention(
         softmax_scale=softmax_scale,
         dtype=jnp.dtype(q.dtype).name,
     )
-    blocks = (block_sizes or default_block_sizes(head_dim)).fit(seq_q, seq_k)
+    blocks = (block_sizes or default_block_sizes(head_dim, causal)).fit(seq_q, seq_k)
     out, lse = flash(q, k, v, KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret)))
   return (out, lse) if return_lse else out
 

@@ -92,24 +92,18 @@ class BlockSizes:
     )
 
 
-# Measured on the H200 (bf16, batch x seq = 16k tokens): see bench/NOTES.md.
-# Keyed by padded head_dim; values are (fwd, dkv, dq).
-_H200_TABLE: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
-    64: (
-        KernelConfig(block_q=128, block_k=64, num_warps=4, num_stages=3),
-        KernelConfig(block_q=64, block_k=128, num_warps=8, num_stages=2),
-        KernelConfig(block_q=128, block_k=64, num_warps=8, num_stages=2),
-    ),
-    128: (
-        KernelConfig(block_q=128, block_k=128, num_warps=8, num_stages=3),
-        KernelConfig(block_q=64, block_k=128, num_warps=8, num_stages=3),
-        KernelConfig(block_q=128, block_k=64, num_warps=8, num_stages=3),
-    ),
-    256: (
-        KernelConfig(block_q=64, block_k=64, num_warps=8, num_stages=2),
-        KernelConfig(block_q=32, block_k=64, num_warps=8, num_stages=1),
-        KernelConfig(block_q=64, block_k=32, num_warps=8, num_stages=1),
-    ),
+
+# Measured on the H200 (bf16, batch x seq = 16k tokens, seq 8k) by
+# bench/tune.py; bench/NOTES.md has the sweeps. Keyed by (padded head_dim,
+# causal); values are (fwd, dkv, dq). head_dim 256 has not been swept yet: its
+# tiles are sized to fit shared memory and registers.
+_H200_TABLE: dict[tuple[int, bool], tuple[KernelConfig, KernelConfig, KernelConfig]] = {
+    (64, False): (KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 2), KernelConfig(64, 64, 4, 2)),
+    (64, True): (KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 2), KernelConfig(64, 128, 4, 3)),
+    (128, False): (KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 64, 8, 3)),
+    (128, True): (KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 2), KernelConfig(64, 128, 4, 3)),
+    (256, False): (KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 1), KernelConfig(64, 32, 8, 1)),
+    (256, True): (KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 1), KernelConfig(64, 32, 8, 1)),
 }
 
 
@@ -118,8 +112,8 @@ def padded_head_dim(head_dim: int) -> int:
   return max(_MIN_BLOCK, 1 << (head_dim - 1).bit_length())
 
 
-def default_block_sizes(head_dim: int) -> BlockSizes:
-  """The measured default for a head_dim (8..256)."""
+def default_block_sizes(head_dim: int, causal: bool) -> BlockSizes:
+  """The measured default for a head_dim (8..256) and mask."""
   # Head dims under 64 pad to 16 or 32 and run best with the head_dim-64 tiles.
-  fwd, dkv, dq = _H200_TABLE[max(64, padded_head_dim(head_dim))]
+  fwd, dkv, dq = _H200_TABLE[max(64, padded_head_dim(head_dim)), bool(causal)]
   return BlockSizes(fwd=fwd, dkv=dkv, dq=dq)

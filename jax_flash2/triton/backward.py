@@ -96,7 +96,7 @@ def _dq_kernel(
   # q_ref, do_ref, dq_ref: [block_q, D]; lse_ref, delta_ref: [block_q];
   # k_ref, v_ref: [seq_k, D].
   cols = problem.head_mask()
-  q_start = pl.program_id(0) * block_q
+  q_start = tiles.q_block_of_program(pl.program_id(0), problem.seq_q, block_q) * block_q
   q_idx = tiles.indices(q_start, block_q)
   rows = q_idx < problem.seq_q if problem.seq_q % block_q else None
   q = tiles.load_tile(q_ref, rows, cols)
@@ -172,14 +172,14 @@ def compute_dq(q, k, v, do, lse, delta, problem: Problem, config: KernelConfig, 
       functools.partial(_dq_kernel, problem=problem, block_q=bq, block_k=bk),
       grid=(pl.cdiv(seq_q, bq), batch, heads),
       in_specs=[
-          tiles.rows_spec(bq, d),
+          tiles.rows_spec(bq, d, seq_q),
           tiles.whole_seq_spec(k.shape[1], bk, d),
           tiles.whole_seq_spec(k.shape[1], bk, d),
-          tiles.rows_spec(bq, d),
-          tiles.row_vector_spec(bq),
-          tiles.row_vector_spec(bq),
+          tiles.rows_spec(bq, d, seq_q),
+          tiles.row_vector_spec(bq, seq_q),
+          tiles.row_vector_spec(bq, seq_q),
       ],
-      out_specs=tiles.rows_spec(bq, d),
+      out_specs=tiles.rows_spec(bq, d, seq_q),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret,

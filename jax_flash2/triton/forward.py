@@ -23,7 +23,7 @@ from jax_flash2.triton.tiles import LN_2, LOG2_E, Problem
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, problem: Problem, block_q: int, block_k: int):
   # q_ref, o_ref: [block_q, D]; k_ref, v_ref: [seq_k, D]; lse_ref: [block_q].
   seq_q, seq_k = problem.seq_q, problem.seq_k
-  q_start = pl.program_id(0) * block_q
+  q_start = tiles.q_block_of_program(pl.program_id(0), seq_q, block_q) * block_q
   q_idx = tiles.indices(q_start, block_q)
   cols = problem.head_mask()
   ragged_q = seq_q % block_q != 0
@@ -101,8 +101,8 @@ def forward(
   return pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=[tiles.rows_spec(bq, d), kv_spec, kv_spec],
-      out_specs=[tiles.rows_spec(bq, d), tiles.row_vector_spec(bq)],
+      in_specs=[tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec],
+      out_specs=[tiles.rows_spec(bq, d, seq_q), tiles.row_vector_spec(bq, seq_q)],
       out_shape=[
           jax.ShapeDtypeStruct(q.shape, q.dtype),
           jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),

@@ -173,6 +173,11 @@ def split_loop(
   """
 
   def run(start, stop, masked, carry):
+    if isinstance(start, int) and isinstance(stop, int) and stop - start == 1:
+      # One static block (the ragged tail of an unmasked sequence): no loop.
+      # This also keeps clear of a static-trip-count scan starting past 0,
+      # which gave wrong results on the GPU (bench/NOTES.md).
+      return step(jnp.int32(start), carry, masked)
     return lax.fori_loop(start, stop, lambda i, c: step(i, c, masked), carry)
 
   if not (isinstance(lo, int) and isinstance(full_lo, int) and lo == full_lo):
@@ -216,9 +221,24 @@ warnings.filterwarnings(
 # arrays and [batch, heads, seq] row vectors (lse, delta).
 
 
-def rows_spec(block: int, d: int) -> pl.BlockSpec:
-  """[block, D] rows of one (batch, head); grid axis 0 walks the blocks."""
-  return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h, 0))
+def q_block_of_program(i, seq_q: int, block_q: int):
+  """The Q block that Q-outer program i works on: the last block first.
+
+  Under a causal mask the last Q blocks see the most keys. Launching them
+  first lets the short programs fill the gaps at the end of the grid instead
+  of leaving the GPU waiting on a few long ones (the tail effect).
+  """
+  return pl.cdiv(seq_q, block_q) - 1 - i
+
+
+def rows_spec(block: int, d: int, reverse_seq: int | None = None) -> pl.BlockSpec:
+  """[block, D] rows of one (batch, head); grid axis 0 walks the blocks, last
+  first when reverse_seq (the sequence length) is given."""
+  if reverse_seq is None:
+    return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h, 0))
+  return pl.BlockSpec(
+      (None, block, None, d), lambda i, b, h: (b, q_block_of_program(i, reverse_seq, block), h, 0)
+  )
 
 
 def whole_seq_spec(seq: int, block: int, d: int) -> pl.BlockSpec:
@@ -227,9 +247,12 @@ def whole_seq_spec(seq: int, block: int, d: int) -> pl.BlockSpec:
   return pl.BlockSpec((None, round_up(seq, block), None, d), lambda i, b, h: (b, 0, h, 0))
 
 
-def row_vector_spec(block: int) -> pl.BlockSpec:
-  """[block] of a [batch, heads, seq] vector; grid axis 0 walks the blocks."""
-  return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
+def row_vector_spec(block: int, reverse_seq: int | None = None) -> pl.BlockSpec:
+  """[block] of a [batch, heads, seq] vector; grid axis 0 walks the blocks,
+  last first when reverse_seq is given."""
+  if reverse_seq is None:
+    return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
+  return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, q_block_of_program(i, reverse_seq, block)))
 
 
 def whole_row_vector_spec(seq: int, block: int) -> pl.BlockSpec:
