@@ -150,8 +150,11 @@ def q_block_range(problem: Problem, k_start, block_q: int, block_k: int):
   else:
     lo, full_lo = 0, 0
   if problem.seq_k % block_k:
-    # The ragged last K/V block is masked against every Q block.
-    full_lo = jnp.where(k_start + block_k <= problem.seq_k, full_lo, num_blocks)
+    # The ragged last K/V block is masked against every Q block. Written as
+    # integer arithmetic (missing > 0 only for that block): a jnp.where on
+    # these scalar bounds crashed the Triton lowering ('i1' * 'i64').
+    missing = block_k - jnp.minimum(problem.seq_k - k_start, block_k)
+    full_lo = jnp.minimum(full_lo + missing * num_blocks, num_blocks)
   full_hi = max(full_lo, full_blocks) if isinstance(full_lo, int) else jnp.maximum(full_lo, full_blocks)
   return lo, full_lo, full_hi, num_blocks
 
@@ -175,8 +178,6 @@ def split_loop(
   def run(start, stop, masked, carry):
     if isinstance(start, int) and isinstance(stop, int) and stop - start == 1:
       # One static block (the ragged tail of an unmasked sequence): no loop.
-      # This also keeps clear of a static-trip-count scan starting past 0,
-      # which gave wrong results on the GPU (bench/NOTES.md).
       return step(jnp.int32(start), carry, masked)
     return lax.fori_loop(start, stop, lambda i, c: step(i, c, masked), carry)
 
