@@ -13,29 +13,21 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jax_flash2.bench import timing
 from jax_flash2.config import KernelConfig, padded_head_dim
 from jax_flash2.triton import backward as tb
 from jax_flash2.triton import forward as tf
 from jax_flash2.triton.tiles import Problem
 
 
-def median_ms(fn, *args, rounds: int = 7, calls: int = 5) -> float:
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls * 1e3)
-  return float(np.median(times))
+def median_ms(fn, *args, rounds: int = 7) -> float:
+  """The bench CLI's timing (jax_flash2.bench.timing) of one jitted function."""
+  prepared = timing.Prepared(compiled=jax.jit(fn).lower(*args).compile(), args=[args])
+  return timing.median_ms(timing.time_calls(prepared, warmup=2, iters=rounds))
 
 
 def candidates(kernel: str, d: int):
@@ -69,8 +61,8 @@ def main() -> None:
   records = []
   for causal in [c == "true" for c in args.causal.split(",")]:
     fwd_flop = 4 * batch * heads * args.seq * args.seq * d / (2 if causal else 1)
-    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"))
-    cudnn_fb = jax.jit(jax.grad(lambda q, k, v: jnp.vdot(cudnn(q, k, v), do).real.astype(jnp.float32), (0, 1, 2)))
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    cudnn_fb = jax.grad(lambda q, k, v: jnp.vdot(cudnn(q, k, v), do).real.astype(jnp.float32), (0, 1, 2))
     ms_f, ms_fb = median_ms(cudnn, q, k, v), median_ms(cudnn_fb, q, k, v)
     print(f"causal={causal} cudnn fwd {ms_f:.3f} ms {fwd_flop / ms_f / 1e9:.0f} TF/s | "
           f"fwd+bwd {ms_fb:.3f} ms {3.5 * fwd_flop / ms_fb / 1e9:.0f} TF/s", flush=True)
@@ -87,16 +79,13 @@ def main() -> None:
       best = None
       for cfg in configs:
         if kernel == "fwd":
-          fn = jax.jit(lambda q, k, v, cfg=cfg: tf.forward(q, k, v, problem, cfg))
-          call = (q, k, v)
+          fn = lambda q, k, v, cfg=cfg: tf.forward(q, k, v, problem, cfg)
         elif kernel == "dkv":
-          fn = jax.jit(lambda q, k, v, cfg=cfg: tb.compute_dkv(q, k, v, do, lse, delta, problem, cfg))
-          call = (q, k, v)
+          fn = lambda q, k, v, cfg=cfg: tb.compute_dkv(q, k, v, do, lse, delta, problem, cfg)
         else:
-          fn = jax.jit(lambda q, k, v, cfg=cfg: tb.compute_dq(q, k, v, do, lse, delta, problem, cfg))
-          call = (q, k, v)
+          fn = lambda q, k, v, cfg=cfg: tb.compute_dq(q, k, v, do, lse, delta, problem, cfg)
         try:
-          ms = median_ms(fn, *call)
+          ms = median_ms(fn, q, k, v)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
           print(f"  {kernel} {cfg}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
           continue

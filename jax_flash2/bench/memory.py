@@ -82,7 +82,7 @@ def _probe_step(impl: impls_lib.Impl, shape: Shape, opts: impls_lib.Options, see
     prepared = timing.prepare(impl.factory(shape, opts), "fwd+bwd", [inputs])
     del inputs
     before = timing.device_peak_bytes()
-    times = timing.time_calls(prepared, warmup=0, iters=1)
+    times = timing.time_calls(prepared, warmup=0, iters=1, calls_per_round=1)
     after = timing.device_peak_bytes()
     total, temp = timing.compiled_memory(prepared.compiled)
   except Exception as exc:  # noqa: BLE001 - the failure is the answer

@@ -260,7 +260,7 @@ def write_json(
       "config": dataclasses.asdict(cfg),
       "notes": {
           "tiny_cpu_run": cfg.tiny,
-          "ms": "median over iters of perf_counter around call + block_until_ready",
+          "ms": "median over iters rounds of the per-call time of timing.CALLS_PER_ROUND back-to-back calls, synchronised once per round",
           "tflops": "FlashAttention convention: fwd 4*B*H*S*S*D (halved if causal), bwd 2.5x, fwd+bwd 3.5x",
           "speed_vs_cudnn": "cuDNN ms / this ms (> 1: faster than cuDNN)",
           "compiled_bytes": "XLA memory_analysis of the fwd+bwd executable: argument+output+temp-alias",

@@ -1,9 +1,14 @@
 """Building, compiling and timing one mode of one implementation.
 
-Every timed function is compiled ahead of time (`jax.jit(...).lower().compile()`),
-run `warmup` times, then `iters` times with ``time.perf_counter`` around each
-call plus `jax.block_until_ready`; the median is reported. Calls rotate over
-a few independent sets of random normal inputs so that no run reads inputs a
+Every timed function is compiled ahead of time (`jax.jit(...).lower().compile()`)
+and run `warmup` times. Then `iters` rounds are timed: each round launches
+`CALLS_PER_ROUND` calls back to back and synchronises once
+(``time.perf_counter`` around the round, `jax.block_until_ready` at its end),
+giving one per-call time; the median over rounds is reported. Launching back
+to back keeps host dispatch off the GPU's critical path, as a training loop
+does; timing each call alone adds the dispatch gap to every call (on the H200
+that read cuDNN 10-15% slow, and noisily: bench/NOTES.md). Calls rotate over a
+few independent sets of random normal inputs so that no run reads inputs a
 previous run left in L2.
 """
 
@@ -97,17 +102,20 @@ def prepare(attn: AttentionFn, mode: str, inputs: list[Inputs], compiled: Any = 
   return Prepared(compiled=compiled, args=args)
 
 
-def time_calls(prepared: Prepared, warmup: int, iters: int) -> list[float]:
-  """Seconds of each of `iters` timed calls, after `warmup` untimed ones."""
+CALLS_PER_ROUND = 5
+
+
+def time_calls(prepared: Prepared, warmup: int, iters: int, calls_per_round: int = CALLS_PER_ROUND) -> list[float]:
+  """Per-call seconds of each of `iters` timed rounds, after `warmup` untimed calls."""
   for i in range(warmup):
     jax.block_until_ready(prepared(i))
   times = []
-  for i in range(iters):
+  for _ in range(iters):
     t0 = time.perf_counter()
-    result = prepared(i)
-    jax.block_until_ready(result)
-    times.append(time.perf_counter() - t0)
-    del result
+    results = [prepared(i) for i in range(calls_per_round)]
+    jax.block_until_ready(results)
+    times.append((time.perf_counter() - t0) / calls_per_round)
+    del results
   return times
 
 
