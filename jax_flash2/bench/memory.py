@@ -8,6 +8,8 @@ only shows the probe works.
 
 from __future__ import annotations
 
+import dataclasses
+
 from jax_flash2.bench import flops as flops_lib
 from jax_flash2.bench import impls as impls_lib
 from jax_flash2.bench import timing
@@ -62,17 +64,7 @@ def run_memory_probe(cfg: SweepConfig, progress: Progress | None = None) -> list
 
 
 def _probe_step(impl: impls_lib.Impl, shape: Shape, opts: impls_lib.Options, seed: int) -> MemoryStep:
-  fields = dict(
-      impl=impl.name,
-      dtype=shape.dtype,
-      batch=shape.batch,
-      heads=shape.heads,
-      kv_heads=shape.kv_heads,
-      seqlen=shape.seqlen,
-      head_dim=shape.head_dim,
-      causal=shape.causal,
-      min_bytes=flops_lib.min_fwd_bwd_bytes(shape),
-  )
+  fields = dict(impl=impl.name, min_bytes=flops_lib.min_fwd_bwd_bytes(shape), **dataclasses.asdict(shape))
   reason = impl.supports(shape, opts)
   if reason is not None:
     return MemoryStep(status="unsupported", error=reason, **fields)

@@ -14,18 +14,6 @@ from jax_flash2.bench.progress import Progress
 from jax_flash2.bench.spec import CellResult, CheckResult, Shape, SweepConfig
 
 
-def _shape_fields(shape: Shape) -> dict[str, Any]:
-  return dict(
-      dtype=shape.dtype,
-      batch=shape.batch,
-      heads=shape.heads,
-      kv_heads=shape.kv_heads,
-      seqlen=shape.seqlen,
-      head_dim=shape.head_dim,
-      causal=shape.causal,
-  )
-
-
 def run_check(
     impl: impls_lib.Impl, shape: Shape, inputs: timing.Inputs, opts: impls_lib.Options, seed: int
 ) -> tuple[CheckResult, Any]:
@@ -36,7 +24,7 @@ def run_check(
   compiled fwd+bwd executable so the fwd+bwd cell can reuse it.
   """
   cshape = check_lib.check_shape(shape)
-  fields = _shape_fields(cshape)
+  fields = dataclasses.asdict(cshape)
   reason = impl.supports(cshape, opts)
   if reason is not None:
     return CheckResult(impl=impl.name, status="unsupported", error=reason, **fields), None
@@ -81,7 +69,7 @@ def run_cell(
     compiled: Any = None,
 ) -> CellResult:
   """Compiles and times one cell; any failure is caught and becomes its status."""
-  fields = dict(impl=impl.name, mode=mode, **_shape_fields(shape))
+  fields = dict(impl=impl.name, mode=mode, **dataclasses.asdict(shape))
   flops = flops_lib.mode_flops(shape, mode)
   memory_fields: dict[str, Any] = {}
   if mode == "fwd+bwd":
@@ -137,7 +125,7 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> tuple[list[
         status, short = timing.classify(exc)
         for impl in impls:
           for mode in cfg.modes:
-            fields = dict(impl=impl.name, mode=mode, **_shape_fields(shape))
+            fields = dict(impl=impl.name, mode=mode, **dataclasses.asdict(shape))
             cells.append(CellResult(status=status, error=f"inputs: {short}", **fields))
             progress.update(f"{impl.name} {mode} {shape.describe()}")
         timing.free()
