@@ -1,0 +1,310 @@
+"""`attention_fn` for Flax's multi-head attention modules, backed by jax_flash2.
+
+`flax.linen.MultiHeadDotProductAttention` and `flax.nnx.MultiHeadAttention`
+project the inputs to query/key/value and then call
+``attention_fn(query, key, value, **kwargs)``. Passing an attention function
+from this module makes them run `jax_flash2.flash_attention` instead of
+Flax's `dot_product_attention`; parameters, initialisation and outputs are
+unchanged, so existing checkpoints load as they are.
+
+Linen::
+
+    import flax.linen as nn
+    import jax, jax.numpy as jnp
+    from jax_flash2.flax import attention_fn, make_attention_fn
+
+    x = jnp.ones((4, 1024, 512), jnp.bfloat16)           # [batch, length, features]
+
+    # Drop-in: same module, same params, flash kernels underneath.
+    layer = nn.MultiHeadDotProductAttention(num_heads=8, dtype=jnp.bfloat16, attention_fn=attention_fn)
+    mask = nn.make_causal_mask(jnp.ones((4, 1024)))        # [batch, 1, length, length]
+    params = layer.init(jax.random.key(0), x, mask=mask)
+    y = layer.apply(params, x, mask=mask)                  # [4, 1024, 512]
+
+    # Causal without a mask array: no [batch, 1, L, L] mask in memory, and the
+    # kernels skip the blocks above the diagonal. Same params as above.
+    causal = nn.MultiHeadDotProductAttention(
+        num_heads=8, dtype=jnp.bfloat16, attention_fn=make_attention_fn(causal=True))
+    y = causal.apply(params, x)
+
+NNX::
+
+    from flax import nnx
+    import jax.numpy as jnp
+    from jax_flash2.flax import attention_fn
+
+    layer = nnx.MultiHeadAttention(
+        num_heads=8, in_features=512, dtype=jnp.bfloat16, decode=False,
+        attention_fn=attention_fn, rngs=nnx.Rngs(0))
+    x = jnp.ones((4, 1024, 512), jnp.bfloat16)
+    y = layer(x, is_causal=True)                           # causal via the kernel's flag
+    y = layer(x, mask=nnx.make_causal_mask(jnp.ones((4, 1024))))  # or any mask
+
+What maps onto what (the keywords the modules pass, as of flax 0.12):
+
+- ``query``/``key``/``value`` ``[batch..., length, heads, head_dim]``: any
+  number of leading batch axes (none included) are flattened into one and
+  restored on the output. head_dim must be a multiple of 8 in [8, 256].
+  Grouped-query attention (NNX ``num_kv_heads``): key/value heads are
+  repeated to the query heads before the call.
+- ``mask`` ``[batch..., heads or 1, q_length, kv_length]`` (or anything
+  broadcastable to it), nonzero = visible: passed to the kernels.
+- ``is_causal`` (NNX): with q_length == kv_length the kernel's causal flag;
+  otherwise Flax's top-left ``tril(ones((q_length, kv_length)))`` is applied
+  as a mask, as Flax does. (NNX turns it off in decode mode itself.)
+- ``dtype``: query/key/value are cast to it when given; otherwise promoted to
+  their common dtype. The output has that dtype. float16, bfloat16, float32.
+- ``precision``: accepted and ignored; the kernels fix their own precision
+  (float32 accumulation; float32 inputs use full-precision dots).
+- ``force_fp32_for_softmax``: accepted; the softmax is always float32.
+- ``deterministic``, ``dropout_rng``, ``broadcast_dropout``: accepted; see
+  dropout below.
+
+Not supported (each raises a clear error rather than silently differing):
+
+- Attention dropout (``dropout_rate > 0`` and not ``deterministic``):
+  ValueError. Use ``dropout_rate=0.0`` or ``deterministic=True``.
+- Sowing the weights (``sow_weights=True``, which passes ``module``):
+  ValueError; the attention weights are never materialised.
+- ``bias``: ValueError (an additive bias is not supported by the kernels).
+- Linen's ``qk_attn_weights_einsum``/``attn_weights_value_einsum`` (AQT):
+  ValueError when not None.
+- ``input_positions`` (NNX forwards it to attention functions that apply
+  RoPE themselves, e.g. ``nnx.dot_product_attention_with_rope``): this
+  function applies no position embedding, so a non-None value raises
+  NotImplementedError rather than being ignored. Apply RoPE to the inputs or
+  projections before attention instead.
+
+Semantics that differ from Flax's default:
+
+- A query row whose mask hides every key gets zeros here; Flax's
+  ``dot_product_attention`` returns the mean of the values for it (a softmax
+  over equal ``finfo.min`` scores).
+- The ``causal`` flag bound with `make_attention_fn` follows
+  `jax_flash2.flash_attention`: with q_length != kv_length it is aligned
+  bottom-right (query i sees key j iff j <= i + kv_length - q_length), which
+  also makes it correct in linen's single-query decode step. NNX's
+  ``is_causal`` keeps Flax's top-left alignment (see above). Both agree when
+  q_length == kv_length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash2.api import flash_attention
+from jax_flash2.config import BlockSizes
+
+_BACKENDS = ("auto", "triton", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashAttentionFn:
+  """A Flax-compatible attention function with the flash options bound.
+
+  Frozen and hashable, so it can be a field of a Flax module or a static
+  argument. Build it with `make_attention_fn`; call it like Flax's
+  `dot_product_attention`.
+
+  Attributes:
+    causal: jax_flash2's causal flag (bottom-right aligned), always applied.
+    softmax_scale: scale of q.k; None means 1 / sqrt(head_dim), as in Flax.
+    backend: "auto", "triton" or "xla" (see `jax_flash2.flash_attention`).
+    interpret: run the Pallas kernels in interpret mode (CPU tests).
+    block_sizes: kernel tiles; None for the per-head_dim defaults.
+  """
+
+  causal: bool = False
+  softmax_scale: float | None = None
+  backend: str = "auto"
+  interpret: bool = False
+  block_sizes: BlockSizes | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.causal, bool):
+      raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
+    if self.backend not in _BACKENDS:
+      raise ValueError(f"backend must be one of {list(_BACKENDS)}, got {self.backend!r}")
+    if not isinstance(self.interpret, bool):
+      raise TypeError(f"interpret must be a bool, got {type(self.interpret).__name__}")
+    if self.interpret and self.backend == "xla":
+      raise ValueError("interpret=True runs the Pallas kernels; it cannot be combined with backend='xla'")
+    if self.block_sizes is not None and not isinstance(self.block_sizes, BlockSizes):
+      raise TypeError(f"block_sizes must be a jax_flash2.BlockSizes or None, got {type(self.block_sizes).__name__}")
+    if self.softmax_scale is not None and not isinstance(self.softmax_scale, (int, float)):
+      raise TypeError(f"softmax_scale must be a float or None, got {type(self.softmax_scale).__name__}")
+
+  def __call__(
+      self,
+      query: jax.Array,
+      key: jax.Array,
+      value: jax.Array,
+      bias: jax.Array | None = None,
+      mask: jax.Array | None = None,
+      broadcast_dropout: bool = True,
+      dropout_rng: jax.Array | None = None,
+      dropout_rate: float = 0.0,
+      deterministic: bool = False,
+      dtype: Any = None,
+      precision: Any = None,
+      module: Any = None,
+      force_fp32_for_softmax: bool = False,
+      *,
+      is_causal: bool = False,
+      input_positions: jax.Array | None = None,
+      qk_attn_weights_einsum: Any = None,
+      attn_weights_value_einsum: Any = None,
+  ) -> jax.Array:
+    """Attention over [batch..., length, heads, head_dim] inputs.
+
+    Args:
+      query: [batch..., q_length, heads, head_dim].
+      key: [batch..., kv_length, kv_heads, head_dim]; heads % kv_heads == 0.
+      value: [batch..., kv_length, kv_heads, head_dim].
+      bias: must be None (not supported).
+      mask: broadcastable to [batch..., heads, q_length, kv_length]; nonzero
+        = visible.
+      broadcast_dropout, dropout_rng: accepted; dropout is not supported.
+      dropout_rate, deterministic: dropout_rate > 0 with deterministic False
+        raises ValueError.
+      dtype: cast query/key/value to it; None promotes them to a common dtype.
+      precision: ignored (the kernels fix their precision).
+      module: must be None (attention weights are never materialised).
+      force_fp32_for_softmax: ignored (the softmax is always float32).
+      is_causal: NNX's causal flag (top-left aligned, as in Flax).
+      input_positions: must be None (no position embedding is applied here).
+      qk_attn_weights_einsum, attn_weights_value_einsum: must be None.
+
+    Returns:
+      [batch..., q_length, heads, head_dim] in the compute dtype.
+    """
+    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
+    _check_unsupported(bias, dropout_rate, deterministic, module, input_positions,
+                       qk_attn_weights_einsum, attn_weights_value_einsum)
+    query, key, value = _cast(query, key, value, dtype)
+    batch_shape = _batch_shape(query, key, value)
+    q, k, v = (_flatten_batch(x, batch_shape) for x in (query, key, value))
+    k, v = _repeat_kv_heads(k, v, q.shape[2])
+    if mask is not None:
+      mask = _flatten_mask(mask, batch_shape)
+    causal = self.causal
+    if is_causal:
+      if q.shape[1] == k.shape[1]:
+        causal = True
+      else:
+        mask = _and_masks(mask, jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_)))
+    out = flash_attention(
+        q, k, v, mask=mask, causal=causal, softmax_scale=self.softmax_scale,
+        backend=self.backend, interpret=self.interpret, block_sizes=self.block_sizes,
+    )
+    return out.reshape(batch_shape + out.shape[1:])
+
+
+def make_attention_fn(
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+    block_sizes: BlockSizes | None = None,
+) -> FlashAttentionFn:
+  """An `attention_fn` for Flax's attention modules with these flash options
+  bound (see `jax_flash2.flash_attention` for their meaning)."""
+  return FlashAttentionFn(
+      causal=causal, softmax_scale=softmax_scale, backend=backend, interpret=interpret,
+      block_sizes=block_sizes,
+  )
+
+
+# The drop-in with default options.
+attention_fn = make_attention_fn()
+
+
+def _check_unsupported(bias, dropout_rate, deterministic, module, input_positions, qk_einsum, v_einsum) -> None:
+  if bias is not None:
+    raise ValueError("jax_flash2.flax: an attention `bias` is not supported yet; pass a boolean `mask` instead")
+  if dropout_rate > 0.0 and not deterministic:
+    raise ValueError(
+        f"jax_flash2.flax: attention dropout (dropout_rate={dropout_rate}, deterministic=False) is not "
+        "supported yet (dropout inside the kernel is planned). Set dropout_rate=0.0 on the attention "
+        "module or call it with deterministic=True."
+    )
+  if module is not None:
+    raise ValueError(
+        "jax_flash2.flax: cannot sow attention weights (sow_weights=True): the flash kernels never "
+        "materialise them. Call without sow_weights, or use Flax's default attention_fn to inspect them."
+    )
+  if input_positions is not None:
+    raise NotImplementedError(
+        "jax_flash2.flax: attention_fn got input_positions, which NNX forwards for RoPE; this attention "
+        "function applies no position embedding. Rotate query/key before attention instead."
+    )
+  if qk_einsum is not None or v_einsum is not None:
+    raise ValueError(
+        "jax_flash2.flax: custom attention einsums (qk_attn_weights_einsum_cls / "
+        "attn_weights_value_einsum_cls) cannot be used with the flash kernels"
+    )
+
+
+def _cast(query, key, value, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Casts to `dtype`, or promotes to the common dtype when it is None."""
+  dtype = jnp.result_type(query, key, value) if dtype is None else jnp.dtype(dtype)
+  return tuple(jnp.asarray(x, dtype) for x in (query, key, value))
+
+
+def _batch_shape(query, key, value) -> tuple[int, ...]:
+  """The shared leading batch shape of [batch..., length, heads, head_dim] inputs."""
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim < 3:
+      raise ValueError(f"{name} must be [batch..., length, heads, head_dim], got shape {tuple(x.shape)}")
+  batch_shape = tuple(query.shape[:-3])
+  if tuple(key.shape[:-3]) != batch_shape or tuple(value.shape[:-3]) != batch_shape:
+    raise ValueError(
+        f"query, key and value batch dims must match: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+        f"value {tuple(value.shape)}"
+    )
+  return batch_shape
+
+
+def _flatten_batch(x: jax.Array, batch_shape: tuple[int, ...]) -> jax.Array:
+  """[batch..., length, heads, dim] -> [prod(batch), length, heads, dim]."""
+  return x.reshape((math.prod(batch_shape),) + x.shape[-3:])
+
+
+def _repeat_kv_heads(k: jax.Array, v: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
+  """Grouped-query attention: query head h reads kv head h // (heads // kv_heads)."""
+  kv_heads = k.shape[2]
+  if kv_heads == heads or heads % kv_heads:
+    return k, v  # equal, or an error flash_attention reports
+  rep = heads // kv_heads
+  return jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+
+
+def _flatten_mask(mask, batch_shape: tuple[int, ...]) -> jax.Array:
+  """[batch..., heads or 1, q, k] (or broadcastable) -> [prod(batch) or 1, heads or 1, q, k]."""
+  mask = jnp.asarray(mask)
+  rank = len(batch_shape) + 3
+  if mask.ndim > rank:
+    raise ValueError(
+        f"mask must be broadcastable to [batch..., heads, q_length, kv_length] with batch dims "
+        f"{batch_shape}, got shape {tuple(mask.shape)}"
+    )
+  mask = mask.reshape((1,) * (rank - mask.ndim) + tuple(mask.shape))
+  tail = tuple(mask.shape[len(batch_shape):])
+  if all(d == 1 for d in mask.shape[:len(batch_shape)]):
+    return mask.reshape((1,) + tail)
+  try:
+    mask = jnp.broadcast_to(mask, batch_shape + tail)
+  except ValueError:
+    raise ValueError(f"mask batch dims {tuple(mask.shape[:len(batch_shape)])} do not broadcast to "
+                     f"{batch_shape}") from None
+  return mask.reshape((math.prod(batch_shape),) + tail)
+
+
+def _and_masks(mask: jax.Array | None, extra: jax.Array) -> jax.Array:
+  """Visible where both are (either may broadcast)."""
+  return extra if mask is None else jnp.logical_and(mask != 0, extra)
