@@ -68,7 +68,7 @@ def main() -> None:
           f"fwd+bwd {ms_fb:.3f} ms {3.5 * fwd_flop / ms_fb / 1e9:.0f} TF/s", flush=True)
     records.append(dict(impl="cudnn", causal=causal, fwd_ms=ms_f, fwdbwd_ms=ms_fb))
     problem = Problem(args.seq, args.seq, d, padded_head_dim(d), causal, d**-0.5, "bfloat16")
-    out, lse = tf.forward(q, k, v, problem, KernelConfig(64, 64, 4, 2))
+    out, lse = tf.forward(q, k, v, None, problem, KernelConfig(64, 64, 4, 2))
     delta = tb.compute_delta(out, do, problem)
     for kernel in args.kernels.split(","):
       if args.configs:
@@ -79,11 +79,11 @@ def main() -> None:
       best = None
       for cfg in configs:
         if kernel == "fwd":
-          fn = lambda q, k, v, cfg=cfg: tf.forward(q, k, v, problem, cfg)
+          fn = lambda q, k, v, cfg=cfg: tf.forward(q, k, v, None, problem, cfg)
         elif kernel == "dkv":
-          fn = lambda q, k, v, cfg=cfg: tb.compute_dkv(q, k, v, do, lse, delta, problem, cfg)
+          fn = lambda q, k, v, cfg=cfg: tb.compute_dkv(q, k, v, do, lse, delta, None, problem, cfg)
         else:
-          fn = lambda q, k, v, cfg=cfg: tb.compute_dq(q, k, v, do, lse, delta, problem, cfg)
+          fn = lambda q, k, v, cfg=cfg: tb.compute_dq(q, k, v, do, lse, delta, None, problem, cfg)
         try:
           ms = median_ms(fn, q, k, v)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped

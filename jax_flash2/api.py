@@ -33,6 +33,7 @@ def flash_attention(
     k: jax.Array,
     v: jax.Array,
     *,
+    mask: jax.Array | None = None,
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
@@ -46,6 +47,10 @@ def flash_attention(
     q: [batch, seq_q, heads, head_dim] queries.
     k: [batch, seq_k, heads, head_dim] keys.
     v: [batch, seq_k, heads, head_dim] values.
+    mask: boolean or numeric array broadcastable to [batch, heads, seq_q,
+      seq_k]; nonzero means visible (what `flax.linen.make_attention_mask`
+      and `make_causal_mask` build). Applied block by block inside the
+      kernels; blocks it hides entirely are skipped. Combines with causal.
     causal: mask future keys. With seq_q != seq_k the mask is aligned
       bottom-right: query i sees key j iff j <= i + seq_k - seq_q. For seq_q=2,
       seq_k=5 (1 = visible)::
@@ -77,10 +82,12 @@ def flash_attention(
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a jax_flash2.BlockSizes or None, got {type(block_sizes).__name__}")
   kind = _resolve_backend(backend, interpret)
+  if mask is not None:
+    mask = _canonical_mask(mask, q, k)
 
   if kind is Backend.XLA:
     out, lse = reference.attention(
-        q, k, v, causal=bool(causal), softmax_scale=softmax_scale, compute_dtype=jnp.float32
+        q, k, v, mask=mask, causal=bool(causal), softmax_scale=softmax_scale, compute_dtype=jnp.float32
     )
   else:
     seq_q, seq_k = q.shape[1], k.shape[1]
@@ -92,9 +99,10 @@ def flash_attention(
         causal=bool(causal),
         softmax_scale=softmax_scale,
         dtype=jnp.dtype(q.dtype).name,
+        has_mask=mask is not None,
     )
     blocks = (block_sizes or default_block_sizes(head_dim, causal)).fit(seq_q, seq_k)
-    out, lse = flash(q, k, v, KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret)))
+    out, lse = flash(q, k, v, mask, KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret)))
   return (out, lse) if return_lse else out
 
 
@@ -120,6 +128,31 @@ def _check_arrays(q, k, v) -> None:
   head_dim = q.shape[-1]
   if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
     raise ValueError(f"head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim} ({shapes})")
+
+
+def _canonical_mask(mask, q, k) -> jax.Array:
+  """The mask as int8 [batch or 1, heads or 1, seq_q, seq_k], 1 = visible;
+  broadcast batch/head axes stay 1. (int8, not bool: the kernels load it.)"""
+  if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
+    raise TypeError(f"mask must be an array, got {type(mask).__name__}")
+  batch, seq_q, heads, _ = q.shape
+  full = (batch, heads, seq_q, k.shape[1])
+  if mask.ndim > 4:
+    raise ValueError(f"mask must be broadcastable to [batch, heads, seq_q, seq_k] = {full}, got {tuple(mask.shape)}")
+  shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+  for got, want, what in zip(shape, full, ("batch", "heads", "seq_q", "seq_k")):
+    if got not in (1, want):
+      raise ValueError(
+          f"mask {what} axis is {got}, expected 1 or {want}: mask {tuple(mask.shape)} is not broadcastable "
+          f"to [batch, heads, seq_q, seq_k] = {full}"
+      )
+  if not (jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.number)):
+    raise TypeError(f"mask must be boolean or numeric, got dtype {mask.dtype}")
+  # Query and key axes are always materialised (the kernels read tiles of
+  # them); batch and heads stay broadcast.
+  shape = (shape[0], shape[1], seq_q, k.shape[1])
+  visible = jnp.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape)) != 0
+  return jnp.broadcast_to(visible, shape).astype(jnp.int8)
 
 
 def _check_scale(softmax_scale, head_dim: int) -> float:

@@ -33,6 +33,7 @@ def attention(
     k: jax.Array,
     v: jax.Array,
     *,
+    mask: jax.Array | None = None,
     causal: bool = False,
     softmax_scale: float | None = None,
     compute_dtype: jnp.dtype | None = None,
@@ -42,6 +43,7 @@ def attention(
   Args:
     q: [batch, seq_q, heads, head_dim].
     k, v: [batch, seq_k, heads, head_dim].
+    mask: broadcastable to [batch, heads, seq_q, seq_k]; nonzero = visible.
     causal: bottom-right aligned causal mask (see `causal_visible`).
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
     compute_dtype: dtype of the arithmetic; defaults to q's dtype promoted to
@@ -61,6 +63,8 @@ def attention(
   s = jnp.einsum("bqhd,bkhd->bhqk", qc, kc, precision=jax.lax.Precision.HIGHEST) * softmax_scale
   if causal:
     s = jnp.where(causal_visible(q.shape[1], k.shape[1]), s, -jnp.inf)
+  if mask is not None:
+    s = jnp.where(mask != 0, s, -jnp.inf)
   # A row that sees nothing has max -inf; shifting by 0 instead keeps exp() at
   # 0 rather than NaN, and the guarded divide and log keep its gradient finite.
   m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))

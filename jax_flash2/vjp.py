@@ -1,7 +1,7 @@
 """The one custom_vjp joining the forward and backward Pallas kernels.
 
-Residuals are q, k, v, the output and the log-sum-exp: memory linear in the
-sequence length. The backward recomputes the probabilities from them.
+Residuals are q, k, v, the output and the log-sum-exp (and the caller's dense
+mask, if any): memory linear in the sequence length. The backward recomputes the probabilities from them.
 """
 
 from __future__ import annotations
@@ -26,23 +26,29 @@ class KernelCall:
   interpret: bool
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def flash(q: jax.Array, k: jax.Array, v: jax.Array, call: KernelCall) -> tuple[jax.Array, jax.Array]:
-  """(out, lse) of attention through the Pallas kernels; see api.flash_attention."""
-  return triton_forward.forward(q, k, v, call.problem, call.block_sizes.fwd, interpret=call.interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def flash(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, call: KernelCall
+) -> tuple[jax.Array, jax.Array]:
+  """(out, lse) of attention through the Pallas kernels; see api.flash_attention.
+
+  mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k] (nonzero = visible).
+  """
+  return triton_forward.forward(q, k, v, mask, call.problem, call.block_sizes.fwd, interpret=call.interpret)
 
 
-def _flash_fwd(q, k, v, call: KernelCall):
-  out, lse = flash(q, k, v, call)
-  return (out, lse), (q, k, v, out, lse)
+def _flash_fwd(q, k, v, mask, call: KernelCall):
+  out, lse = flash(q, k, v, mask, call)
+  return (out, lse), (q, k, v, mask, out, lse)
 
 
 def _flash_bwd(call: KernelCall, residuals, cotangents):
-  q, k, v, out, lse = residuals
+  q, k, v, mask, out, lse = residuals
   do, dlse = cotangents
-  return triton_backward.backward(
-      q, k, v, out, lse, do, dlse, call.problem, call.block_sizes, interpret=call.interpret
+  dq, dk, dv = triton_backward.backward(
+      q, k, v, out, lse, do, dlse, mask, call.problem, call.block_sizes, interpret=call.interpret
   )
+  return dq, dk, dv, None  # the mask takes no gradient
 
 
 flash.defvjp(_flash_fwd, _flash_bwd)

@@ -45,12 +45,15 @@ def _lse_log2(lse_ref, rows) -> jax.Array:
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, problem: Problem, block_q: int, block_k: int
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, problem: Problem, block_q: int, block_k: int
 ):
   # q_ref, do_ref: [seq_q, D]; lse_ref, delta_ref: [seq_q];
-  # k_ref, v_ref, dk_ref, dv_ref: [block_k, D].
+  # k_ref, v_ref, dk_ref, dv_ref: [block_k, D];
+  # with a dense mask, mask_ref: [seq_q, seq_k] and flags_ref: [Q blocks, K blocks].
+  mask_ref, flags_ref, dk_ref, dv_ref = refs if problem.has_mask else (None, None, *refs)
   cols = problem.head_mask()
-  k_start = pl.program_id(0) * block_k
+  k_block = pl.program_id(0)
+  k_start = k_block * block_k
   k_idx = tiles.indices(k_start, block_k)
   k_rows = k_idx < problem.seq_k if problem.seq_k % block_k else None
   k = tiles.load_tile(k_ref, k_rows, cols)
@@ -74,7 +77,10 @@ def _dkv_kernel(
     # transposed, instead of the register-resident P and dS.
     p_t = jnp.exp2(tiles.dot(k, q, problem, trans_b=True) * qk_scale - lse[None, :])
     if masked:
-      p_t = jnp.where(tiles.visible(problem, q_idx[None, :], k_idx[:, None]), p_t, 0.0)
+      visible_t = tiles.visible(problem, q_idx[None, :], k_idx[:, None])
+      if mask_ref is not None:
+        visible_t &= tiles.load_mask_tile(mask_ref, q_start, k_start, block_q, block_k, problem).T
+      p_t = jnp.where(visible_t, p_t, 0.0)
     dv += tiles.dot(p_t.astype(do.dtype), do, problem)
     dp_t = tiles.dot(v, do, problem, trans_b=True)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -84,6 +90,9 @@ def _dkv_kernel(
   d = problem.head_dim_padded
   zeros = jnp.zeros((block_k, d), jnp.float32)
   lo, full_lo, full_hi, hi = tiles.q_block_range(problem, k_start, block_q, block_k)
+  if problem.has_mask:
+    step = tiles.skip_hidden_blocks(step, lambda qb: flags_ref[qb, k_block] != 0)
+    full_lo = full_hi = lo  # every visible tile takes the element mask
   dk, dv = tiles.split_loop(step, (zeros, zeros), lo, full_lo, full_hi, hi)
   # S = scale * Q K^T, so the scale comes back once on dK.
   tiles.store_tile(dk_ref, (dk * problem.softmax_scale).astype(dk_ref.dtype), k_rows, cols)
@@ -91,12 +100,15 @@ def _dkv_kernel(
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, problem: Problem, block_q: int, block_k: int
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, problem: Problem, block_q: int, block_k: int
 ):
   # q_ref, do_ref, dq_ref: [block_q, D]; lse_ref, delta_ref: [block_q];
-  # k_ref, v_ref: [seq_k, D].
+  # k_ref, v_ref: [seq_k, D];
+  # with a dense mask, mask_ref: [seq_q, seq_k] and flags_ref: [Q blocks, K blocks].
+  mask_ref, flags_ref, dq_ref = refs if problem.has_mask else (None, None, *refs)
   cols = problem.head_mask()
-  q_start = tiles.q_block_of_program(pl.program_id(0), problem.seq_q, block_q) * block_q
+  q_block = tiles.q_block_of_program(pl.program_id(0), problem.seq_q, block_q)
+  q_start = q_block * block_q
   q_idx = tiles.indices(q_start, block_q)
   rows = q_idx < problem.seq_q if problem.seq_q % block_q else None
   q = tiles.load_tile(q_ref, rows, cols)
@@ -115,12 +127,18 @@ def _dq_kernel(
     v = tiles.load_tile(v_ref.at[k_slice, :], k_rows, cols)
     p = jnp.exp2(tiles.dot(q, k, problem, trans_b=True) * qk_scale - lse[:, None])
     if masked:
-      p = jnp.where(tiles.visible(problem, q_idx[:, None], k_idx[None, :]), p, 0.0)
+      visible = tiles.visible(problem, q_idx[:, None], k_idx[None, :])
+      if mask_ref is not None:
+        visible &= tiles.load_mask_tile(mask_ref, q_start, k_start, block_q, block_k, problem)
+      p = jnp.where(visible, p, 0.0)
     dp = tiles.dot(do, v, problem, trans_b=True)
     ds = p * (dp - delta[:, None])
     return dq + tiles.dot(ds.astype(k.dtype), k, problem)
 
   full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
+  if problem.has_mask:
+    step = tiles.skip_hidden_blocks(step, lambda kb: flags_ref[q_block, kb] != 0)
+    full_hi = 0  # every visible tile takes the element mask
   dq = tiles.split_loop(step, jnp.zeros((block_q, problem.head_dim_padded), jnp.float32), 0, 0, full_hi, hi)
   tiles.store_tile(dq_ref, (dq * problem.softmax_scale).astype(dq_ref.dtype), rows, cols)
 
@@ -141,14 +159,19 @@ def compute_delta(out: jax.Array, do: jax.Array, problem: Problem, *, interpret:
   )(out, do)
 
 
-def compute_dkv(q, k, v, do, lse, delta, problem: Problem, config: KernelConfig, *, interpret: bool = False):
+def _with_mask(in_specs, args, mask, block_q, block_k):
+  """Appends the dense mask and its tile flags (for these tiles) to a call."""
+  if mask is None:
+    return in_specs, args
+  return [*in_specs, *tiles.mask_specs(mask, block_q, block_k)], [*args, mask, tiles.block_flags(mask, block_q, block_k)]
+
+
+def compute_dkv(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelConfig, *, interpret: bool = False):
   """(dK, dV), each like k; lse and delta are float32 [batch, heads, seq_q]."""
   batch, seq_q, heads, d = *q.shape[:3], problem.head_dim_padded
   bq, bk = config.block_q, config.block_k
-  return pl.pallas_call(
-      functools.partial(_dkv_kernel, problem=problem, block_q=bq, block_k=bk),
-      grid=(pl.cdiv(k.shape[1], bk), batch, heads),
-      in_specs=[
+  in_specs, args = _with_mask(
+      [
           tiles.whole_seq_spec(seq_q, bq, d),
           tiles.rows_spec(bk, d),
           tiles.rows_spec(bk, d),
@@ -156,22 +179,29 @@ def compute_dkv(q, k, v, do, lse, delta, problem: Problem, config: KernelConfig,
           tiles.whole_row_vector_spec(seq_q, bq),
           tiles.whole_row_vector_spec(seq_q, bq),
       ],
+      [q, k, v, do, lse, delta],
+      mask,
+      bq,
+      bk,
+  )
+  return pl.pallas_call(
+      functools.partial(_dkv_kernel, problem=problem, block_q=bq, block_k=bk),
+      grid=(pl.cdiv(k.shape[1], bk), batch, heads),
+      in_specs=in_specs,
       out_specs=[tiles.rows_spec(bk, d), tiles.rows_spec(bk, d)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name="flash2_bwd_dkv",
-  )(q, k, v, do, lse, delta)
+  )(*args)
 
 
-def compute_dq(q, k, v, do, lse, delta, problem: Problem, config: KernelConfig, *, interpret: bool = False):
+def compute_dq(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelConfig, *, interpret: bool = False):
   """dQ, like q; lse and delta are float32 [batch, heads, seq_q]."""
   batch, seq_q, heads, d = *q.shape[:3], problem.head_dim_padded
   bq, bk = config.block_q, config.block_k
-  return pl.pallas_call(
-      functools.partial(_dq_kernel, problem=problem, block_q=bq, block_k=bk),
-      grid=(pl.cdiv(seq_q, bq), batch, heads),
-      in_specs=[
+  in_specs, args = _with_mask(
+      [
           tiles.rows_spec(bq, d, seq_q),
           tiles.whole_seq_spec(k.shape[1], bk, d),
           tiles.whole_seq_spec(k.shape[1], bk, d),
@@ -179,12 +209,21 @@ def compute_dq(q, k, v, do, lse, delta, problem: Problem, config: KernelConfig, 
           tiles.row_vector_spec(bq, seq_q),
           tiles.row_vector_spec(bq, seq_q),
       ],
+      [q, k, v, do, lse, delta],
+      mask,
+      bq,
+      bk,
+  )
+  return pl.pallas_call(
+      functools.partial(_dq_kernel, problem=problem, block_q=bq, block_k=bk),
+      grid=(pl.cdiv(seq_q, bq), batch, heads),
+      in_specs=in_specs,
       out_specs=tiles.rows_spec(bq, d, seq_q),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name="flash2_bwd_dq",
-  )(q, k, v, do, lse, delta)
+  )(*args)
 
 
 def backward(
@@ -195,6 +234,7 @@ def backward(
     lse: jax.Array,
     do: jax.Array,
     dlse: jax.Array,
+    mask: jax.Array | None,
     problem: Problem,
     block_sizes: BlockSizes,
     *,
@@ -207,6 +247,7 @@ def backward(
     out, do: like q (the forward output and its cotangent).
     lse, dlse: float32 [batch, heads, seq_q] (the forward's log-sum-exp and its
       cotangent).
+    mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
 
   Returns:
     dq, dk, dv, each like its primal.
@@ -214,6 +255,6 @@ def backward(
   # d lse / d S = P, so a cotangent on lse adds P * dlse to
   # dS = P * (dP - delta): it folds into delta.
   delta = compute_delta(out, do, problem, interpret=interpret) - dlse
-  dk, dv = compute_dkv(q, k, v, do, lse, delta, problem, block_sizes.dkv, interpret=interpret)
-  dq = compute_dq(q, k, v, do, lse, delta, problem, block_sizes.dq, interpret=interpret)
+  dk, dv = compute_dkv(q, k, v, do, lse, delta, mask, problem, block_sizes.dkv, interpret=interpret)
+  dq = compute_dq(q, k, v, do, lse, delta, mask, problem, block_sizes.dq, interpret=interpret)
   return dq, dk, dv

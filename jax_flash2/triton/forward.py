@@ -20,10 +20,13 @@ from jax_flash2.triton import tiles
 from jax_flash2.triton.tiles import LN_2, LOG2_E, Problem
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, problem: Problem, block_q: int, block_k: int):
-  # q_ref, o_ref: [block_q, D]; k_ref, v_ref: [seq_k, D]; lse_ref: [block_q].
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, block_k: int):
+  # q_ref, o_ref: [block_q, D]; k_ref, v_ref: [seq_k, D]; lse_ref: [block_q];
+  # with a dense mask, mask_ref: [seq_q, seq_k] and flags_ref: [Q blocks, K blocks].
+  mask_ref, flags_ref, o_ref, lse_ref = refs if problem.has_mask else (None, None, *refs)
   seq_q, seq_k = problem.seq_q, problem.seq_k
-  q_start = tiles.q_block_of_program(pl.program_id(0), seq_q, block_q) * block_q
+  q_block = tiles.q_block_of_program(pl.program_id(0), seq_q, block_q)
+  q_start = q_block * block_q
   q_idx = tiles.indices(q_start, block_q)
   cols = problem.head_mask()
   ragged_q = seq_q % block_q != 0
@@ -43,7 +46,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, problem: Problem, bl
     k = tiles.load_tile(k_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
     s = tiles.dot(q, k, problem, trans_b=True)  # [block_q, block_k]
     if masked:
-      s = jnp.where(tiles.visible(problem, q_idx[:, None], k_idx[None, :]), s, -jnp.inf)
+      visible = tiles.visible(problem, q_idx[:, None], k_idx[None, :])
+      if mask_ref is not None:
+        visible &= tiles.load_mask_tile(mask_ref, q_start, k_start, block_q, block_k, problem)
+      s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * qk_scale)
     if masked:
       # A row that has seen only masked scores so far keeps m = -inf; shift
@@ -57,13 +63,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, problem: Problem, bl
     return acc, m_new, l_i
 
   full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
+  if problem.has_mask:
+    step = tiles.skip_hidden_blocks(step, lambda kb: flags_ref[q_block, kb] != 0)
+    full_hi = 0  # every visible tile takes the element mask
   acc = jnp.zeros((block_q, problem.head_dim_padded), jnp.float32)
   m_i = jnp.full((block_q,), -jnp.inf, jnp.float32)
   l_i = jnp.zeros((block_q,), jnp.float32)
   acc, m_i, l_i = tiles.split_loop(step, (acc, m_i, l_i), 0, 0, full_hi, hi)
 
-  # Rows that saw no key (causal with seq_q > seq_k) have l_i = 0: they get
-  # zeros and lse = -inf rather than 0/0.
+  # Rows that saw no key (causal with seq_q > seq_k, or a dense mask) have
+  # l_i = 0: they get zeros and lse = -inf rather than 0/0.
   seen = l_i > 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
   out = acc / l_safe[:, None]
@@ -76,6 +85,7 @@ def forward(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    mask: jax.Array | None,
     problem: Problem,
     config: KernelConfig,
     *,
@@ -85,6 +95,7 @@ def forward(
 
   Args:
     q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads, head_dim].
+    mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
 
   Returns:
     out: like q. lse: float32 [batch, heads, seq_q], natural log.
@@ -98,10 +109,14 @@ def forward(
   # share one (batch, head) and hit the same K/V in L2.
   grid = (pl.cdiv(seq_q, bq), batch, heads)
   kv_spec = tiles.whole_seq_spec(seq_k, bk, d)
+  in_specs, mask_args = [tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec], []
+  if mask is not None:
+    in_specs += tiles.mask_specs(mask, bq, bk)
+    mask_args = [mask, tiles.block_flags(mask, bq, bk)]
   return pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=[tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec],
+      in_specs=in_specs,
       out_specs=[tiles.rows_spec(bq, d, seq_q), tiles.row_vector_spec(bq, seq_q)],
       out_shape=[
           jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -110,4 +125,4 @@ def forward(
       compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name="flash2_fwd",
-  )(q, k, v)
+  )(q, k, v, *mask_args)

@@ -33,6 +33,10 @@ class Problem:
   causal: bool
   softmax_scale: float
   dtype: Any
+  # A dense mask ([batch or 1, heads or 1, seq_q, seq_k] int8, nonzero =
+  # visible) comes with a per-tile summary that lets the loops skip tiles it
+  # hides entirely; every tile it leaves visible runs with the element mask.
+  has_mask: bool = False
 
   @property
   def offset(self) -> int:
@@ -67,8 +71,8 @@ def _and(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
   return a & b
 
 
-def load_tile(ref, rows: jax.Array | None, cols: jax.Array | None) -> jax.Array:
-  """Loads a [rows, cols] tile, zero-filling rows or columns outside the array.
+def load_tile(ref, rows: jax.Array | None, cols: jax.Array | None, other=0.0) -> jax.Array:
+  """Loads a [rows, cols] tile, filling rows or columns outside the array with `other`.
 
   `rows` and `cols` are bool validity vectors, or None where every index is
   valid; with both None this is a plain, unmasked (fastest) load.
@@ -76,7 +80,7 @@ def load_tile(ref, rows: jax.Array | None, cols: jax.Array | None) -> jax.Array:
   mask = _and(None if rows is None else rows[:, None], None if cols is None else cols[None, :])
   if mask is None:
     return ref[...]
-  return plgpu.load(ref, mask=mask, other=0.0)
+  return plgpu.load(ref, mask=mask, other=other)
 
 
 def store_tile(ref, value: jax.Array, rows: jax.Array | None, cols: jax.Array | None) -> None:
@@ -171,22 +175,68 @@ def split_loop(
 
   Blocks in [full_lo, full_hi) are known to be wholly visible and run without
   the element mask; those in [lo, full_lo) and [full_hi, hi) cross the causal
-  diagonal or a ragged end and run with it. Requires
-  lo <= full_lo <= full_hi <= hi.
+  diagonal, a ragged end or a dense mask, and run with it. Requires
+  lo <= full_lo <= full_hi <= hi. A stretch whose two bounds are the same
+  value is left out at trace time.
   """
 
+  def empty(start, stop) -> bool:
+    return start is stop or (isinstance(start, int) and isinstance(stop, int) and start == stop)
+
   def run(start, stop, masked, carry):
+    if empty(start, stop):
+      return carry
     if isinstance(start, int) and isinstance(stop, int) and stop - start == 1:
       # One static block (the ragged tail of an unmasked sequence): no loop.
       return step(jnp.int32(start), carry, masked)
     return lax.fori_loop(start, stop, lambda i, c: step(i, c, masked), carry)
 
-  if not (isinstance(lo, int) and isinstance(full_lo, int) and lo == full_lo):
-    carry = run(lo, full_lo, True, carry)
+  carry = run(lo, full_lo, True, carry)
   carry = run(full_lo, full_hi, False, carry)
-  if not (isinstance(full_hi, int) and isinstance(hi, int) and full_hi == hi):
-    carry = run(full_hi, hi, True, carry)
-  return carry
+  return run(full_hi, hi, True, carry)
+
+
+def skip_hidden_blocks(step: Callable[[Any, Any, bool], Any], block_visible: Callable[[Any], jax.Array]):
+  """Wraps a loop step so that a block the dense mask hides entirely costs one
+  scalar load (its per-tile flag) instead of two matmuls."""
+
+  def gated(i, carry, masked: bool):
+    del masked  # with a dense mask every tile takes the element mask
+    return lax.cond(block_visible(i), lambda c: step(i, c, True), lambda c: c, carry)
+
+  return gated
+
+
+def load_mask_tile(mask_ref, q_start, k_start, block_q: int, block_k: int, problem: Problem) -> jax.Array:
+  """[block_q, block_k] bool tile of the dense mask; outside the array reads hidden."""
+  rows = indices(q_start, block_q) < problem.seq_q if problem.seq_q % block_q else None
+  cols = indices(k_start, block_k) < problem.seq_k if problem.seq_k % block_k else None
+  tile = mask_ref.at[pl.ds(q_start, block_q), pl.ds(k_start, block_k)]
+  return load_tile(tile, rows, cols, other=0) != 0
+
+
+def block_flags(mask: jax.Array, block_q: int, block_k: int) -> jax.Array:
+  """int32 [batch or 1, heads or 1, Q blocks, K blocks]: 1 where a tile has a
+  visible score, 0 where the mask hides it entirely."""
+  bm, hm, seq_q, seq_k = mask.shape
+  nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
+  padded = jnp.pad(mask != 0, ((0, 0), (0, 0), (0, nq * block_q - seq_q), (0, nk * block_k - seq_k)))
+  return jnp.any(padded.reshape(bm, hm, nq, block_q, nk, block_k), axis=(3, 5)).astype(jnp.int32)
+
+
+def mask_specs(mask: jax.Array, block_q: int, block_k: int) -> tuple[pl.BlockSpec, pl.BlockSpec]:
+  """BlockSpecs of the dense mask's (batch, head) slab and of its tile flags,
+  over a grid (blocks, batch, heads); broadcast batch/head axes read index 0."""
+  bm, hm, seq_q, seq_k = mask.shape
+
+  def index(i, b, h):
+    return (b if bm > 1 else 0, h if hm > 1 else 0, 0, 0)
+
+  nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
+  return (
+      pl.BlockSpec((None, None, nq * block_q, nk * block_k), index),
+      pl.BlockSpec((None, None, nq, nk), index),
+  )
 
 
 def floordiv(a: jax.Array, b: int) -> jax.Array:
