@@ -29,6 +29,8 @@ SHAPES = [
     (2, 777, 777, 2, 80),  # head_dim padded to 128 inside
     (1, 8192, 8192, 1, 128),
 ]
+# fp16 on a subset: the kernels are dtype-generic, and the suite must fit a lease.
+FP16_SHAPES = [SHAPES[0], SHAPES[3], SHAPES[5]]
 
 
 @jax.jit
@@ -38,27 +40,24 @@ def _poison():
   return jnp.full((1 << 28,), jnp.nan, jnp.float32)
 
 
-def _flash(q, k, v, dout, causal):
+def _flash(q, k, v, dout, mask, causal):
   def f(q, k, v):
-    return flash_attention(q, k, v, causal=causal, return_lse=True, backend="triton")
+    return flash_attention(q, k, v, mask=mask, causal=causal, return_lse=True, backend="triton")
 
   (out, lse), vjp = jax.vjp(f, q, k, v)
   return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
 
 
-_flash_jit = jax.jit(_flash, static_argnums=4)
+_flash_jit = jax.jit(_flash, static_argnums=5)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_reference(shape, dtype, causal):
+def _check(shape, dtype, causal, mask=None):
   batch, seq_q, seq_k, heads, head_dim = shape
   q, k, v, dout = random_inputs(hash((shape, causal)) % 2**31, batch, seq_q, seq_k, heads, head_dim, dtype)
   _poison().block_until_ready()
-  got = _flash_jit(q, k, v, dout, causal)
-  want = reference_with_grads(q, k, v, dout, causal=causal, dtype=jnp.float32)
-  plain = reference_with_grads(q, k, v, dout, causal=causal, dtype=dtype)
+  got = _flash_jit(q, k, v, dout, mask, causal)
+  want = reference_with_grads(q, k, v, dout, mask=mask, causal=causal, dtype=jnp.float32)
+  plain = reference_with_grads(q, k, v, dout, mask=mask, causal=causal, dtype=dtype)
   for name, x, ref, base in zip(("out", "lse", "dq", "dk", "dv"), got, want, plain):
     err, base_err = rel_err(x, ref), rel_err(base, ref)
     factor = 2.0 if name in ("out", "lse") else 3.0
@@ -66,10 +65,33 @@ def test_matches_reference(shape, dtype, causal):
     assert err <= factor * base_err, f"{name}: error {err:.3g} > {factor} x plain {dtype.__name__} {base_err:.3g}"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_bf16_matches_reference(shape, causal):
+  _check(shape, jnp.bfloat16, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", FP16_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp16_matches_reference(shape, causal):
+  _check(shape, jnp.float16, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dense_mask(causal):
+  # Key padding per batch row plus a random pattern: partial, hidden and
+  # fully visible tiles all occur.
+  shape = (2, 1500, 1300, 4, 128)
+  lengths = jnp.array([1300, 700])
+  keep = jnp.arange(shape[2])[None, :] < lengths[:, None]  # [batch, seq_k]
+  pattern = jax.random.bernoulli(jax.random.PRNGKey(0), 0.9, (1, 1, shape[1], shape[2]))
+  _check(shape, jnp.bfloat16, causal, mask=keep[:, None, None, :] & pattern)
+
+
 def test_gradients_are_bitwise_deterministic():
   q, k, v, dout = random_inputs(1, 2, 2048, 2048, 4, 128, jnp.bfloat16)
-  first = _flash_jit(q, k, v, dout, True)
-  second = _flash_jit(q, k, v, dout, True)
+  first = _flash_jit(q, k, v, dout, None, True)
+  second = _flash_jit(q, k, v, dout, None, True)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
 
@@ -77,5 +99,5 @@ def test_gradients_are_bitwise_deterministic():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_no_nan_at_16k(causal):
   q, k, v, dout = random_inputs(2, 1, 16384, 16384, 4, 128, jnp.bfloat16)
-  for x in _flash_jit(q, k, v, dout, causal):
+  for x in _flash_jit(q, k, v, dout, None, causal):
     assert bool(jnp.all(jnp.isfinite(x.astype(jnp.float32))))

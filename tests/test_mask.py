@@ -9,7 +9,6 @@ import pytest
 
 from conftest import random_inputs, reference_with_grads, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
-from jax_flash2 import reference
 
 SMALL = BlockSizes(fwd=KernelConfig(16, 16), dkv=KernelConfig(16, 16), dq=KernelConfig(16, 16))
 MIXED = BlockSizes(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(32, 16))
@@ -23,12 +22,6 @@ def _run(q, k, v, dout, mask, causal, block_sizes):
 
   (out, lse), vjp = jax.vjp(f, q, k, v)
   return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
-
-
-def _reference(q, k, v, dout, mask, causal):
-  args = [x.astype(jnp.float64) for x in (q, k, v)]
-  (out, lse), vjp = jax.vjp(lambda q, k, v: reference.attention(q, k, v, mask=mask, causal=causal), *args)
-  return (out, lse, *vjp((dout.astype(jnp.float64), jnp.zeros_like(lse))))
 
 
 def _random_mask(seed, shape, dtype=jnp.bool_):
@@ -51,7 +44,7 @@ def test_matches_reference(mask_kind, causal):
   q, k, v, dout = random_inputs(1, BATCH, SEQ_Q, SEQ_K, HEADS, HEAD_DIM)
   mask = _random_mask(2, MASK_SHAPES[mask_kind])
   got = _run(q, k, v, dout, mask, causal, SMALL)
-  want = _reference(q, k, v, dout, mask, causal)
+  want = reference_with_grads(q, k, v, dout, mask=mask, causal=causal)
   floor = 0.1 * float(jnp.linalg.norm(dout))
   for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
     assert rel_err(x, ref, floor=floor if name.startswith("d") else 0.0) < 1e-5, name
@@ -76,7 +69,7 @@ def test_hidden_tiles_are_never_read():
   mask = _random_mask(6, (1, 1, 40, 48)).at[..., 16:32].set(False)
   poisoned = lambda x: x.at[:, 16:32].set(jnp.nan)
   got = _run(q, poisoned(k), poisoned(v), dout, mask, True, SMALL)
-  want = _reference(q, k, v, dout, mask, True)
+  want = reference_with_grads(q, k, v, dout, mask=mask, causal=True)
   floor = 0.1 * float(jnp.linalg.norm(dout))
   for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
     assert rel_err(x, ref, floor=floor if name.startswith("d") else 0.0) < 1e-5, name
