@@ -1,0 +1,265 @@
+"""jax_flash2.flax: Flax's attention modules with our attention_fn match the
+same modules with Flax's default attention (outputs and parameter gradients),
+kernels in interpret mode, float32."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import rel_err
+from jax_flash2 import BlockSizes, KernelConfig
+from jax_flash2.flax import FlashAttentionFn, attention_fn, make_attention_fn
+
+SMALL = BlockSizes(fwd=KernelConfig(16, 16), dkv=KernelConfig(16, 16), dq=KernelConfig(16, 16))
+FLASH = make_attention_fn(interpret=True, block_sizes=SMALL)
+BATCH, SEQ, HEADS, HEAD_DIM = 2, 24, 2, 16
+FEATURES = HEADS * HEAD_DIM
+TOL = 1e-5
+
+
+def _inputs(batch_shape=(BATCH,), seq=SEQ, seed=1):
+  """x [batch..., seq, features] and an output cotangent of the same shape."""
+  kx, kd = jax.random.split(jax.random.PRNGKey(seed))
+  shape = (*batch_shape, seq, FEATURES)
+  return jax.random.normal(kx, shape, jnp.float32), jax.random.normal(kd, shape, jnp.float32)
+
+
+def _key_padding_mask(batch_shape, seq=SEQ):
+  """[batch..., 1, seq, seq]: example i hides its last 3 * i keys (never all)."""
+  n = int(np.prod(batch_shape))
+  lengths = seq - 3 * np.arange(n).reshape(batch_shape)
+  kv_valid = jnp.arange(seq) < lengths[..., None]
+  return nn.make_attention_mask(jnp.ones((*batch_shape, seq), jnp.bool_), kv_valid)
+
+
+def _causal_mask(batch_shape, seq=SEQ):
+  return nn.make_causal_mask(jnp.ones((*batch_shape, seq)))
+
+
+# ---------------------------------------------------------------- linen
+
+
+def _linen_out_and_grads(attention, params, x, dout, mask):
+  layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=attention)
+
+  def loss(p):
+    out = layer.apply(p, x, mask=mask)
+    return jnp.sum(out * dout), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  return out, grads
+
+
+def _assert_trees_close(got, want):
+  """Leaf by leaf rel_err < tol. The key projection's bias has an exactly zero
+  gradient (softmax ignores a shift shared by all keys), so each leaf's error
+  is measured against at least 1% of the whole gradient's norm."""
+  paths_got, tree_got = jax.tree_util.tree_flatten_with_path(got)
+  paths_want, tree_want = jax.tree_util.tree_flatten_with_path(want)
+  assert tree_got == tree_want
+  floor = 0.01 * float(jnp.sqrt(sum(jnp.sum(jnp.square(w)) for _, w in paths_want)))
+  for (path, g), (_, w) in zip(paths_got, paths_want):
+    assert rel_err(g, w, floor=floor) < TOL, jax.tree_util.keystr(path)
+
+
+LINEN_CASES = {
+    "no_mask": ((BATCH,), lambda b: None),
+    "causal_mask": ((BATCH,), _causal_mask),
+    "padding_mask": ((BATCH,), _key_padding_mask),
+    "leading_batch_dims_padding_and_causal": (
+        (2, 3), lambda b: nn.combine_masks(_key_padding_mask(b), _causal_mask(b))),
+}
+
+
+@pytest.mark.parametrize("case", list(LINEN_CASES))
+def test_linen_matches_default_attention(case):
+  batch_shape, make_mask = LINEN_CASES[case]
+  x, dout = _inputs(batch_shape)
+  mask = make_mask(batch_shape)
+  params = nn.MultiHeadDotProductAttention(num_heads=HEADS).init(jax.random.PRNGKey(0), x)
+  out, grads = _linen_out_and_grads(FLASH, params, x, dout, mask)
+  want_out, want_grads = _linen_out_and_grads(nn.dot_product_attention, params, x, dout, mask)
+  assert out.shape == x.shape and out.dtype == jnp.float32
+  assert rel_err(out, want_out) < TOL
+  _assert_trees_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("batch_shape, mask_shape", [
+    ((2, 3), (1, 1, 1, SEQ, SEQ)),  # shared by every example
+    ((2, 3), (2, 1, 1, 1, SEQ)),  # per outer batch index, key padding style
+    ((2, 3), (HEADS, SEQ, SEQ)),  # fewer dims than the inputs
+    ((), (HEADS, SEQ, SEQ)),  # no batch axis at all
+], ids=["shared", "partly_broadcast", "low_rank", "unbatched"])
+def test_mask_shapes_broadcast_like_flax(batch_shape, mask_shape):
+  """Mask reshaping around the flattened batch (XLA backend: cheap)."""
+  q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (*batch_shape, SEQ, HEADS, HEAD_DIM), jnp.float32)
+             for i in range(3))
+  mask = jax.random.bernoulli(jax.random.PRNGKey(7), 0.7, mask_shape).at[..., 0].set(True)  # no empty row
+  got = make_attention_fn(backend="xla")(q, k, v, mask=mask)
+  assert got.shape == q.shape
+  assert rel_err(got, nn.dot_product_attention(q, k, v, mask=mask)) < TOL
+
+
+def test_linen_bound_causal_matches_causal_mask():
+  x, dout = _inputs()
+  params = nn.MultiHeadDotProductAttention(num_heads=HEADS).init(jax.random.PRNGKey(0), x)
+  causal = make_attention_fn(causal=True, interpret=True, block_sizes=SMALL)
+  out, grads = _linen_out_and_grads(causal, params, x, dout, None)
+  want_out, want_grads = _linen_out_and_grads(nn.dot_product_attention, params, x, dout, _causal_mask((BATCH,)))
+  assert rel_err(out, want_out) < TOL
+  _assert_trees_close(grads, want_grads)
+
+
+def test_fully_masked_query_rows_give_zeros_not_flaxs_mean():
+  """Documented difference: a query that sees no key gets zeros here, the mean
+  of the values in Flax. Every other row matches."""
+  q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (BATCH, SEQ, HEADS, HEAD_DIM), jnp.float32) for i in range(3))
+  q_valid = jnp.arange(SEQ) < 20  # queries 20.. are padding: their rows see nothing
+  mask = nn.make_attention_mask(jnp.broadcast_to(q_valid, (BATCH, SEQ)), jnp.ones((BATCH, SEQ)))
+  got = FLASH(q, k, v, mask=mask)
+  want = nn.dot_product_attention(q, k, v, mask=mask)
+  assert rel_err(got[:, :20], want[:, :20]) < TOL
+  np.testing.assert_array_equal(np.asarray(got[:, 20:]), 0.0)
+  np.testing.assert_allclose(np.asarray(want[:, 20:]), np.broadcast_to(v.mean(1, keepdims=True), want[:, 20:].shape),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_linen_dtype_is_applied():
+  x, _ = _inputs()
+  layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, dtype=jnp.bfloat16,
+                                          attention_fn=make_attention_fn(backend="xla"))
+  params = layer.init(jax.random.PRNGKey(0), x)
+  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, dtype=jnp.bfloat16)
+  out, want = layer.apply(params, x), ref.apply(params, x)
+  assert out.dtype == jnp.bfloat16
+  assert rel_err(out, want) < 2e-2
+
+
+# ---------------------------------------------------------------- nnx
+
+
+def _nnx_layer(attention, num_kv_heads=None):
+  kwargs = {} if attention is None else {"attention_fn": attention}
+  return nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, num_kv_heads=num_kv_heads, decode=False,
+                                rngs=nnx.Rngs(0), **kwargs)
+
+
+def _nnx_out_and_grads(layer, x, dout, x_kv=None, **call):
+  def loss(m):
+    out = m(x, x_kv, **call)
+    return jnp.sum(out * dout), out
+
+  (_, out), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer)
+  return out, nnx.state(grads, nnx.Param)
+
+
+# (No mask at all is covered by the linen tests: the same attention_fn code path.)
+NNX_CASES = {
+    "is_causal": dict(batch_shape=(BATCH,), call=lambda b: {"is_causal": True}),
+    "leading_batch_dims_padding_mask_and_is_causal": dict(
+        batch_shape=(2, 3), call=lambda b: {"mask": _key_padding_mask(b), "is_causal": True}),
+    "grouped_query_is_causal": dict(batch_shape=(BATCH,), call=lambda b: {"is_causal": True}, num_kv_heads=1),
+    # seq_q != seq_k: is_causal keeps Flax's top-left tril (applied as a mask).
+    "cross_is_causal": dict(batch_shape=(BATCH,), call=lambda b: {"is_causal": True}, seq_kv=40),
+}
+
+
+@pytest.mark.parametrize("case", list(NNX_CASES))
+def test_nnx_matches_default_attention(case):
+  spec = NNX_CASES[case]
+  x, dout = _inputs(spec["batch_shape"])
+  x_kv = _inputs(spec["batch_shape"], seq=spec["seq_kv"], seed=2)[0] if "seq_kv" in spec else None
+  call = spec["call"](spec["batch_shape"])
+  ours, theirs = _nnx_layer(FLASH, spec.get("num_kv_heads")), _nnx_layer(None, spec.get("num_kv_heads"))
+  for a, b in zip(jax.tree.leaves(nnx.state(ours, nnx.Param)), jax.tree.leaves(nnx.state(theirs, nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # same init
+  out, grads = _nnx_out_and_grads(ours, x, dout, x_kv, **call)
+  want_out, want_grads = _nnx_out_and_grads(theirs, x, dout, x_kv, **call)
+  assert out.shape == x.shape
+  assert rel_err(out, want_out) < TOL
+  _assert_trees_close(grads, want_grads)
+
+
+# ---------------------------------------------------------------- options and errors
+
+
+def test_make_attention_fn_is_a_hashable_frozen_dataclass():
+  fn = make_attention_fn(causal=True, softmax_scale=0.5, block_sizes=SMALL)
+  assert isinstance(fn, FlashAttentionFn) and fn.causal and fn.softmax_scale == 0.5
+  assert fn == make_attention_fn(causal=True, softmax_scale=0.5, block_sizes=SMALL)
+  assert hash(fn) == hash(make_attention_fn(causal=True, softmax_scale=0.5, block_sizes=SMALL))
+  assert attention_fn == FlashAttentionFn()
+  with pytest.raises(AttributeError):
+    fn.causal = False  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(causal="yes"), TypeError, "causal"),
+    (dict(backend="cuda"), ValueError, "backend"),
+    (dict(backend="xla", interpret=True), ValueError, "interpret"),
+    (dict(block_sizes=(16, 16)), TypeError, "block_sizes"),
+])
+def test_make_attention_fn_validates(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    make_attention_fn(**kwargs)
+
+
+def test_linen_dropout_raises():
+  x, _ = _inputs()
+  layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.1, attention_fn=FLASH)
+  params = nn.MultiHeadDotProductAttention(num_heads=HEADS).init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match="dropout .* not supported yet"):
+    layer.apply(params, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)})
+  # Deterministic calls (evaluation) are fine.
+  assert layer.apply(params, x, deterministic=True).shape == x.shape
+
+
+def test_nnx_dropout_raises():
+  x, _ = _inputs()
+  layer = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, dropout_rate=0.1, decode=False,
+                                 attention_fn=FLASH, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="dropout .* not supported yet"):
+    layer(x, deterministic=False)
+
+
+def test_linen_sow_weights_raises():
+  x, _ = _inputs()
+  layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=FLASH)
+  params = layer.init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match="never materialise"):
+    layer.apply(params, x, sow_weights=True, mutable=["intermediates"])
+
+
+def test_nnx_sow_weights_raises():
+  x, _ = _inputs()
+  with pytest.raises(ValueError, match="never materialise"):
+    _nnx_layer(FLASH)(x, sow_weights=True)
+
+
+def test_nnx_input_positions_raise():
+  x, _ = _inputs()
+  with pytest.raises(NotImplementedError, match="no position embedding"):
+    _nnx_layer(FLASH)(x, input_positions=jnp.broadcast_to(jnp.arange(SEQ), (BATCH, SEQ)))
+
+
+def test_bias_raises():
+  q = jnp.zeros((BATCH, SEQ, HEADS, HEAD_DIM))
+  with pytest.raises(ValueError, match="bias"):
+    FLASH(q, q, q, bias=jnp.zeros((BATCH, HEADS, SEQ, SEQ)))
+
+
+def test_custom_einsum_raises():
+  q = jnp.zeros((BATCH, SEQ, HEADS, HEAD_DIM))
+  with pytest.raises(ValueError, match="einsum"):
+    FLASH(q, q, q, qk_attn_weights_einsum=jnp.einsum, attn_weights_value_einsum=jnp.einsum)
+
+
+def test_mismatched_batch_dims_raise():
+  q = jnp.zeros((BATCH, SEQ, HEADS, HEAD_DIM))
+  with pytest.raises(ValueError, match="batch dims must match"):
+    FLASH(q, q[:1], q[:1])
