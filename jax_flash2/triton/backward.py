@@ -34,13 +34,13 @@ def _delta_kernel(o_ref, do_ref, delta_ref, *, problem: Problem, block_q: int):
   rows = q_idx < problem.seq_q if problem.seq_q % block_q else None
   o = tiles.load_tile(o_ref, rows, problem.head_mask()).astype(jnp.float32)
   do = tiles.load_tile(do_ref, rows, problem.head_mask()).astype(jnp.float32)
-  tiles.store_rows(delta_ref, jnp.sum(o * do, axis=1), rows)
+  tiles.store(delta_ref, jnp.sum(o * do, axis=1), rows)
 
 
 def _lse_log2(lse_ref, rows) -> jax.Array:
   """Loads lse in the log2 domain. Rows that saw no key (lse = -inf) and rows
   past seq_q read +inf, so that their recomputed P is exp2(s - inf) = 0."""
-  lse = tiles.load_rows(lse_ref, rows, other=jnp.inf)
+  lse = tiles.load(lse_ref, rows, other=jnp.inf)
   return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2_E)
 
 
@@ -70,7 +70,7 @@ def _dkv_kernel(
     q = tiles.load_tile(q_ref.at[q_slice, :], rows, cols)
     do = tiles.load_tile(do_ref.at[q_slice, :], rows, cols)
     lse = _lse_log2(lse_ref.at[q_slice], rows)
-    delta = tiles.load_rows(delta_ref.at[q_slice], rows, other=0.0)
+    delta = tiles.load(delta_ref.at[q_slice], rows, other=0.0)
     # Work on the transposed [block_k, block_q] tile: dV = P^T dO and
     # dK = dS^T Q then take P^T and dS^T as they come out of the dot, and only
     # the Q and dO tiles (which pass through shared memory anyway) are
@@ -114,7 +114,7 @@ def _dq_kernel(
   q = tiles.load_tile(q_ref, rows, cols)
   do = tiles.load_tile(do_ref, rows, cols)
   lse = _lse_log2(lse_ref, rows)
-  delta = tiles.load_rows(delta_ref, rows, other=0.0)
+  delta = tiles.load(delta_ref, rows, other=0.0)
   qk_scale = problem.softmax_scale * LOG2_E
   ragged_k = problem.seq_k % block_k != 0
 

@@ -78,7 +78,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   out = acc / l_safe[:, None]
   tiles.store_tile(o_ref, out.astype(o_ref.dtype), q_rows, cols)
   lse = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN_2, -jnp.inf)
-  tiles.store_rows(lse_ref, lse, q_rows)
+  tiles.store(lse_ref, lse, q_rows)
 
 
 def forward(

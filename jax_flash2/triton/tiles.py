@@ -63,46 +63,44 @@ def dot(a: jax.Array, b: jax.Array, problem: Problem, *, trans_a=False, trans_b=
   )
 
 
-def _and(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
-  if a is None:
-    return b
-  if b is None:
-    return a
-  return a & b
+def _tile_mask(rows: jax.Array | None, cols: jax.Array | None) -> jax.Array | None:
+  """[rows, cols] validity from per-row and per-column vectors (None: all valid)."""
+  if rows is None and cols is None:
+    return None
+  if cols is None:
+    return rows[:, None]
+  if rows is None:
+    return cols[None, :]
+  return rows[:, None] & cols[None, :]
 
 
-def load_tile(ref, rows: jax.Array | None, cols: jax.Array | None, other=0.0) -> jax.Array:
-  """Loads a [rows, cols] tile, filling rows or columns outside the array with `other`.
+def load(ref, mask: jax.Array | None, other=0.0) -> jax.Array:
+  """Loads a tile or vector; positions where `mask` is False read `other`.
 
-  `rows` and `cols` are bool validity vectors, or None where every index is
-  valid; with both None this is a plain, unmasked (fastest) load.
+  With mask None this is a plain, unmasked (fastest) load.
   """
-  mask = _and(None if rows is None else rows[:, None], None if cols is None else cols[None, :])
-  if mask is None:
-    return ref[...]
-  return plgpu.load(ref, mask=mask, other=other)
+  return ref[...] if mask is None else plgpu.load(ref, mask=mask, other=other)
 
 
-def store_tile(ref, value: jax.Array, rows: jax.Array | None, cols: jax.Array | None) -> None:
-  mask = _and(None if rows is None else rows[:, None], None if cols is None else cols[None, :])
+def store(ref, value: jax.Array, mask: jax.Array | None) -> None:
+  """Stores a tile or vector, leaving positions where `mask` is False alone."""
   if mask is None:
     ref[...] = value
   else:
     plgpu.store(ref, value, mask=mask)
 
 
-def load_rows(ref, rows: jax.Array | None, other: float) -> jax.Array:
-  """Loads a per-row vector (lse, delta); rows outside the array read `other`."""
-  if rows is None:
-    return ref[...]
-  return plgpu.load(ref, mask=rows, other=other)
+def load_tile(ref, rows: jax.Array | None, cols: jax.Array | None, other=0.0) -> jax.Array:
+  """Loads a [rows, cols] tile; rows or columns outside the array (False in the
+  `rows`/`cols` validity vectors, None where all are valid) read `other`."""
+  return load(ref, _tile_mask(rows, cols), other)
 
 
-def store_rows(ref, value: jax.Array, rows: jax.Array | None) -> None:
-  if rows is None:
-    ref[...] = value
-  else:
-    plgpu.store(ref, value, mask=rows)
+def store_tile(ref, value: jax.Array, rows: jax.Array | None, cols: jax.Array | None) -> None:
+  store(ref, value, _tile_mask(rows, cols))
+
+
+# Per-row vectors (lse, delta) use `load` and `store` with the row vector as mask.
 
 
 def visible(problem: Problem, q_idx: jax.Array, k_idx: jax.Array) -> jax.Array:
