@@ -45,8 +45,11 @@ def flash_attention(
 
   Args:
     q: [batch, seq_q, heads, head_dim] queries.
-    k: [batch, seq_k, heads, head_dim] keys.
-    v: [batch, seq_k, heads, head_dim] values.
+    k: [batch, seq_k, kv_heads, head_dim] keys. heads must be a multiple of
+      kv_heads (grouped-query attention; kv_heads = 1 is multi-query): query
+      head h reads K/V head h // (heads // kv_heads). dK and dV sum over each
+      group inside the kernel; K and V are never repeated in memory.
+    v: [batch, seq_k, kv_heads, head_dim] values.
     mask: boolean or numeric array broadcastable to [batch, heads, seq_q,
       seq_k]; nonzero means visible (what `flax.linen.make_attention_mask`
       and `make_causal_mask` build). Applied block by block inside the
@@ -100,6 +103,7 @@ def flash_attention(
         softmax_scale=softmax_scale,
         dtype=jnp.dtype(q.dtype).name,
         has_mask=mask is not None,
+        group=q.shape[2] // k.shape[2],
     )
     blocks = (block_sizes or default_block_sizes(head_dim, causal)).fit(seq_q, seq_k)
     out, lse = flash(q, k, v, mask, KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret)))
@@ -119,9 +123,11 @@ def _check_arrays(q, k, v) -> None:
   shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
   if k.shape != v.shape:
     raise ValueError(f"k and v must have the same shape [batch, seq_k, heads, head_dim], got {shapes}")
-  for axis, what in ((0, "batch"), (2, "heads"), (3, "head_dim")):
+  for axis, what in ((0, "batch"), (3, "head_dim")):
     if q.shape[axis] != k.shape[axis]:
       raise ValueError(f"q and k/v differ in {what} (axis {axis}): {shapes}")
+  if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
+    raise ValueError(f"q's heads (axis 2) must be a multiple of k/v's heads: {shapes}")
   for name, x in (("q", q), ("k", k)):
     if x.shape[1] < 1 or x.shape[0] < 1 or x.shape[2] < 1:
       raise ValueError(f"{name} has an empty batch, seq or heads axis: {shapes}")

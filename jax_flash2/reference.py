@@ -42,7 +42,8 @@ def attention(
 
   Args:
     q: [batch, seq_q, heads, head_dim].
-    k, v: [batch, seq_k, heads, head_dim].
+    k, v: [batch, seq_k, kv_heads, head_dim]; heads is a multiple of kv_heads
+      (grouped-query attention: query head h reads K/V head h // (heads // kv_heads)).
     mask: broadcastable to [batch, heads, seq_q, seq_k]; nonzero = visible.
     causal: bottom-right aligned causal mask (see `causal_visible`).
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
@@ -59,7 +60,9 @@ def attention(
     softmax_scale = q.shape[-1] ** -0.5
   if compute_dtype is None:
     compute_dtype = jnp.promote_types(q.dtype, jnp.float32)
-  qc, kc, vc = (x.astype(compute_dtype) for x in (q, k, v))
+  group = q.shape[2] // k.shape[2]
+  qc = q.astype(compute_dtype)
+  kc, vc = (jnp.repeat(x.astype(compute_dtype), group, axis=2) for x in (k, v))
   s = jnp.einsum("bqhd,bkhd->bhqk", qc, kc, precision=jax.lax.Precision.HIGHEST) * softmax_scale
   if causal:
     s = jnp.where(causal_visible(q.shape[1], k.shape[1]), s, -jnp.inf)

@@ -31,7 +31,7 @@ def _bad_input_cases():
   yield "rank", (q[0], k, v), {}, ValueError, "q must have rank 4"
   yield "rank_k", (q, k[..., None], v), {}, ValueError, "k must have rank 4"
   yield "batch", (q, k[:1], v[:1]), {}, ValueError, "batch"
-  yield "heads", (q, k[:, :, :1], v[:, :, :1]), {}, ValueError, "heads"
+  yield "heads", (q[:, :, :1], k, v), {}, ValueError, "multiple of k/v's heads"
   yield "head_dim", (q, k[..., :8], v[..., :8]), {}, ValueError, "head_dim"
   yield "kv_seq", (q, k, v[:, :5]), {}, ValueError, "k and v must have the same shape"
   yield "dtype", (f64, f64, f64), {}, TypeError, "dtype float64"

@@ -47,9 +47,13 @@ def _run(q, k, v, dout, dlse, **kwargs):
   return (out, lse, *vjp((dout, dlse)))
 
 
-def _check_against_reference(shape, causal, block_sizes, seed, softmax_scale=None, lse_cotangent=False):
+def _check_against_reference(
+    shape, causal, block_sizes, seed, softmax_scale=None, lse_cotangent=False, kv_heads=None
+):
   batch, seq_q, seq_k, heads, head_dim = shape
   q, k, v, dout = random_inputs(seed, batch, seq_q, seq_k, heads, head_dim)
+  if kv_heads is not None:  # grouped-query attention: fewer K/V heads
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
   dlse = jax.random.normal(jax.random.PRNGKey(seed + 1), (batch, heads, seq_q), jnp.float32)
   if not lse_cotangent:
     dlse = jnp.zeros_like(dlse)
@@ -74,6 +78,12 @@ def test_matches_reference(shape, causal):
 @pytest.mark.parametrize("shape", [(1, 70, 45, 2, 32), (1, 45, 70, 2, 32)], ids=lambda s: "x".join(map(str, s)))
 def test_unequal_tiles(shape, causal):
   _check_against_reference(shape, causal, MIXED, seed=7)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (3, 1), (6, 3)], ids=["gqa4-2", "mqa3-1", "gqa6-3"])
+def test_grouped_query_attention(heads, kv_heads, causal):
+  _check_against_reference((2, 37, 29, heads, 16), causal, MIXED, seed=heads * 10 + kv_heads, kv_heads=kv_heads)
 
 
 def test_default_block_sizes():

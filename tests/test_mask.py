@@ -50,6 +50,18 @@ def test_matches_reference(mask_kind, causal):
     assert rel_err(x, ref, floor=floor if name.startswith("d") else 0.0) < 1e-5, name
 
 
+@pytest.mark.parametrize("mask_heads", [1, 4], ids=["shared", "per_head"])
+def test_grouped_query_attention_with_a_mask(mask_heads):
+  q, k, v, dout = random_inputs(11, 2, 33, 40, 4, HEAD_DIM)
+  k, v = k[:, :, :2], v[:, :, :2]  # 4 query heads share 2 K/V heads
+  mask = _random_mask(12, (2, mask_heads, 33, 40)).at[:, :, :, 16:32].set(False)
+  got = _run(q, k, v, dout, mask, True, MIXED)
+  want = reference_with_grads(q, k, v, dout, mask=mask, causal=True)
+  floor = 0.1 * float(jnp.linalg.norm(dout))
+  for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    assert rel_err(x, ref, floor=floor if name.startswith("d") else 0.0) < 1e-5, name
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32], ids=["float", "int"])
 def test_numeric_masks_mean_nonzero_is_visible(dtype):
   # flax's make_attention_mask builds float32 masks of 0 and 1.

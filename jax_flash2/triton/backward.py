@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_flash2.config import BlockSizes, KernelConfig
@@ -45,12 +46,17 @@ def _lse_log2(lse_ref, rows) -> jax.Array:
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, problem: Problem, block_q: int, block_k: int
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, problem: Problem, block_q: int, block_k: int,
+    mask_grouped: bool = False,
 ):
-  # q_ref, do_ref: [seq_q, D]; lse_ref, delta_ref: [seq_q];
-  # k_ref, v_ref, dk_ref, dv_ref: [block_k, D];
-  # with a dense mask, mask_ref: [seq_q, seq_k] and flags_ref: [Q blocks, K blocks].
+  # k_ref, v_ref, dk_ref, dv_ref: [block_k, D] of one K/V head. The query
+  # heads that read it (its GQA group; one head without GQA) come whole:
+  # q_ref, do_ref: [seq_q, group, D]; lse_ref, delta_ref: [group, seq_q], the
+  # group axis left out when group is 1. With a dense mask, mask_ref:
+  # [(group,) seq_q, seq_k] and flags_ref: [(group,) Q blocks, K blocks], the
+  # group axis there only when the mask has one per head (mask_grouped).
   mask_ref, flags_ref, dk_ref, dv_ref = refs if problem.has_mask else (None, None, *refs)
+  grouped = problem.group > 1
   cols = problem.head_mask()
   k_block = pl.program_id(0)
   k_start = k_block * block_k
@@ -61,39 +67,58 @@ def _dkv_kernel(
   qk_scale = problem.softmax_scale * LOG2_E
   ragged_q = problem.seq_q % block_q != 0
 
-  def step(qb, carry, masked: bool):
-    dk, dv = carry
-    q_start = qb * block_q
-    q_idx = tiles.indices(q_start, block_q)
-    rows = q_idx < problem.seq_q if (masked and ragged_q) else None
-    q_slice = pl.ds(q_start, block_q)
-    q = tiles.load_tile(q_ref.at[q_slice, :], rows, cols)
-    do = tiles.load_tile(do_ref.at[q_slice, :], rows, cols)
-    lse = _lse_log2(lse_ref.at[q_slice], rows)
-    delta = tiles.load(delta_ref.at[q_slice], rows, other=0.0)
-    # Work on the transposed [block_k, block_q] tile: dV = P^T dO and
-    # dK = dS^T Q then take P^T and dS^T as they come out of the dot, and only
-    # the Q and dO tiles (which pass through shared memory anyway) are
-    # transposed, instead of the register-resident P and dS.
-    p_t = jnp.exp2(tiles.dot(k, q, problem, trans_b=True) * qk_scale - lse[None, :])
-    if masked:
-      visible_t = tiles.visible(problem, q_idx[None, :], k_idx[:, None])
-      if mask_ref is not None:
-        visible_t &= tiles.load_mask_tile(mask_ref, q_start, k_start, block_q, block_k, problem).T
-      p_t = jnp.where(visible_t, p_t, 0.0)
-    dv += tiles.dot(p_t.astype(do.dtype), do, problem)
-    dp_t = tiles.dot(v, do, problem, trans_b=True)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk += tiles.dot(ds_t.astype(q.dtype), q, problem)
-    return dk, dv
+  def step_for_head(g):
+    """The loop step over Q blocks for query head g of the group."""
+    mask_head = g if mask_grouped else None
 
-  d = problem.head_dim_padded
-  zeros = jnp.zeros((block_k, d), jnp.float32)
+    def step(qb, carry, masked: bool):
+      dk, dv = carry
+      q_start = qb * block_q
+      q_idx = tiles.indices(q_start, block_q)
+      rows = q_idx < problem.seq_q if (masked and ragged_q) else None
+      q_slice = pl.ds(q_start, block_q)
+      # One indexer per ref: the Triton lowering takes no chained .at[].
+      tile = (q_slice, g, slice(None)) if grouped else (q_slice, slice(None))
+      vec = (g, q_slice) if grouped else (q_slice,)
+      q = tiles.load_tile(q_ref.at[tile], rows, cols)
+      do = tiles.load_tile(do_ref.at[tile], rows, cols)
+      lse = _lse_log2(lse_ref.at[vec], rows)
+      delta = tiles.load(delta_ref.at[vec], rows, other=0.0)
+      # Work on the transposed [block_k, block_q] tile: dV = P^T dO and
+      # dK = dS^T Q then take P^T and dS^T as they come out of the dot, and
+      # only the Q and dO tiles (which pass through shared memory anyway) are
+      # transposed, instead of the register-resident P and dS.
+      p_t = jnp.exp2(tiles.dot(k, q, problem, trans_b=True) * qk_scale - lse[None, :])
+      if masked:
+        visible_t = tiles.visible(problem, q_idx[None, :], k_idx[:, None])
+        if mask_ref is not None:
+          visible_t &= tiles.load_mask_tile(mask_ref, q_start, k_start, block_q, block_k, problem, mask_head).T
+        p_t = jnp.where(visible_t, p_t, 0.0)
+      dv += tiles.dot(p_t.astype(do.dtype), do, problem)
+      dp_t = tiles.dot(v, do, problem, trans_b=True)
+      ds_t = p_t * (dp_t - delta[None, :])
+      dk += tiles.dot(ds_t.astype(q.dtype), q, problem)
+      return dk, dv
+
+    if problem.has_mask:
+      flag = (lambda qb: flags_ref[g, qb, k_block]) if mask_grouped else (lambda qb: flags_ref[qb, k_block])
+      return tiles.skip_hidden_blocks(step, lambda qb: flag(qb) != 0)
+    return step
+
   lo, full_lo, full_hi, hi = tiles.q_block_range(problem, k_start, block_q, block_k)
   if problem.has_mask:
-    step = tiles.skip_hidden_blocks(step, lambda qb: flags_ref[qb, k_block] != 0)
     full_lo = full_hi = lo  # every visible tile takes the element mask
-  dk, dv = tiles.split_loop(step, (zeros, zeros), lo, full_lo, full_hi, hi)
+
+  def accumulate_head(g, carry):
+    return tiles.split_loop(step_for_head(g), carry, lo, full_lo, full_hi, hi)
+
+  zeros = jnp.zeros((block_k, problem.head_dim_padded), jnp.float32)
+  # dK and dV of a shared K/V head are sums over the query heads of its group:
+  # accumulated here, so K and V are never repeated in memory.
+  if grouped:
+    dk, dv = lax.fori_loop(0, problem.group, accumulate_head, (zeros, zeros))
+  else:
+    dk, dv = accumulate_head(None, (zeros, zeros))
   # S = scale * Q K^T, so the scale comes back once on dK.
   tiles.store_tile(dk_ref, (dk * problem.softmax_scale).astype(dk_ref.dtype), k_rows, cols)
   tiles.store_tile(dv_ref, dv.astype(dv_ref.dtype), k_rows, cols)
@@ -159,34 +184,44 @@ def compute_delta(out: jax.Array, do: jax.Array, problem: Problem, *, interpret:
   )(out, do)
 
 
-def _with_mask(in_specs, args, mask, block_q, block_k):
+def _with_mask(in_specs, args, mask, block_q, block_k, heads_per_program=1):
   """Appends the dense mask and its tile flags (for these tiles) to a call."""
   if mask is None:
     return in_specs, args
-  return [*in_specs, *tiles.mask_specs(mask, block_q, block_k)], [*args, mask, tiles.block_flags(mask, block_q, block_k)]
+  specs = tiles.mask_specs(mask, block_q, block_k, heads_per_program)
+  return [*in_specs, *specs], [*args, mask, tiles.block_flags(mask, block_q, block_k)]
 
 
 def compute_dkv(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelConfig, *, interpret: bool = False):
-  """(dK, dV), each like k; lse and delta are float32 [batch, heads, seq_q]."""
-  batch, seq_q, heads, d = *q.shape[:3], problem.head_dim_padded
+  """(dK, dV), each like k; lse and delta are float32 [batch, heads, seq_q].
+
+  The grid runs over K/V heads; each program also owns the sum over the query
+  heads of its GQA group.
+  """
+  batch, seq_q, d, group = q.shape[0], q.shape[1], problem.head_dim_padded, problem.group
   bq, bk = config.block_q, config.block_k
   in_specs, args = _with_mask(
       [
-          tiles.whole_seq_spec(seq_q, bq, d),
+          tiles.group_seq_spec(seq_q, bq, d, group),
           tiles.rows_spec(bk, d),
           tiles.rows_spec(bk, d),
-          tiles.whole_seq_spec(seq_q, bq, d),
-          tiles.whole_row_vector_spec(seq_q, bq),
-          tiles.whole_row_vector_spec(seq_q, bq),
+          tiles.group_seq_spec(seq_q, bq, d, group),
+          tiles.group_row_vector_spec(seq_q, bq, group),
+          tiles.group_row_vector_spec(seq_q, bq, group),
       ],
       [q, k, v, do, lse, delta],
       mask,
       bq,
       bk,
+      heads_per_program=group,
+  )
+  kernel = functools.partial(
+      _dkv_kernel, problem=problem, block_q=bq, block_k=bk,
+      mask_grouped=mask is not None and tiles.mask_has_group_axis(mask, group),
   )
   return pl.pallas_call(
-      functools.partial(_dkv_kernel, problem=problem, block_q=bq, block_k=bk),
-      grid=(pl.cdiv(k.shape[1], bk), batch, heads),
+      kernel,
+      grid=(pl.cdiv(k.shape[1], bk), batch, k.shape[2]),
       in_specs=in_specs,
       out_specs=[tiles.rows_spec(bk, d), tiles.rows_spec(bk, d)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
@@ -203,8 +238,8 @@ def compute_dq(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelCo
   in_specs, args = _with_mask(
       [
           tiles.rows_spec(bq, d, seq_q),
-          tiles.whole_seq_spec(k.shape[1], bk, d),
-          tiles.whole_seq_spec(k.shape[1], bk, d),
+          tiles.whole_seq_spec(k.shape[1], bk, d, head_divisor=problem.group),
+          tiles.whole_seq_spec(k.shape[1], bk, d, head_divisor=problem.group),
           tiles.rows_spec(bq, d, seq_q),
           tiles.row_vector_spec(bq, seq_q),
           tiles.row_vector_spec(bq, seq_q),

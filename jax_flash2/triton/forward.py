@@ -94,7 +94,7 @@ def forward(
   """Runs the forward kernel.
 
   Args:
-    q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads, head_dim].
+    q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads // group, head_dim].
     mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
 
   Returns:
@@ -108,7 +108,7 @@ def forward(
   # Q blocks are the fastest-varying grid axis, so programs running together
   # share one (batch, head) and hit the same K/V in L2.
   grid = (pl.cdiv(seq_q, bq), batch, heads)
-  kv_spec = tiles.whole_seq_spec(seq_k, bk, d)
+  kv_spec = tiles.whole_seq_spec(seq_k, bk, d, head_divisor=problem.group)
   in_specs, mask_args = [tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec], []
   if mask is not None:
     in_specs += tiles.mask_specs(mask, bq, bk)

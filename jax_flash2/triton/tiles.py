@@ -37,6 +37,8 @@ class Problem:
   # visible) comes with a per-tile summary that lets the loops skip tiles it
   # hides entirely; every tile it leaves visible runs with the element mask.
   has_mask: bool = False
+  # Grouped-query attention: query heads per K/V head (1 for plain MHA).
+  group: int = 1
 
   @property
   def offset(self) -> int:
@@ -205,12 +207,18 @@ def skip_hidden_blocks(step: Callable[[Any, Any, bool], Any], block_visible: Cal
   return gated
 
 
-def load_mask_tile(mask_ref, q_start, k_start, block_q: int, block_k: int, problem: Problem) -> jax.Array:
-  """[block_q, block_k] bool tile of the dense mask; outside the array reads hidden."""
+def load_mask_tile(
+    mask_ref, q_start, k_start, block_q: int, block_k: int, problem: Problem, head=None
+) -> jax.Array:
+  """[block_q, block_k] bool tile of the dense mask; outside the array reads hidden.
+
+  `head` indexes a leading head axis of mask_ref (the dK/dV kernel's group).
+  """
   rows = indices(q_start, block_q) < problem.seq_q if problem.seq_q % block_q else None
   cols = indices(k_start, block_k) < problem.seq_k if problem.seq_k % block_k else None
-  tile = mask_ref.at[pl.ds(q_start, block_q), pl.ds(k_start, block_k)]
-  return load_tile(tile, rows, cols, other=0) != 0
+  tile = (pl.ds(q_start, block_q), pl.ds(k_start, block_k))
+  tile_ref = mask_ref.at[tile] if head is None else mask_ref.at[(head, *tile)]
+  return load_tile(tile_ref, rows, cols, other=0) != 0
 
 
 def block_flags(mask: jax.Array, block_q: int, block_k: int) -> jax.Array:
@@ -222,19 +230,31 @@ def block_flags(mask: jax.Array, block_q: int, block_k: int) -> jax.Array:
   return jnp.any(padded.reshape(bm, hm, nq, block_q, nk, block_k), axis=(3, 5)).astype(jnp.int32)
 
 
-def mask_specs(mask: jax.Array, block_q: int, block_k: int) -> tuple[pl.BlockSpec, pl.BlockSpec]:
-  """BlockSpecs of the dense mask's (batch, head) slab and of its tile flags,
-  over a grid (blocks, batch, heads); broadcast batch/head axes read index 0."""
+def mask_specs(
+    mask: jax.Array, block_q: int, block_k: int, heads_per_program: int = 1
+) -> tuple[pl.BlockSpec, pl.BlockSpec]:
+  """BlockSpecs of the dense mask's slab and of its tile flags over a grid
+  (blocks, batch, heads); broadcast batch/head axes read index 0.
+
+  heads_per_program > 1 (the dK/dV kernel under GQA, whose programs own one
+  K/V head) gives each program the mask of all the query heads of its group,
+  as a leading axis; see `mask_has_group_axis`.
+  """
   bm, hm, seq_q, seq_k = mask.shape
+  heads = heads_per_program if mask_has_group_axis(mask, heads_per_program) else None
 
   def index(i, b, h):
     return (b if bm > 1 else 0, h if hm > 1 else 0, 0, 0)
 
   nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
   return (
-      pl.BlockSpec((None, None, nq * block_q, nk * block_k), index),
-      pl.BlockSpec((None, None, nq, nk), index),
+      pl.BlockSpec((None, heads, nq * block_q, nk * block_k), index),
+      pl.BlockSpec((None, heads, nq, nk), index),
   )
+
+
+def mask_has_group_axis(mask: jax.Array, heads_per_program: int) -> bool:
+  return heads_per_program > 1 and mask.shape[1] > 1
 
 
 def floordiv(a: jax.Array, b: int) -> jax.Array:
@@ -290,10 +310,24 @@ def rows_spec(block: int, d: int, reverse_seq: int | None = None) -> pl.BlockSpe
   )
 
 
-def whole_seq_spec(seq: int, block: int, d: int) -> pl.BlockSpec:
+def whole_seq_spec(seq: int, block: int, d: int, head_divisor: int = 1) -> pl.BlockSpec:
   """The whole sequence of one (batch, head), rounded up to whole blocks: the
-  kernel slices it block by block and masks the ragged end."""
-  return pl.BlockSpec((None, round_up(seq, block), None, d), lambda i, b, h: (b, 0, h, 0))
+  kernel slices it block by block and masks the ragged end. Program head h
+  reads head h // head_divisor (K/V under GQA)."""
+  return pl.BlockSpec((None, round_up(seq, block), None, d), lambda i, b, h: (b, 0, h // head_divisor, 0))
+
+
+def group_seq_spec(seq: int, block: int, d: int, group: int) -> pl.BlockSpec:
+  """The whole sequence of the `group` query heads that share K/V head h,
+  [seq, group, D] (or [seq, D] when group is 1)."""
+  heads = None if group == 1 else group
+  return pl.BlockSpec((None, round_up(seq, block), heads, d), lambda i, b, h: (b, 0, h, 0))
+
+
+def group_row_vector_spec(seq: int, block: int, group: int) -> pl.BlockSpec:
+  """[group, seq] (or [seq]) of a [batch, heads, seq] vector for K/V head h."""
+  heads = None if group == 1 else group
+  return pl.BlockSpec((None, heads, round_up(seq, block)), lambda i, b, h: (b, h, 0))
 
 
 def row_vector_spec(block: int, reverse_seq: int | None = None) -> pl.BlockSpec:
@@ -302,10 +336,6 @@ def row_vector_spec(block: int, reverse_seq: int | None = None) -> pl.BlockSpec:
   if reverse_seq is None:
     return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
   return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, q_block_of_program(i, reverse_seq, block)))
-
-
-def whole_row_vector_spec(seq: int, block: int) -> pl.BlockSpec:
-  return pl.BlockSpec((None, None, round_up(seq, block)), lambda i, b, h: (b, h, 0))
 
 
 def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
