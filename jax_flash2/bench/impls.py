@@ -81,8 +81,8 @@ def _flash2_supports(backend: str) -> Callable[[Shape, Options], str | None]:
   def supports(shape: Shape, opts: Options) -> str | None:
     if backend not in _flash2_backends():
       return f"backend {backend!r} not in this jax_flash2"
-    if shape.is_gqa:
-      return "no GQA (kv_heads != heads)"
+    if (gqa := _gqa_ok(shape)) is not None:
+      return gqa
     if shape.head_dim % 8 or not 8 <= shape.head_dim <= 256:
       return "head_dim must be a multiple of 8 in [8, 256]"
     if opts.platform != "gpu" and not opts.interpret:
