@@ -2,6 +2,16 @@
 
 Residuals are q, k, v, the output and the log-sum-exp (and the caller's dense
 mask, if any): memory linear in the sequence length. The backward recomputes the probabilities from them.
+
+Both passes go through jax_flash2.sharding (per-shard kernels under jit with
+batch/head sharding, vmap folded into batch). The output and lse carry the
+checkpoint names "flash2_out" and "flash2_lse", so a jax.checkpoint policy such
+as save_only_these_names("flash2_out", "flash2_lse") can keep them and skip
+rerunning the forward kernel in the backward pass.
+
+Only first-order reverse mode is defined: the kernels have no derivative
+rules, so differentiating either pass again raises a NotImplementedError that
+says so (see _first_order_only).
 """
 
 from __future__ import annotations
@@ -10,11 +20,21 @@ import dataclasses
 import functools
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
+from jax_flash2 import sharding
 from jax_flash2.config import BlockSizes
-from jax_flash2.triton import backward as triton_backward
-from jax_flash2.triton import forward as triton_forward
 from jax_flash2.triton.tiles import Problem
+
+OUT_NAME = "flash2_out"
+LSE_NAME = "flash2_lse"
+
+_SECOND_ORDER = (
+    "jax_flash2: second-order gradients (grad of grad, jax.hessian, jvp of a vjp) and forward-mode "
+    "differentiation of the flash kernels' {what} are not supported: the Pallas kernels define "
+    "only a first-order reverse-mode derivative. Use flash_attention(..., backend='xla') where "
+    "higher-order derivatives are needed."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,28 +46,57 @@ class KernelCall:
   interpret: bool
 
 
+def _first_order_only(fn, what: str):
+  """fn, with a JVP rule that raises. A second derivative reaches the kernels
+  through a JVP of the forward or backward pass (jvp of the forward inside a
+  vjp, or the linearisation of the backward); without this it fails deep in
+  the Pallas JVP rule with a bare AssertionError."""
+
+  @jax.custom_jvp
+  def guarded(*args):
+    return fn(*args)
+
+  @guarded.defjvp
+  def _jvp(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(_SECOND_ORDER.format(what=what))
+
+  return guarded
+
+
+def _forward(q, k, v, mask, call: KernelCall):
+  guarded = _first_order_only(lambda q, k, v, mask: sharding.forward(q, k, v, mask, call), "forward pass")
+  out, lse = guarded(q, k, v, mask)
+  return checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def flash(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, call: KernelCall
 ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of attention through the Pallas kernels; see api.flash_attention.
 
+  q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads, head_dim];
   mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k] (nonzero = visible).
+  Returns out like q and lse float32 [batch, heads, seq_q].
   """
-  return triton_forward.forward(q, k, v, mask, call.problem, call.block_sizes.fwd, interpret=call.interpret)
+  return _forward(q, k, v, mask, call)
 
 
 def _flash_fwd(q, k, v, mask, call: KernelCall):
-  out, lse = flash(q, k, v, mask, call)
+  # The kernels directly, not flash(): a custom_vjp called inside its own fwd
+  # would meet a second-order JVP with JAX's generic custom_vjp error.
+  out, lse = _forward(q, k, v, mask, call)
   return (out, lse), (q, k, v, mask, out, lse)
 
 
 def _flash_bwd(call: KernelCall, residuals, cotangents):
   q, k, v, mask, out, lse = residuals
   do, dlse = cotangents
-  dq, dk, dv = triton_backward.backward(
-      q, k, v, out, lse, do, dlse, mask, call.problem, call.block_sizes, interpret=call.interpret
+  guarded = _first_order_only(
+      lambda *args: sharding.backward(*args, call), "backward pass"
   )
+  dq, dk, dv = guarded(q, k, v, out, lse, do, dlse, mask)
   return dq, dk, dv, None  # the mask takes no gradient
 
 

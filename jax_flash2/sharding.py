@@ -1,0 +1,269 @@
+"""The kernels under SPMD partitioning and vmap.
+
+A `pallas_call` has a batching rule but no sharding rule. Under `jax.jit` with
+operands sharded over a mesh, the partitioner does not know that the kernels
+work on each (batch, head) independently, so it gathers the operands and runs
+the whole problem on every device. Here the forward and the backward kernels
+are each wrapped in a `custom_partitioning` whose Shardy rule says so: batch
+and heads pass through (each device runs the kernels on its own shard, no
+collective); seq_q, seq_k and head_dim must be replicated. A caller who shards
+a sequence or head_dim axis gets it gathered before the kernels (queries could
+be split, but the causal offset would then depend on the shard; keys are
+reduced over).
+
+`custom_partitioning` has no batching rule, so a `custom_vmap` sits outside it:
+a vmapped axis is folded into the kernels' batch axis, which they handle
+anyway, and the partitioned function is called again on the folded arrays.
+
+Neither wrapper is differentiable; vjp.py puts the one custom_vjp around them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.mlir import ir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_flash2.triton import backward as triton_backward
+from jax_flash2.triton import forward as triton_forward
+
+if TYPE_CHECKING:
+  from jax_flash2.vjp import KernelCall
+
+
+def _factors(q_shape, kv_shape, mask_shape) -> dict[str, str]:
+  """Shardy factors of each kind of operand.
+
+  b batch, i seq_q, j seq_k, d head_dim, h heads. Under GQA the query heads
+  (qh) and K/V heads (kh) get factors of their own: a shared compound factor
+  would let Shardy split a mesh axis across them into sub-axes, which
+  custom_partitioning cannot hand to the partition callback;
+  _plan keeps them consistent instead. mb / mh are a mask's broadcast (size 1)
+  batch / heads axes, which can share no factor with the full-size ones.
+  """
+  if q_shape[2] == kv_shape[2]:
+    heads = kv_heads = "h"
+  else:
+    heads, kv_heads = "qh", "kh"
+  names = {"qo": f"b i {heads} d", "kv": f"b j {kv_heads} d", "rows": f"b {heads} i"}
+  if mask_shape is not None:
+    batch = "b" if mask_shape[0] > 1 else "mb"
+    mask_heads = heads if mask_shape[1] > 1 else "mh"
+    names["mask"] = f"{batch} {mask_heads} i j"
+  return names
+
+
+def _rule(operands: list[str], results: list[str]) -> tuple[str, dict]:
+  """The einsum-like rule: batch and heads pass through; seq_q, seq_k,
+  head_dim and the broadcast mask axes must be replicated."""
+  rule = f"{', '.join(operands)} -> {', '.join(results)}"
+  # Shardy wants the special factors listed in the order they first appear.
+  order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
+  replicated = tuple(f for f in order if f in ("i", "j", "d", "mb", "mh"))
+  return rule, {"need_replication_factors": replicated}
+
+
+def _shape(ir_type) -> tuple[int, ...]:
+  # The rule callback is handed MLIR types, not avals.
+  return tuple(ir.RankedTensorType(ir_type).shape)
+
+
+def _axes_size(mesh, axes) -> int:
+  if axes is None:
+    return 1
+  return math.prod(mesh.shape[name] for name in (axes if isinstance(axes, tuple) else (axes,)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """How one call runs per shard: the operand shardings (q-like, K/V-like,
+  row-vector-like, mask), and the mesh axes that dK/dV are summed over."""
+
+  qo: NamedSharding
+  kv: NamedSharding
+  rows: NamedSharding
+  mask: NamedSharding | None
+  kv_partial_over: str | tuple[str, ...] | None
+
+
+def _plan(mesh, q, k, mask) -> _Plan:
+  """Every device holds whole (batch, head) problems: q's batch and head
+  sharding is kept and everything else is replicated.
+
+  q, k, mask: ShapeDtypeStructs carrying the partitioner's shardings (mask may
+  be None). Under GQA the K/V heads are split like the query heads when that
+  keeps whole groups on a shard; MQA's single K/V head is replicated, and
+  each shard's dK/dV is then a partial sum over its query heads; any other
+  split of the heads is gathered.
+  """
+  spec = tuple(q.sharding.spec) + (None,) * (4 - len(q.sharding.spec))
+  batch, heads = spec[0], spec[2]
+  kv_heads, partial = heads, None
+  if k.shape[2] != q.shape[2] and heads is not None:
+    if k.shape[2] == 1:
+      kv_heads, partial = None, heads
+    elif k.shape[2] % _axes_size(mesh, heads):
+      heads = kv_heads = None
+  mask_sharding = None
+  if mask is not None:
+    mask_spec = P(batch if mask.shape[0] > 1 else None, heads if mask.shape[1] > 1 else None, None, None)
+    mask_sharding = NamedSharding(mesh, mask_spec)
+  return _Plan(
+      qo=NamedSharding(mesh, P(batch, None, heads, None)),
+      kv=NamedSharding(mesh, P(batch, None, kv_heads, None)),
+      rows=NamedSharding(mesh, P(batch, heads, None)),
+      mask=mask_sharding,
+      kv_partial_over=partial,
+  )
+
+
+def _local(call: KernelCall, q, k) -> KernelCall:
+  """The call for one shard: the same static problem, except that the GQA
+  group shrinks when the query heads are split and a single K/V head is not."""
+  problem = call.problem
+  group = q.shape[2] // k.shape[2]
+  # getattr: Problem.group arrives with grouped-query attention.
+  if getattr(problem, "group", 1) == group:
+    return call
+  return dataclasses.replace(call, problem=dataclasses.replace(problem, group=group))
+
+
+# ---------------------------------------------------------------- forward
+
+
+def _forward_kernels(q, k, v, mask, call: KernelCall):
+  call = _local(call, q, k)
+  return triton_forward.forward(q, k, v, mask, call.problem, call.block_sizes.fwd, interpret=call.interpret)
+
+
+_forward_partitioned = custom_partitioning(_forward_kernels, static_argnums=(4,))
+
+
+def _forward_rule(call, mesh, operand_types, result_types):
+  del call, mesh, result_types
+  shapes = [_shape(t) for t in operand_types]
+  f = _factors(shapes[0], shapes[1], shapes[3] if len(shapes) == 4 else None)
+  operands = [f["qo"], f["kv"], f["kv"]] + ([f["mask"]] if "mask" in f else [])
+  return _rule(operands, [f["qo"], f["rows"]])
+
+
+def _forward_partition(call, mesh, arg_shapes, result_shape):
+  del result_shape
+  q, k, _, mask = arg_shapes
+  plan = _plan(mesh, q, k, mask)
+  # Every shard is a set of whole (batch, head) problems: the same kernels run
+  # it on shard-shaped operands, with no communication.
+  lower = lambda q, k, v, mask: _forward_kernels(q, k, v, mask, call)
+  return mesh, lower, (plan.qo, plan.rows), (plan.qo, plan.kv, plan.kv, plan.mask)
+
+
+_forward_partitioned.def_partition(partition=_forward_partition, sharding_rule=_forward_rule)
+
+
+# ---------------------------------------------------------------- backward
+
+
+def _backward_kernels(q, k, v, out, lse, do, dlse, mask, call: KernelCall):
+  call = _local(call, q, k)
+  return triton_backward.backward(
+      q, k, v, out, lse, do, dlse, mask, call.problem, call.block_sizes, interpret=call.interpret
+  )
+
+
+_backward_partitioned = custom_partitioning(_backward_kernels, static_argnums=(8,))
+
+
+def _backward_rule(call, mesh, operand_types, result_types):
+  del call, mesh, result_types
+  shapes = [_shape(t) for t in operand_types]
+  f = _factors(shapes[0], shapes[1], shapes[7] if len(shapes) == 8 else None)
+  qo, kv, rows = f["qo"], f["kv"], f["rows"]
+  operands = [qo, kv, kv, qo, rows, qo, rows] + ([f["mask"]] if "mask" in f else [])
+  return _rule(operands, [qo, kv, kv])
+
+
+def _backward_partition(call, mesh, arg_shapes, result_shape):
+  del result_shape
+  q, k, *_, mask = arg_shapes
+  plan = _plan(mesh, q, k, mask)
+
+  def lower(q, k, v, out, lse, do, dlse, mask):
+    dq, dk, dv = _backward_kernels(q, k, v, out, lse, do, dlse, mask, call)
+    if plan.kv_partial_over is not None:
+      # MQA with the query heads split: the K/V head's gradient sums over
+      # query heads held by several shards (the one collective here).
+      dk, dv = jax.lax.psum((dk, dv), plan.kv_partial_over)
+    return dq, dk, dv
+
+  qo, kv, rows = plan.qo, plan.kv, plan.rows
+  return mesh, lower, (qo, kv, kv), (qo, kv, kv, qo, rows, qo, rows, plan.mask)
+
+
+_backward_partitioned.def_partition(partition=_backward_partition, sharding_rule=_backward_rule)
+
+
+# ---------------------------------------------------------------- vmap
+
+
+def _fold(x: jax.Array, axis_size: int, batched: bool) -> jax.Array:
+  """[axis_size, batch, ...] (or [batch, ...] when not batched) -> [axis_size * batch, ...]."""
+  if not batched:
+    x = jnp.broadcast_to(x, (axis_size, *x.shape))
+  return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+
+def _fold_mask(mask: jax.Array | None, axis_size: int, batched: bool, batch: int) -> jax.Array | None:
+  """Folds a mask like _fold, keeping a batch axis that is broadcast over
+  everything at size 1."""
+  if mask is None or (not batched and mask.shape[0] == 1):
+    return mask
+  if not batched:
+    mask = jnp.broadcast_to(mask, (axis_size, *mask.shape))
+  elif mask.shape[1] != batch:  # broadcast over batch, not over the vmapped axis
+    mask = jnp.broadcast_to(mask, (axis_size, batch, *mask.shape[2:]))
+  return mask.reshape(axis_size * mask.shape[1], *mask.shape[2:])
+
+
+def _unfold(x: jax.Array, axis_size: int) -> jax.Array:
+  return x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
+
+
+def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Callable:
+  """partitioned(*arrays, mask, call) under a custom_vmap that folds the
+  vmapped axis into batch. arrays all carry batch on axis 0."""
+
+  @jax.custom_batching.custom_vmap
+  def fn(*args):
+    return partitioned(*args, call)
+
+  @fn.def_vmap
+  def rule(axis_size, in_batched, *args):
+    *arrays, mask = args
+    batch = next(x.shape[1] if b else x.shape[0] for x, b in zip(arrays, in_batched))
+    folded = [_fold(x, axis_size, b) for x, b in zip(arrays, in_batched[:num_arrays])]
+    outs = partitioned(*folded, _fold_mask(mask, axis_size, in_batched[num_arrays], batch), call)
+    return tuple(_unfold(x, axis_size) for x in outs), (True,) * len(outs)
+
+  return fn
+
+
+def forward(q, k, v, mask, call: KernelCall) -> tuple[jax.Array, jax.Array]:
+  """(out, lse): out like q, lse float32 [batch, heads, seq_q].
+
+  q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads, head_dim];
+  mask: None or int8 [batch or 1, heads or 1, seq_q, seq_k].
+  """
+  return _with_vmap(_forward_partitioned, 3, call)(q, k, v, mask)
+
+
+def backward(q, k, v, out, lse, do, dlse, mask, call: KernelCall) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(dq, dk, dv), each like its primal; lse, dlse float32 [batch, heads, seq_q]."""
+  return _with_vmap(_backward_partitioned, 7, call)(q, k, v, out, lse, do, dlse, mask)
