@@ -249,7 +249,9 @@ def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Call
     *arrays, mask = args
     batch = next(x.shape[1] if b else x.shape[0] for x, b in zip(arrays, in_batched))
     folded = [_fold(x, axis_size, b) for x, b in zip(arrays, in_batched[:num_arrays])]
-    outs = partitioned(*folded, _fold_mask(mask, axis_size, in_batched[num_arrays], batch), call)
+    # fn, not partitioned: under nested vmaps this runs inside the outer one,
+    # whose axis is folded in turn.
+    outs = fn(*folded, _fold_mask(mask, axis_size, in_batched[num_arrays], batch))
     return tuple(_unfold(x, axis_size) for x in outs), (True,) * len(outs)
 
   return fn

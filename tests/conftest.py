@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# Eight host devices for the sharding tests' meshes on CPU. Read when jax
+# creates its CPU backend, so it must come before jax is imported; a caller's
+# own XLA_FLAGS win.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
 import functools
 
 import jax
