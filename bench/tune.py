@@ -67,7 +67,10 @@ def main() -> None:
     print(f"causal={causal} cudnn fwd {ms_f:.3f} ms {fwd_flop / ms_f / 1e9:.0f} TF/s | "
           f"fwd+bwd {ms_fb:.3f} ms {3.5 * fwd_flop / ms_fb / 1e9:.0f} TF/s", flush=True)
     records.append(dict(impl="cudnn", causal=causal, fwd_ms=ms_f, fwdbwd_ms=ms_fb))
-    problem = Problem(args.seq, args.seq, d, padded_head_dim(d), causal, d**-0.5, "bfloat16")
+    problem = Problem(
+        seq_q=args.seq, seq_k=args.seq, head_dim=d, head_dim_padded=padded_head_dim(d),
+        window_left=None, window_right=0 if causal else None, softmax_scale=d**-0.5, dtype="bfloat16",
+    )
     out, lse = tf.forward(q, k, v, None, problem, KernelConfig(64, 64, 4, 2))
     delta = tb.compute_delta(out, do, problem)
     for kernel in args.kernels.split(","):

@@ -35,6 +35,7 @@ def flash_attention(
     *,
     mask: jax.Array | None = None,
     causal: bool = False,
+    window_size: tuple[int | None, int | None] | None = None,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     backend: str = "auto",
@@ -63,6 +64,11 @@ def flash_attention(
 
       A query row that sees no key (possible when seq_q > seq_k) returns
       zeros, lse = -inf, and zero gradients.
+    window_size: (left, right): local attention, key j visible to query i iff
+      i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right; None on a
+      side leaves it unbounded. Blocks wholly outside the band are skipped,
+      so the cost grows with the window, not the sequence. With causal the
+      right side is capped at 0.
     softmax_scale: multiplies q.k before the softmax; defaults to
       1 / sqrt(head_dim).
     return_lse: also return the log-sum-exp of each row's scaled scores.
@@ -82,6 +88,9 @@ def flash_attention(
   softmax_scale = _check_scale(softmax_scale, head_dim)
   if not isinstance(causal, (bool, np.bool_)):
     raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+  left, right = _check_window(window_size)
+  if causal:
+    right = 0 if right is None else min(right, 0)
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a jax_flash2.BlockSizes or None, got {type(block_sizes).__name__}")
   kind = _resolve_backend(backend, interpret)
@@ -90,7 +99,8 @@ def flash_attention(
 
   if kind is Backend.XLA:
     out, lse = reference.attention(
-        q, k, v, mask=mask, causal=bool(causal), softmax_scale=softmax_scale, compute_dtype=jnp.float32
+        q, k, v, mask=mask, window_size=(left, right), softmax_scale=softmax_scale,
+        compute_dtype=jnp.float32,
     )
   else:
     seq_q, seq_k = q.shape[1], k.shape[1]
@@ -99,7 +109,8 @@ def flash_attention(
         seq_k=seq_k,
         head_dim=head_dim,
         head_dim_padded=padded_head_dim(head_dim),
-        causal=bool(causal),
+        window_left=left,
+        window_right=right,
         softmax_scale=softmax_scale,
         dtype=jnp.dtype(q.dtype).name,
         has_mask=mask is not None,
@@ -159,6 +170,17 @@ def _canonical_mask(mask, q, k) -> jax.Array:
   shape = (shape[0], shape[1], seq_q, k.shape[1])
   visible = jnp.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape)) != 0
   return jnp.broadcast_to(visible, shape).astype(jnp.int8)
+
+
+def _check_window(window_size) -> tuple[int | None, int | None]:
+  if window_size is None:
+    return None, None
+  if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+    raise TypeError(f"window_size must be a pair (left, right) of ints >= 0 or None, got {window_size!r}")
+  for side in window_size:
+    if side is not None and (isinstance(side, bool) or not isinstance(side, (int, np.integer)) or side < 0):
+      raise ValueError(f"window_size sides must be ints >= 0 or None, got {window_size!r}")
+  return tuple(None if side is None else int(side) for side in window_size)
 
 
 def _check_scale(softmax_scale, head_dim: int) -> float:

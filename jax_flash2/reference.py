@@ -11,11 +11,13 @@ import jax
 import jax.numpy as jnp
 
 
-def causal_visible(seq_q: int, seq_k: int) -> jax.Array:
-  """[seq_q, seq_k] bool: query i sees key j iff j <= i + seq_k - seq_q.
+def band_visible(seq_q: int, seq_k: int, left: int | None, right: int | None) -> jax.Array:
+  """[seq_q, seq_k] bool: query i sees key j iff
+  i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right (None: unbounded).
 
-  The mask is aligned bottom-right, as in FlashAttention-2. For seq_q=2,
-  seq_k=5 and seq_q=5, seq_k=2 (1 = visible)::
+  The band is aligned bottom-right, as in FlashAttention-2; causal is
+  (left, right) = (None, 0). For causal with seq_q=2, seq_k=5 and seq_q=5,
+  seq_k=2 (1 = visible)::
 
       1 1 1 1 0        0 0
       1 1 1 1 1        0 0
@@ -23,9 +25,14 @@ def causal_visible(seq_q: int, seq_k: int) -> jax.Array:
                        1 0
                        1 1
   """
-  i = jnp.arange(seq_q)[:, None]
+  i = jnp.arange(seq_q)[:, None] + (seq_k - seq_q)
   j = jnp.arange(seq_k)[None, :]
-  return j <= i + (seq_k - seq_q)
+  visible = jnp.ones((seq_q, seq_k), bool)
+  if right is not None:
+    visible &= j <= i + right
+  if left is not None:
+    visible &= j >= i - left
+  return visible
 
 
 def attention(
@@ -35,6 +42,7 @@ def attention(
     *,
     mask: jax.Array | None = None,
     causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
     softmax_scale: float | None = None,
     compute_dtype: jnp.dtype | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -45,7 +53,9 @@ def attention(
     k, v: [batch, seq_k, kv_heads, head_dim]; heads is a multiple of kv_heads
       (grouped-query attention: query head h reads K/V head h // (heads // kv_heads)).
     mask: broadcastable to [batch, heads, seq_q, seq_k]; nonzero = visible.
-    causal: bottom-right aligned causal mask (see `causal_visible`).
+    causal: bottom-right aligned causal mask (see `band_visible`).
+    window_size: (left, right) band around the diagonal (see `band_visible`);
+      causal caps right at 0.
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
     compute_dtype: dtype of the arithmetic; defaults to q's dtype promoted to
       at least float32 (so float64 inputs give a float64 reference).
@@ -64,8 +74,11 @@ def attention(
   qc = q.astype(compute_dtype)
   kc, vc = (jnp.repeat(x.astype(compute_dtype), group, axis=2) for x in (k, v))
   s = jnp.einsum("bqhd,bkhd->bhqk", qc, kc, precision=jax.lax.Precision.HIGHEST) * softmax_scale
+  left, right = window_size
   if causal:
-    s = jnp.where(causal_visible(q.shape[1], k.shape[1]), s, -jnp.inf)
+    right = 0 if right is None else min(right, 0)
+  if left is not None or right is not None:
+    s = jnp.where(band_visible(q.shape[1], k.shape[1], left, right), s, -jnp.inf)
   if mask is not None:
     s = jnp.where(mask != 0, s, -jnp.inf)
   # A row that sees nothing has max -inf; shifting by 0 instead keeps exp() at

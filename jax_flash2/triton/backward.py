@@ -160,11 +160,12 @@ def _dq_kernel(
     ds = p * (dp - delta[:, None])
     return dq + tiles.dot(ds.astype(k.dtype), k, problem)
 
-  full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
+  lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
   if problem.has_mask:
     step = tiles.skip_hidden_blocks(step, lambda kb: flags_ref[q_block, kb] != 0)
-    full_hi = 0  # every visible tile takes the element mask
-  dq = tiles.split_loop(step, jnp.zeros((block_q, problem.head_dim_padded), jnp.float32), 0, 0, full_hi, hi)
+    full_lo = full_hi = lo  # every visible tile takes the element mask
+  zeros = jnp.zeros((block_q, problem.head_dim_padded), jnp.float32)
+  dq = tiles.split_loop(step, zeros, lo, full_lo, full_hi, hi)
   tiles.store_tile(dq_ref, (dq * problem.softmax_scale).astype(dq_ref.dtype), rows, cols)
 
 

@@ -62,17 +62,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
     acc = acc * alpha[:, None] + tiles.dot(p.astype(v.dtype), v, problem)
     return acc, m_new, l_i
 
-  full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
+  lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
   if problem.has_mask:
     step = tiles.skip_hidden_blocks(step, lambda kb: flags_ref[q_block, kb] != 0)
-    full_hi = 0  # every visible tile takes the element mask
+    full_lo = full_hi = lo  # every visible tile takes the element mask
   acc = jnp.zeros((block_q, problem.head_dim_padded), jnp.float32)
   m_i = jnp.full((block_q,), -jnp.inf, jnp.float32)
   l_i = jnp.zeros((block_q,), jnp.float32)
-  acc, m_i, l_i = tiles.split_loop(step, (acc, m_i, l_i), 0, 0, full_hi, hi)
+  acc, m_i, l_i = tiles.split_loop(step, (acc, m_i, l_i), lo, full_lo, full_hi, hi)
 
-  # Rows that saw no key (causal with seq_q > seq_k, or a dense mask) have
-  # l_i = 0: they get zeros and lse = -inf rather than 0/0.
+  # Rows that saw no key (outside the band, e.g. causal with seq_q > seq_k,
+  # or under a dense mask) have l_i = 0: they get zeros and lse = -inf
+  # rather than 0/0.
   seen = l_i > 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
   out = acc / l_safe[:, None]

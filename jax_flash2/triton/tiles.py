@@ -30,7 +30,11 @@ class Problem:
   seq_k: int
   head_dim: int
   head_dim_padded: int
-  causal: bool
+  # The visibility band: query i sees key j iff
+  #   i + offset - window_left <= j <= i + offset + window_right,
+  # None leaving that side unbounded. Causal is window_right = 0.
+  window_left: int | None
+  window_right: int | None
   softmax_scale: float
   dtype: Any
   # A dense mask ([batch or 1, heads or 1, seq_q, seq_k] int8, nonzero =
@@ -42,7 +46,7 @@ class Problem:
 
   @property
   def offset(self) -> int:
-    """Bottom-right causal alignment: query i sees key j iff j <= i + offset."""
+    """Bottom-right alignment of the band: query i is level with key i + offset."""
     return self.seq_k - self.seq_q
 
   @property
@@ -109,58 +113,80 @@ def visible(problem: Problem, q_idx: jax.Array, k_idx: jax.Array) -> jax.Array:
   """Which scores of a tile take part, for broadcastable query/key indices.
 
   Pass q_idx[:, None], k_idx[None, :] for a [q, k] tile, or the transposes for
-  a [k, q] tile. Used only on tiles that cross the causal diagonal or a ragged
+  a [k, q] tile. Used only on tiles that cross an edge of the band or a ragged
   sequence end; every other tile is known to be fully visible and skips this.
   """
   mask = (q_idx < problem.seq_q) & (k_idx < problem.seq_k)
-  if problem.causal:
-    mask &= k_idx <= q_idx + problem.offset
+  if problem.window_right is not None:
+    mask &= k_idx <= q_idx + (problem.offset + problem.window_right)
+  if problem.window_left is not None:
+    mask &= k_idx >= q_idx + (problem.offset - problem.window_left)
   return mask
 
 
-def kv_block_range(problem: Problem, q_start, block_q: int, block_k: int):
-  """(full_hi, hi) for the K/V-block loop of a Q-outer program.
+def _ordered(lo, full_lo, full_hi, hi):
+  """Clamps block bounds into lo <= full_lo <= full_hi <= hi, static where they are."""
+  if all(isinstance(x, int) for x in (lo, full_lo, full_hi, hi)):
+    return lo, full_lo, full_hi, hi
+  hi = jnp.maximum(hi, lo)
+  full_lo = jnp.clip(full_lo, lo, hi)
+  return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
 
-  K/V blocks [0, full_hi) are visible to every row of the Q block; blocks
-  [full_hi, hi) need the element mask; blocks from hi on are above the causal
-  diagonal and skipped.
+
+def kv_block_range(problem: Problem, q_start, block_q: int, block_k: int):
+  """(lo, full_lo, full_hi, hi) for the K/V-block loop of a Q-outer program.
+
+  K/V blocks outside [lo, hi) hold no key this Q block sees and are skipped;
+  those in [full_lo, full_hi) are seen whole by every row and need no mask.
   """
-  num_blocks = pl.cdiv(problem.seq_k, block_k)
-  full_blocks = problem.seq_k // block_k
-  if not problem.causal:
-    return full_blocks, num_blocks
-  # Keys visible to the block's last row bound the loop; keys visible to its
-  # first row are the prefix of blocks that need no mask.
-  last_row_keys = jnp.maximum(q_start + block_q + problem.offset, 0)
-  first_row_keys = jnp.maximum(q_start + 1 + problem.offset, 0)
-  hi = jnp.minimum(cdiv(last_row_keys, block_k), num_blocks)
-  full_hi = jnp.minimum(jnp.minimum(floordiv(first_row_keys, block_k), full_blocks), hi)
-  return full_hi, hi
+  num_blocks, full_blocks = pl.cdiv(problem.seq_k, block_k), problem.seq_k // block_k
+  off, left, right = problem.offset, problem.window_left, problem.window_right
+  lo = full_lo = 0
+  full_hi, hi = full_blocks, num_blocks
+  # The block's last row that exists (rows past seq_q are never stored).
+  q_last = jnp.minimum(q_start + block_q, problem.seq_q) - 1
+  if right is not None:
+    # The band's right edge: the last row sees keys up to q_last + off +
+    # right, the first row up to q_start + off + right.
+    hi = jnp.minimum(cdiv(jnp.maximum(q_last + 1 + off + right, 0), block_k), num_blocks)
+    full_hi = jnp.minimum(floordiv(jnp.maximum(q_start + 1 + off + right, 0), block_k), full_blocks)
+  if left is not None:
+    # The left edge: the first row sees keys from q_start + off - left, the
+    # last row from q_last + off - left.
+    lo = jnp.minimum(floordiv(jnp.maximum(q_start + off - left, 0), block_k), num_blocks)
+    full_lo = cdiv(jnp.maximum(q_last + off - left, 0), block_k)
+  return _ordered(lo, full_lo, full_hi, hi)
 
 
 def q_block_range(problem: Problem, k_start, block_q: int, block_k: int):
   """(lo, full_lo, full_hi, hi) for the Q-block loop of a KV-outer program.
 
-  Q blocks before lo see none of this K/V block (causal) and are skipped;
-  [full_lo, full_hi) see all of it and need no mask; the rest need the mask.
+  Q blocks outside [lo, hi) see none of this K/V block and are skipped; those
+  in [full_lo, full_hi) see all of it from every row and need no mask.
   """
-  num_blocks = pl.cdiv(problem.seq_q, block_q)
-  full_blocks = problem.seq_q // block_q
-  if problem.causal:
-    lo = jnp.minimum(floordiv(jnp.maximum(k_start - problem.offset, 0), block_q), num_blocks)
-    # The first Q block whose first row sees this block's last key.
-    full_lo = cdiv(jnp.maximum(k_start + block_k - 1 - problem.offset, 0), block_q)
-    full_lo = jnp.clip(full_lo, lo, num_blocks)
-  else:
-    lo, full_lo = 0, 0
+  num_blocks, full_blocks = pl.cdiv(problem.seq_q, block_q), problem.seq_q // block_q
+  off, left, right = problem.offset, problem.window_left, problem.window_right
+  lo = full_lo = 0
+  full_hi, hi = full_blocks, num_blocks
+  if right is not None:
+    # Row i sees key j only if i >= j - off - right: the block's first key
+    # bounds the first row that sees anything, its last key the first row
+    # that sees everything.
+    lo = jnp.minimum(floordiv(jnp.maximum(k_start - off - right, 0), block_q), num_blocks)
+    full_lo = cdiv(jnp.maximum(k_start + block_k - 1 - off - right, 0), block_q)
+  if left is not None:
+    # Row i sees key j only if i <= j - off + left; j up to the block's last
+    # key that exists.
+    k_last = jnp.minimum(k_start + block_k, problem.seq_k) - 1
+    hi = jnp.minimum(cdiv(jnp.maximum(k_last + 1 - off + left, 0), block_q), num_blocks)
+    full_hi = jnp.minimum(floordiv(jnp.maximum(k_start - off + left + 1, 0), block_q), full_blocks)
   if problem.seq_k % block_k:
     # The ragged last K/V block is masked against every Q block. Written as
     # integer arithmetic (missing > 0 only for that block): a jnp.where on
     # these scalar bounds crashed the Triton lowering ('i1' * 'i64').
     missing = block_k - jnp.minimum(problem.seq_k - k_start, block_k)
     full_lo = jnp.minimum(full_lo + missing * num_blocks, num_blocks)
-  full_hi = max(full_lo, full_blocks) if isinstance(full_lo, int) else jnp.maximum(full_lo, full_blocks)
-  return lo, full_lo, full_hi, num_blocks
+  return _ordered(lo, full_lo, full_hi, hi)
 
 
 def split_loop(

@@ -1,0 +1,114 @@
+"""Sliding windows (`window_size=`): kernels against the reference, and the
+block ranges the loops walk checked against brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_inputs, reference_with_grads, rel_err
+from jax_flash2 import BlockSizes, KernelConfig, flash_attention
+from jax_flash2.reference import band_visible
+from jax_flash2.triton import tiles
+
+MIXED = BlockSizes(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(16, 16))
+
+
+def _run(q, k, v, dout, **kwargs):
+  def f(q, k, v):
+    return flash_attention(q, k, v, return_lse=True, interpret=True, block_sizes=MIXED, **kwargs)
+
+  (out, lse), vjp = jax.vjp(f, q, k, v)
+  return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+
+
+@pytest.mark.parametrize("seqs, window", [
+    ((45, 45), (4, 0)),
+    ((45, 45), (0, 0)),
+    ((30, 70), (8, 8)),
+    ((30, 70), (None, 5)),
+    ((70, 30), (10, None)),
+    ((70, 30), (20, 3)),
+], ids=str)
+def test_matches_reference(seqs, window):
+  seq_q, seq_k = seqs
+  q, k, v, dout = random_inputs(hash((seqs, window)) % 2**31, 1, seq_q, seq_k, 2, 16)
+  got = _run(q, k, v, dout, window_size=window)
+  want = reference_with_grads(q, k, v, dout, window=window)
+  floor = 0.1 * float(jnp.linalg.norm(dout))
+  for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    assert rel_err(x, ref, floor=floor if name.startswith("d") else 0.0) < 1e-5, name
+
+
+def test_combines_with_causal_mask_and_gqa():
+  q, k, v, dout = random_inputs(3, 2, 40, 50, 4, 16)
+  k, v = k[:, :, :2], v[:, :, :2]
+  mask = jax.random.bernoulli(jax.random.PRNGKey(4), 0.7, (2, 1, 40, 50))
+  got = _run(q, k, v, dout, window_size=(12, 6), causal=True, mask=mask)
+  # causal caps the right side at 0
+  want = reference_with_grads(q, k, v, dout, mask=mask, window=(12, 0))
+  floor = 0.1 * float(jnp.linalg.norm(dout))
+  for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    assert rel_err(x, ref, floor=floor if name.startswith("d") else 0.0) < 1e-5, name
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (1, 2, 3), "x", (1.5, None), (True, 0)], ids=str)
+def test_bad_windows(window):
+  q, k, v, _ = random_inputs(0, 1, 8, 8, 1, 8)
+  with pytest.raises((TypeError, ValueError), match="window_size"):
+    flash_attention(q, k, v, window_size=window, backend="xla")
+
+
+def _problem(seq_q, seq_k, left, right):
+  return tiles.Problem(seq_q=seq_q, seq_k=seq_k, head_dim=16, head_dim_padded=16, window_left=left,
+                       window_right=right, softmax_scale=1.0, dtype="float32")
+
+
+def _tiles_seen(visible, block_q, block_k, padded_rows_count: bool):
+  """[Q blocks, K blocks] of (any visible, all visible) from a dense band.
+
+  Padding columns (past seq_k) are never visible. Padding rows (past seq_q)
+  are too when padded_rows_count; otherwise they are ignored, as a Q-outer
+  program ignores them (it never stores them).
+  """
+  seq_q, seq_k = visible.shape
+  nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
+  padded = np.zeros((nq * block_q, nk * block_k), bool)
+  padded[:seq_q, :seq_k] = visible
+  any_seen = padded.reshape(nq, block_q, nk, block_k).any(axis=(1, 3))
+  if not padded_rows_count:
+    padded[seq_q:, :seq_k] = True
+  return any_seen, padded.reshape(nq, block_q, nk, block_k).all(axis=(1, 3))
+
+
+BANDS = list(itertools.product([(16, 16), (33, 47), (47, 33), (64, 16)], [None, 0, 5, 20], [None, 0, 7, 40]))
+
+
+@pytest.mark.parametrize("seqs, left, right", BANDS)
+def test_block_ranges_are_tight(seqs, left, right):
+  """Every tile with a visible score is walked, no tile outside [lo, hi) is
+  walked needlessly at the edges, and only wholly visible tiles skip the mask."""
+  seq_q, seq_k = seqs
+  problem = _problem(seq_q, seq_k, left, right)
+  band = np.asarray(band_visible(seq_q, seq_k, left, right))
+  as_int = lambda x: int(x)
+  any_seen, all_seen = _tiles_seen(band, 8, 8, padded_rows_count=False)
+  for qb in range(any_seen.shape[0]):
+    lo, full_lo, full_hi, hi = map(as_int, tiles.kv_block_range(problem, jnp.int32(qb * 8), 8, 8))
+    seen = np.nonzero(any_seen[qb])[0]
+    if len(seen):
+      assert (lo, hi) == (seen[0], seen[-1] + 1), qb
+    assert all(all_seen[qb, kb] for kb in range(full_lo, full_hi)), qb
+    assert full_hi - full_lo == all_seen[qb].sum(), qb  # no visible tile pays for the mask
+  any_seen, all_seen = _tiles_seen(band, 8, 8, padded_rows_count=True)
+  for kb in range(any_seen.shape[1]):
+    lo, full_lo, full_hi, hi = map(as_int, tiles.q_block_range(problem, jnp.int32(kb * 8), 8, 8))
+    seen = np.nonzero(any_seen[:, kb])[0]
+    if len(seen):
+      assert (lo, hi) == (seen[0], seen[-1] + 1), kb
+    assert all(all_seen[qb, kb] for qb in range(full_lo, full_hi)), kb
+    assert full_hi - full_lo == all_seen[:, kb].sum(), kb
