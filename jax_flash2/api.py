@@ -36,6 +36,7 @@ def flash_attention(
     mask: jax.Array | None = None,
     causal: bool = False,
     window_size: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     backend: str = "auto",
@@ -69,6 +70,9 @@ def flash_attention(
       side leaves it unbounded. Blocks wholly outside the band are skipped,
       so the cost grows with the window, not the sequence. With causal the
       right side is capped at 0.
+    softcap: if given, scores (after softmax_scale) become
+      softcap * tanh(scores / softcap) before the softmax (Gemma 2, Grok);
+      gradients flow through the tanh.
     softmax_scale: multiplies q.k before the softmax; defaults to
       1 / sqrt(head_dim).
     return_lse: also return the log-sum-exp of each row's scaled scores.
@@ -89,6 +93,8 @@ def flash_attention(
   if not isinstance(causal, (bool, np.bool_)):
     raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
   left, right = _check_window(window_size)
+  if softcap is not None:
+    softcap = _check_positive("softcap", softcap)
   if causal:
     right = 0 if right is None else min(right, 0)
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
@@ -99,8 +105,8 @@ def flash_attention(
 
   if kind is Backend.XLA:
     out, lse = reference.attention(
-        q, k, v, mask=mask, window_size=(left, right), softmax_scale=softmax_scale,
-        compute_dtype=jnp.float32,
+        q, k, v, mask=mask, window_size=(left, right), softcap=softcap,
+        softmax_scale=softmax_scale, compute_dtype=jnp.float32,
     )
   else:
     seq_q, seq_k = q.shape[1], k.shape[1]
@@ -115,6 +121,7 @@ def flash_attention(
         dtype=jnp.dtype(q.dtype).name,
         has_mask=mask is not None,
         group=q.shape[2] // k.shape[2],
+        softcap=softcap,
     )
     blocks = (block_sizes or default_block_sizes(head_dim, causal)).fit(seq_q, seq_k)
     out, lse = flash(q, k, v, mask, KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret)))
@@ -186,15 +193,20 @@ def _check_window(window_size) -> tuple[int | None, int | None]:
 def _check_scale(softmax_scale, head_dim: int) -> float:
   if softmax_scale is None:
     return 1.0 / math.sqrt(head_dim)
-  if isinstance(softmax_scale, jax.core.Tracer):
-    raise TypeError("softmax_scale must be a static Python float, not a traced value")
+  return _check_positive("softmax_scale", softmax_scale)
+
+
+def _check_positive(name: str, value) -> float:
+  """A static, finite, positive float (it is baked into the kernels)."""
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{name} must be a static Python float, not a traced value")
   try:
-    scale = float(softmax_scale)
+    number = float(value)
   except (TypeError, ValueError):
-    raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}") from None
-  if not (math.isfinite(scale) and scale > 0):
-    raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
-  return scale
+    raise TypeError(f"{name} must be a float, got {type(value).__name__}") from None
+  if not (math.isfinite(number) and number > 0):
+    raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+  return number
 
 
 def _resolve_backend(backend: str, interpret: bool) -> Backend:

@@ -43,6 +43,7 @@ def attention(
     mask: jax.Array | None = None,
     causal: bool = False,
     window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float | None = None,
     softmax_scale: float | None = None,
     compute_dtype: jnp.dtype | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -56,6 +57,7 @@ def attention(
     causal: bottom-right aligned causal mask (see `band_visible`).
     window_size: (left, right) band around the diagonal (see `band_visible`);
       causal caps right at 0.
+    softcap: scores become softcap * tanh(scores / softcap) (after scaling).
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
     compute_dtype: dtype of the arithmetic; defaults to q's dtype promoted to
       at least float32 (so float64 inputs give a float64 reference).
@@ -74,6 +76,8 @@ def attention(
   qc = q.astype(compute_dtype)
   kc, vc = (jnp.repeat(x.astype(compute_dtype), group, axis=2) for x in (k, v))
   s = jnp.einsum("bqhd,bkhd->bhqk", qc, kc, precision=jax.lax.Precision.HIGHEST) * softmax_scale
+  if softcap is not None:
+    s = softcap * jnp.tanh(s / softcap)
   left, right = window_size
   if causal:
     right = 0 if right is None else min(right, 0)

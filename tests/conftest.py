@@ -68,26 +68,26 @@ def rel_err(x, ref, floor: float = 0.0) -> float:
 
 
 def reference_with_grads(
-    q, k, v, dout, dlse=None, *, mask=None, causal=False, window=(None, None), softmax_scale=None,
-    dtype=jnp.float64,
+    q, k, v, dout, dlse=None, *, mask=None, causal=False, window=(None, None), softcap=None,
+    softmax_scale=None, dtype=jnp.float64,
 ):
   """(out, lse, dq, dk, dv) of the plain-jnp reference, all arithmetic in `dtype`."""
   if dlse is None:
     dlse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
   return _reference_with_grads(
-      q, k, v, dout, dlse, mask, causal, tuple(window), softmax_scale, jnp.dtype(dtype)
+      q, k, v, dout, dlse, mask, causal, tuple(window), softcap, softmax_scale, jnp.dtype(dtype)
   )
 
 
-@functools.partial(jax.jit, static_argnums=(6, 7, 8, 9))
-def _reference_with_grads(q, k, v, dout, dlse, mask, causal, window, softmax_scale, dtype):
+@functools.partial(jax.jit, static_argnums=(6, 7, 8, 9, 10))
+def _reference_with_grads(q, k, v, dout, dlse, mask, causal, window, softcap, softmax_scale, dtype):
   # Jitted: op-by-op dispatch of the reference at GPU test sizes compiled every
   # op for every shape, which dominated the GPU suite's time.
   args = [x.astype(dtype) for x in (q, k, v)]
   (out, lse), vjp = jax.vjp(
       lambda q, k, v: reference.attention(
-          q, k, v, mask=mask, causal=causal, window_size=window, softmax_scale=softmax_scale,
-          compute_dtype=dtype,
+          q, k, v, mask=mask, causal=causal, window_size=window, softcap=softcap,
+          softmax_scale=softmax_scale, compute_dtype=dtype,
       ),
       *args,
   )

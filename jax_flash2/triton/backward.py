@@ -45,6 +45,15 @@ def _lse_log2(lse_ref, rows) -> jax.Array:
   return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2_E)
 
 
+def _probabilities(qk: jax.Array, lse_log2: jax.Array, problem: Problem):
+  """P recomputed from raw scores and the forward's lse (log2 domain), and
+  the softcap's derivative (None without a softcap) that dS picks up."""
+  if problem.softcap is None:
+    return jnp.exp2(qk * (problem.softmax_scale * LOG2_E) - lse_log2), None
+  s, dcap = tiles.softcapped_log2(qk, problem)
+  return jnp.exp2(s - lse_log2), dcap
+
+
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, problem: Problem, block_q: int, block_k: int,
     mask_grouped: bool = False,
@@ -64,7 +73,6 @@ def _dkv_kernel(
   k_rows = k_idx < problem.seq_k if problem.seq_k % block_k else None
   k = tiles.load_tile(k_ref, k_rows, cols)
   v = tiles.load_tile(v_ref, k_rows, cols)
-  qk_scale = problem.softmax_scale * LOG2_E
   ragged_q = problem.seq_q % block_q != 0
 
   def step_for_head(g):
@@ -88,7 +96,7 @@ def _dkv_kernel(
       # dK = dS^T Q then take P^T and dS^T as they come out of the dot, and
       # only the Q and dO tiles (which pass through shared memory anyway) are
       # transposed, instead of the register-resident P and dS.
-      p_t = jnp.exp2(tiles.dot(k, q, problem, trans_b=True) * qk_scale - lse[None, :])
+      p_t, dcap_t = _probabilities(tiles.dot(k, q, problem, trans_b=True), lse[None, :], problem)
       if masked:
         visible_t = tiles.visible(problem, q_idx[None, :], k_idx[:, None])
         if mask_ref is not None:
@@ -97,6 +105,8 @@ def _dkv_kernel(
       dv += tiles.dot(p_t.astype(do.dtype), do, problem)
       dp_t = tiles.dot(v, do, problem, trans_b=True)
       ds_t = p_t * (dp_t - delta[None, :])
+      if dcap_t is not None:
+        ds_t *= dcap_t
       dk += tiles.dot(ds_t.astype(q.dtype), q, problem)
       return dk, dv
 
@@ -140,7 +150,6 @@ def _dq_kernel(
   do = tiles.load_tile(do_ref, rows, cols)
   lse = _lse_log2(lse_ref, rows)
   delta = tiles.load(delta_ref, rows, other=0.0)
-  qk_scale = problem.softmax_scale * LOG2_E
   ragged_k = problem.seq_k % block_k != 0
 
   def step(kb, dq, masked: bool):
@@ -150,7 +159,7 @@ def _dq_kernel(
     k_slice = pl.ds(k_start, block_k)
     k = tiles.load_tile(k_ref.at[k_slice, :], k_rows, cols)
     v = tiles.load_tile(v_ref.at[k_slice, :], k_rows, cols)
-    p = jnp.exp2(tiles.dot(q, k, problem, trans_b=True) * qk_scale - lse[:, None])
+    p, dcap = _probabilities(tiles.dot(q, k, problem, trans_b=True), lse[:, None], problem)
     if masked:
       visible = tiles.visible(problem, q_idx[:, None], k_idx[None, :])
       if mask_ref is not None:
@@ -158,6 +167,8 @@ def _dq_kernel(
       p = jnp.where(visible, p, 0.0)
     dp = tiles.dot(do, v, problem, trans_b=True)
     ds = p * (dp - delta[:, None])
+    if dcap is not None:
+      ds *= dcap
     return dq + tiles.dot(ds.astype(k.dtype), k, problem)
 
   lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)

@@ -35,8 +35,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   q = tiles.load_tile(q_ref, q_rows, cols)
   # The softmax scale and the change to base 2 fold into one factor. Scores
   # stay unscaled; m_i is kept scaled, so each score costs a single FMA
-  # (s * qk_scale - m) on its way into exp2.
+  # (s * qk_scale - m) on its way into exp2. A softcap needs the scaled score
+  # inside its tanh, so there the scores are taken to base 2 up front.
   qk_scale = problem.softmax_scale * LOG2_E
+  log2_domain = (lambda s: s) if problem.softcap is not None else (lambda s: s * qk_scale)
 
   def step(kb, carry, masked: bool):
     acc, m_i, l_i = carry
@@ -45,18 +47,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
     k_rows = k_idx < seq_k if (masked and seq_k % block_k) else None
     k = tiles.load_tile(k_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
     s = tiles.dot(q, k, problem, trans_b=True)  # [block_q, block_k]
+    if problem.softcap is not None:
+      s = tiles.softcapped_log2(s, problem)[0]
     if masked:
       visible = tiles.visible(problem, q_idx[:, None], k_idx[None, :])
       if mask_ref is not None:
         visible &= tiles.load_mask_tile(mask_ref, q_start, k_start, block_q, block_k, problem)
       s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * qk_scale)
+    m_new = jnp.maximum(m_i, log2_domain(jnp.max(s, axis=1)))
     if masked:
       # A row that has seen only masked scores so far keeps m = -inf; shift
       # it by 0 so that exp2 gives 0 instead of exp2(-inf + inf) = NaN.
       m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-    p = jnp.exp2(s * qk_scale - m_new[:, None])
+    p = jnp.exp2(log2_domain(s) - m_new[:, None])
     l_i = l_i * alpha + jnp.sum(p, axis=1)
     v = tiles.load_tile(v_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
     acc = acc * alpha[:, None] + tiles.dot(p.astype(v.dtype), v, problem)

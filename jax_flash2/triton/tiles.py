@@ -43,6 +43,8 @@ class Problem:
   has_mask: bool = False
   # Grouped-query attention: query heads per K/V head (1 for plain MHA).
   group: int = 1
+  # Scores become softcap * tanh(scores / softcap) before the softmax.
+  softcap: float | None = None
 
   @property
   def offset(self) -> int:
@@ -67,6 +69,16 @@ def dot(a: jax.Array, b: jax.Array, problem: Problem, *, trans_a=False, trans_b=
   return lax.dot_general(
       a, b, (contract, ((), ())), precision=problem.precision, preferred_element_type=jnp.float32
   )
+
+
+def softcapped_log2(qk: jax.Array, problem: Problem) -> tuple[jax.Array, jax.Array]:
+  """Softcapped scores in the log2 domain, and d(softcap)/d(scaled score).
+
+  t = tanh(scale * qk / cap); the score is cap * t, its derivative 1 - t^2,
+  which the backward multiplies into dS.
+  """
+  t = jnp.tanh(qk * (problem.softmax_scale / problem.softcap))
+  return t * (problem.softcap * LOG2_E), 1.0 - t * t
 
 
 def _tile_mask(rows: jax.Array | None, cols: jax.Array | None) -> jax.Array | None:
