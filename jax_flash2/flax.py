@@ -45,8 +45,8 @@ What maps onto what (the keywords the modules pass, as of flax 0.12):
 - ``query``/``key``/``value`` ``[batch..., length, heads, head_dim]``: any
   number of leading batch axes (none included) are flattened into one and
   restored on the output. head_dim must be a multiple of 8 in [8, 256].
-  Grouped-query attention (NNX ``num_kv_heads``): key/value heads are
-  repeated to the query heads before the call.
+  Grouped-query attention (NNX ``num_kv_heads``): passed through as it is;
+  the kernels share each K/V head across its query group without copying.
 - ``mask`` ``[batch..., heads or 1, q_length, kv_length]`` (or anything
   broadcastable to it), nonzero = visible: passed to the kernels.
 - ``is_causal`` (NNX): with q_length == kv_length the kernel's causal flag;
@@ -189,7 +189,6 @@ class FlashAttentionFn:
     query, key, value = _cast(query, key, value, dtype)
     batch_shape = _batch_shape(query, key, value)
     q, k, v = (_flatten_batch(x, batch_shape) for x in (query, key, value))
-    k, v = _repeat_kv_heads(k, v, q.shape[2])
     if mask is not None:
       mask = _flatten_mask(mask, batch_shape)
     causal = self.causal
@@ -273,15 +272,6 @@ def _batch_shape(query, key, value) -> tuple[int, ...]:
 def _flatten_batch(x: jax.Array, batch_shape: tuple[int, ...]) -> jax.Array:
   """[batch..., length, heads, dim] -> [prod(batch), length, heads, dim]."""
   return x.reshape((math.prod(batch_shape),) + x.shape[-3:])
-
-
-def _repeat_kv_heads(k: jax.Array, v: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
-  """Grouped-query attention: query head h reads kv head h // (heads // kv_heads)."""
-  kv_heads = k.shape[2]
-  if kv_heads == heads or heads % kv_heads:
-    return k, v  # equal, or an error flash_attention reports
-  rep = heads // kv_heads
-  return jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
 
 
 def _flatten_mask(mask, batch_shape: tuple[int, ...]) -> jax.Array:
