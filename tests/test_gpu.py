@@ -40,24 +40,28 @@ def _poison():
   return jnp.full((1 << 28,), jnp.nan, jnp.float32)
 
 
-def _flash(q, k, v, dout, mask, causal):
+def _flash(q, k, v, dout, mask, causal, window=None, softcap=None):
   def f(q, k, v):
-    return flash_attention(q, k, v, mask=mask, causal=causal, return_lse=True, backend="triton")
+    return flash_attention(q, k, v, mask=mask, causal=causal, window_size=window, softcap=softcap,
+                           return_lse=True, backend="triton")
 
   (out, lse), vjp = jax.vjp(f, q, k, v)
   return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
 
 
-_flash_jit = jax.jit(_flash, static_argnums=5)
+_flash_jit = jax.jit(_flash, static_argnums=(5, 6, 7))
 
 
-def _check(shape, dtype, causal, mask=None):
+def _check(shape, dtype, causal, mask=None, kv_heads=None, window=None, softcap=None):
   batch, seq_q, seq_k, heads, head_dim = shape
   q, k, v, dout = random_inputs(hash((shape, causal)) % 2**31, batch, seq_q, seq_k, heads, head_dim, dtype)
+  if kv_heads is not None:
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
   _poison().block_until_ready()
-  got = _flash_jit(q, k, v, dout, mask, causal)
-  want = reference_with_grads(q, k, v, dout, mask=mask, causal=causal, dtype=jnp.float32)
-  plain = reference_with_grads(q, k, v, dout, mask=mask, causal=causal, dtype=dtype)
+  got = _flash_jit(q, k, v, dout, mask, causal, window, softcap)
+  ref = dict(mask=mask, causal=causal, window=window or (None, None), softcap=softcap)
+  want = reference_with_grads(q, k, v, dout, dtype=jnp.float32, **ref)
+  plain = reference_with_grads(q, k, v, dout, dtype=dtype, **ref)
   for name, x, ref, base in zip(("out", "lse", "dq", "dk", "dv"), got, want, plain):
     err, base_err = rel_err(x, ref), rel_err(base, ref)
     factor = 2.0 if name in ("out", "lse") else 3.0
@@ -86,6 +90,20 @@ def test_dense_mask(causal):
   keep = jnp.arange(shape[2])[None, :] < lengths[:, None]  # [batch, seq_k]
   pattern = jax.random.bernoulli(jax.random.PRNGKey(0), 0.9, (1, 1, shape[1], shape[2]))
   _check(shape, jnp.bfloat16, causal, mask=keep[:, None, None, :] & pattern)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_grouped_query_attention(causal):
+  _check((2, 2048, 2048, 16, 128), jnp.bfloat16, causal, kv_heads=4)
+
+
+@pytest.mark.parametrize("window", [(256, 0), (300, 300), (None, 100)], ids=str)
+def test_sliding_window(window):
+  _check((1, 4096, 3000, 4, 128), jnp.bfloat16, False, window=window)
+
+
+def test_softcap():
+  _check((2, 2048, 2048, 4, 128), jnp.bfloat16, True, softcap=30.0)
 
 
 def test_gradients_are_bitwise_deterministic():
