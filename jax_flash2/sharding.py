@@ -9,7 +9,9 @@ and heads pass through (each device runs the kernels on its own shard, no
 collective); seq_q, seq_k and head_dim must be replicated. A caller who shards
 a sequence or head_dim axis gets it gathered before the kernels (queries could
 be split, but the causal offset would then depend on the shard; keys are
-reduced over).
+reduced over). Under GQA the K/V heads are split with the query heads when
+whole groups stay together; MQA's one K/V head is replicated and dK/dV are
+summed over the head shards (an all-reduce, the only collective).
 
 `custom_partitioning` has no batching rule, so a `custom_vmap` sits outside it:
 a vmapped axis is folded into the kernels' batch axis, which they handle
@@ -128,12 +130,10 @@ def _plan(mesh, q, k, mask) -> _Plan:
 def _local(call: KernelCall, q, k) -> KernelCall:
   """The call for one shard: the same static problem, except that the GQA
   group shrinks when the query heads are split and a single K/V head is not."""
-  problem = call.problem
   group = q.shape[2] // k.shape[2]
-  # getattr: Problem.group arrives with grouped-query attention.
-  if getattr(problem, "group", 1) == group:
+  if call.problem.group == group:
     return call
-  return dataclasses.replace(call, problem=dataclasses.replace(problem, group=group))
+  return dataclasses.replace(call, problem=dataclasses.replace(call.problem, group=group))
 
 
 # ---------------------------------------------------------------- forward
@@ -247,7 +247,8 @@ def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Call
   @fn.def_vmap
   def rule(axis_size, in_batched, *args):
     *arrays, mask = args
-    batch = next(x.shape[1] if b else x.shape[0] for x, b in zip(arrays, in_batched))
+    # The batch of one vmapped instance, read off q.
+    batch = arrays[0].shape[1] if in_batched[0] else arrays[0].shape[0]
     folded = [_fold(x, axis_size, b) for x, b in zip(arrays, in_batched[:num_arrays])]
     # fn, not partitioned: under nested vmaps this runs inside the outer one,
     # whose axis is folded in turn.
@@ -260,8 +261,9 @@ def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Call
 def forward(q, k, v, mask, call: KernelCall) -> tuple[jax.Array, jax.Array]:
   """(out, lse): out like q, lse float32 [batch, heads, seq_q].
 
-  q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads, head_dim];
-  mask: None or int8 [batch or 1, heads or 1, seq_q, seq_k].
+  q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim]
+  (kv_heads divides heads); mask: None or int8 [batch or 1, heads or 1,
+  seq_q, seq_k].
   """
   return _with_vmap(_forward_partitioned, 3, call)(q, k, v, mask)
 
