@@ -196,14 +196,6 @@ def compute_delta(out: jax.Array, do: jax.Array, problem: Problem, *, interpret:
   )(out, do)
 
 
-def _with_mask(in_specs, args, mask, block_q, block_k, heads_per_program=1):
-  """Appends the dense mask and its tile flags (for these tiles) to a call."""
-  if mask is None:
-    return in_specs, args
-  specs = tiles.mask_specs(mask, block_q, block_k, heads_per_program)
-  return [*in_specs, *specs], [*args, mask, tiles.block_flags(mask, block_q, block_k)]
-
-
 def compute_dkv(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelConfig, *, interpret: bool = False):
   """(dK, dV), each like k; lse and delta are float32 [batch, heads, seq_q].
 
@@ -212,7 +204,7 @@ def compute_dkv(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelC
   """
   batch, seq_q, d, group = q.shape[0], q.shape[1], problem.head_dim_padded, problem.group
   bq, bk = config.block_q, config.block_k
-  in_specs, args = _with_mask(
+  in_specs, args = tiles.with_mask(
       [
           tiles.group_seq_spec(seq_q, bq, d, group),
           tiles.rows_spec(bk, d),
@@ -247,7 +239,7 @@ def compute_dq(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelCo
   """dQ, like q; lse and delta are float32 [batch, heads, seq_q]."""
   batch, seq_q, heads, d = *q.shape[:3], problem.head_dim_padded
   bq, bk = config.block_q, config.block_k
-  in_specs, args = _with_mask(
+  in_specs, args = tiles.with_mask(
       [
           tiles.rows_spec(bq, d, seq_q),
           tiles.whole_seq_spec(k.shape[1], bk, d, head_divisor=problem.group),

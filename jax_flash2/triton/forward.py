@@ -114,10 +114,9 @@ def forward(
   # share one (batch, head) and hit the same K/V in L2.
   grid = (pl.cdiv(seq_q, bq), batch, heads)
   kv_spec = tiles.whole_seq_spec(seq_k, bk, d, head_divisor=problem.group)
-  in_specs, mask_args = [tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec], []
-  if mask is not None:
-    in_specs += tiles.mask_specs(mask, bq, bk)
-    mask_args = [mask, tiles.block_flags(mask, bq, bk)]
+  in_specs, args = tiles.with_mask(
+      [tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec], [q, k, v], mask, bq, bk
+  )
   return pl.pallas_call(
       kernel,
       grid=grid,
@@ -130,4 +129,4 @@ def forward(
       compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name="flash2_fwd",
-  )(q, k, v, *mask_args)
+  )(*args)

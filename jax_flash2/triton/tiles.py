@@ -291,6 +291,16 @@ def mask_specs(
   )
 
 
+def with_mask(
+    in_specs: list, args: list, mask: jax.Array | None, block_q: int, block_k: int, heads_per_program: int = 1
+) -> tuple[list, list]:
+  """Appends the dense mask and its tile flags (for these tiles) to a call."""
+  if mask is None:
+    return in_specs, args
+  specs = mask_specs(mask, block_q, block_k, heads_per_program)
+  return [*in_specs, *specs], [*args, mask, block_flags(mask, block_q, block_k)]
+
+
 def mask_has_group_axis(mask: jax.Array, heads_per_program: int) -> bool:
   return heads_per_program > 1 and mask.shape[1] > 1
 
