@@ -37,6 +37,7 @@ def flash_attention(
     causal: bool = False,
     window_size: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     backend: str = "auto",
@@ -73,6 +74,9 @@ def flash_attention(
     softcap: if given, scores (after softmax_scale) become
       softcap * tanh(scores / softcap) before the softmax (Gemma 2, Grok);
       gradients flow through the tanh.
+    alibi_slopes: float32 [heads] or [batch, heads]: ALiBi adds
+      -slope * |i + seq_k - seq_q - j| to the scaled scores (after softcap).
+      The slopes take no gradient.
     softmax_scale: multiplies q.k before the softmax; defaults to
       1 / sqrt(head_dim).
     return_lse: also return the log-sum-exp of each row's scaled scores.
@@ -102,10 +106,12 @@ def flash_attention(
   kind = _resolve_backend(backend, interpret)
   if mask is not None:
     mask = _canonical_mask(mask, q, k)
+  if alibi_slopes is not None:
+    alibi_slopes = _canonical_slopes(alibi_slopes, q)
 
   if kind is Backend.XLA:
     out, lse = reference.attention(
-        q, k, v, mask=mask, window_size=(left, right), softcap=softcap,
+        q, k, v, mask=mask, window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes,
         softmax_scale=softmax_scale, compute_dtype=jnp.float32,
     )
   else:
@@ -122,9 +128,11 @@ def flash_attention(
         has_mask=mask is not None,
         group=q.shape[2] // k.shape[2],
         softcap=softcap,
+        has_alibi=alibi_slopes is not None,
     )
     blocks = (block_sizes or default_block_sizes(head_dim, causal)).fit(seq_q, seq_k)
-    out, lse = flash(q, k, v, mask, KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret)))
+    call = KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret))
+    out, lse = flash(q, k, v, mask, alibi_slopes, call)
   return (out, lse) if return_lse else out
 
 
@@ -177,6 +185,21 @@ def _canonical_mask(mask, q, k) -> jax.Array:
   shape = (shape[0], shape[1], seq_q, k.shape[1])
   visible = jnp.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape)) != 0
   return jnp.broadcast_to(visible, shape).astype(jnp.int8)
+
+
+def _canonical_slopes(slopes, q) -> jax.Array:
+  """ALiBi slopes as float32 [batch or 1, heads]."""
+  if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
+    raise TypeError(f"alibi_slopes must be an array, got {type(slopes).__name__}")
+  batch, _, heads, _ = q.shape
+  if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+    raise ValueError(
+        f"alibi_slopes must have shape [heads] = ({heads},) or [batch, heads] = ({batch}, {heads}), "
+        f"got {tuple(slopes.shape)}"
+    )
+  if not jnp.issubdtype(slopes.dtype, jnp.floating):
+    raise TypeError(f"alibi_slopes must be floating point, got dtype {slopes.dtype}")
+  return jax.lax.stop_gradient(jnp.reshape(slopes, (-1, heads)).astype(jnp.float32))
 
 
 def _check_window(window_size) -> tuple[int | None, int | None]:

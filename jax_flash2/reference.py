@@ -44,6 +44,7 @@ def attention(
     causal: bool = False,
     window_size: tuple[int | None, int | None] = (None, None),
     softcap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
     softmax_scale: float | None = None,
     compute_dtype: jnp.dtype | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -58,6 +59,7 @@ def attention(
     window_size: (left, right) band around the diagonal (see `band_visible`);
       causal caps right at 0.
     softcap: scores become softcap * tanh(scores / softcap) (after scaling).
+    alibi_slopes: [heads] or [batch, heads]; adds -slope * |i + seq_k - seq_q - j|.
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
     compute_dtype: dtype of the arithmetic; defaults to q's dtype promoted to
       at least float32 (so float64 inputs give a float64 reference).
@@ -78,6 +80,10 @@ def attention(
   s = jnp.einsum("bqhd,bkhd->bhqk", qc, kc, precision=jax.lax.Precision.HIGHEST) * softmax_scale
   if softcap is not None:
     s = softcap * jnp.tanh(s / softcap)
+  if alibi_slopes is not None:
+    slopes = jnp.reshape(alibi_slopes, (-1, q.shape[2])).astype(s.dtype)[:, :, None, None]
+    distance = jnp.abs(jnp.arange(q.shape[1])[:, None] + (k.shape[1] - q.shape[1]) - jnp.arange(k.shape[1]))
+    s = s - slopes * distance.astype(s.dtype)
   left, right = window_size
   if causal:
     right = 0 if right is None else min(right, 0)

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
   from jax_flash2.vjp import KernelCall
 
 
-def _factors(q_shape, kv_shape, mask_shape) -> dict[str, str]:
+def _factors(q_shape, kv_shape, mask_shape, slopes_shape=None) -> dict[str, str]:
   """Shardy factors of each kind of operand.
 
   b batch, i seq_q, j seq_k, d head_dim, h heads. Under GQA the query heads
@@ -49,7 +49,8 @@ def _factors(q_shape, kv_shape, mask_shape) -> dict[str, str]:
   would let Shardy split a mesh axis across them into sub-axes, which
   custom_partitioning cannot hand to the partition callback;
   _plan keeps them consistent instead. mb / mh are a mask's broadcast (size 1)
-  batch / heads axes, which can share no factor with the full-size ones.
+  batch / heads axes, which can share no factor with the full-size ones; ab
+  the ALiBi slopes' broadcast batch axis.
   """
   if q_shape[2] == kv_shape[2]:
     heads = kv_heads = "h"
@@ -60,6 +61,8 @@ def _factors(q_shape, kv_shape, mask_shape) -> dict[str, str]:
     batch = "b" if mask_shape[0] > 1 else "mb"
     mask_heads = heads if mask_shape[1] > 1 else "mh"
     names["mask"] = f"{batch} {mask_heads} i j"
+  if slopes_shape is not None:
+    names["slopes"] = f"{'b' if slopes_shape[0] > 1 else 'ab'} {heads}"
   return names
 
 
@@ -69,7 +72,7 @@ def _rule(operands: list[str], results: list[str]) -> tuple[str, dict]:
   rule = f"{', '.join(operands)} -> {', '.join(results)}"
   # Shardy wants the special factors listed in the order they first appear.
   order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
-  replicated = tuple(f for f in order if f in ("i", "j", "d", "mb", "mh"))
+  replicated = tuple(f for f in order if f in ("i", "j", "d", "mb", "mh", "ab"))
   return rule, {"need_replication_factors": replicated}
 
 
@@ -93,15 +96,16 @@ class _Plan:
   kv: NamedSharding
   rows: NamedSharding
   mask: NamedSharding | None
+  slopes: NamedSharding | None
   kv_partial_over: str | tuple[str, ...] | None
 
 
-def _plan(mesh, q, k, mask) -> _Plan:
+def _plan(mesh, q, k, mask, slopes) -> _Plan:
   """Every device holds whole (batch, head) problems: q's batch and head
   sharding is kept and everything else is replicated.
 
-  q, k, mask: ShapeDtypeStructs carrying the partitioner's shardings (mask may
-  be None). Under GQA the K/V heads are split like the query heads when that
+  q, k, mask, slopes: ShapeDtypeStructs carrying the partitioner's shardings
+  (mask and slopes may be None). Under GQA the K/V heads are split like the query heads when that
   keeps whole groups on a shard; MQA's single K/V head is replicated, and
   each shard's dK/dV is then a partial sum over its query heads; any other
   split of the heads is gathered.
@@ -118,11 +122,15 @@ def _plan(mesh, q, k, mask) -> _Plan:
   if mask is not None:
     mask_spec = P(batch if mask.shape[0] > 1 else None, heads if mask.shape[1] > 1 else None, None, None)
     mask_sharding = NamedSharding(mesh, mask_spec)
+  slopes_sharding = None
+  if slopes is not None:
+    slopes_sharding = NamedSharding(mesh, P(batch if slopes.shape[0] > 1 else None, heads))
   return _Plan(
       qo=NamedSharding(mesh, P(batch, None, heads, None)),
       kv=NamedSharding(mesh, P(batch, None, kv_heads, None)),
       rows=NamedSharding(mesh, P(batch, heads, None)),
       mask=mask_sharding,
+      slopes=slopes_sharding,
       kv_partial_over=partial,
   )
 
@@ -139,30 +147,44 @@ def _local(call: KernelCall, q, k) -> KernelCall:
 # ---------------------------------------------------------------- forward
 
 
-def _forward_kernels(q, k, v, mask, call: KernelCall):
+def _forward_kernels(q, k, v, mask, slopes, call: KernelCall):
   call = _local(call, q, k)
-  return triton_forward.forward(q, k, v, mask, call.problem, call.block_sizes.fwd, interpret=call.interpret)
+  return triton_forward.forward(
+      q, k, v, mask, slopes, call.problem, call.block_sizes.fwd, interpret=call.interpret
+  )
 
 
-_forward_partitioned = custom_partitioning(_forward_kernels, static_argnums=(4,))
+_forward_partitioned = custom_partitioning(_forward_kernels, static_argnums=(5,))
+
+
+def _optional_factors(f: dict[str, str], call: KernelCall) -> list[str]:
+  """Rule entries of the optional operands a call has (None ones are absent)."""
+  return ([f["mask"]] if call.problem.has_mask else []) + ([f["slopes"]] if call.problem.has_alibi else [])
+
+
+def _optional_shapes(shapes: list, num_fixed: int, call: KernelCall):
+  """(mask shape, slopes shape) out of the operand shapes, None where absent."""
+  rest = list(shapes[num_fixed:])
+  mask = rest.pop(0) if call.problem.has_mask else None
+  slopes = rest.pop(0) if call.problem.has_alibi else None
+  return mask, slopes
 
 
 def _forward_rule(call, mesh, operand_types, result_types):
-  del call, mesh, result_types
+  del mesh, result_types
   shapes = [_shape(t) for t in operand_types]
-  f = _factors(shapes[0], shapes[1], shapes[3] if len(shapes) == 4 else None)
-  operands = [f["qo"], f["kv"], f["kv"]] + ([f["mask"]] if "mask" in f else [])
-  return _rule(operands, [f["qo"], f["rows"]])
+  f = _factors(shapes[0], shapes[1], *_optional_shapes(shapes, 3, call))
+  return _rule([f["qo"], f["kv"], f["kv"], *_optional_factors(f, call)], [f["qo"], f["rows"]])
 
 
 def _forward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
-  q, k, _, mask = arg_shapes
-  plan = _plan(mesh, q, k, mask)
+  q, k, _, mask, slopes = arg_shapes
+  plan = _plan(mesh, q, k, mask, slopes)
   # Every shard is a set of whole (batch, head) problems: the same kernels run
   # it on shard-shaped operands, with no communication.
-  lower = lambda q, k, v, mask: _forward_kernels(q, k, v, mask, call)
-  return mesh, lower, (plan.qo, plan.rows), (plan.qo, plan.kv, plan.kv, plan.mask)
+  lower = lambda q, k, v, mask, slopes: _forward_kernels(q, k, v, mask, slopes, call)
+  return mesh, lower, (plan.qo, plan.rows), (plan.qo, plan.kv, plan.kv, plan.mask, plan.slopes)
 
 
 _forward_partitioned.def_partition(partition=_forward_partition, sharding_rule=_forward_rule)
@@ -171,32 +193,31 @@ _forward_partitioned.def_partition(partition=_forward_partition, sharding_rule=_
 # ---------------------------------------------------------------- backward
 
 
-def _backward_kernels(q, k, v, out, lse, do, dlse, mask, call: KernelCall):
+def _backward_kernels(q, k, v, out, lse, do, dlse, mask, slopes, call: KernelCall):
   call = _local(call, q, k)
   return triton_backward.backward(
-      q, k, v, out, lse, do, dlse, mask, call.problem, call.block_sizes, interpret=call.interpret
+      q, k, v, out, lse, do, dlse, mask, slopes, call.problem, call.block_sizes, interpret=call.interpret
   )
 
 
-_backward_partitioned = custom_partitioning(_backward_kernels, static_argnums=(8,))
+_backward_partitioned = custom_partitioning(_backward_kernels, static_argnums=(9,))
 
 
 def _backward_rule(call, mesh, operand_types, result_types):
-  del call, mesh, result_types
+  del mesh, result_types
   shapes = [_shape(t) for t in operand_types]
-  f = _factors(shapes[0], shapes[1], shapes[7] if len(shapes) == 8 else None)
+  f = _factors(shapes[0], shapes[1], *_optional_shapes(shapes, 7, call))
   qo, kv, rows = f["qo"], f["kv"], f["rows"]
-  operands = [qo, kv, kv, qo, rows, qo, rows] + ([f["mask"]] if "mask" in f else [])
-  return _rule(operands, [qo, kv, kv])
+  return _rule([qo, kv, kv, qo, rows, qo, rows, *_optional_factors(f, call)], [qo, kv, kv])
 
 
 def _backward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
-  q, k, *_, mask = arg_shapes
-  plan = _plan(mesh, q, k, mask)
+  q, k, *_, mask, slopes = arg_shapes
+  plan = _plan(mesh, q, k, mask, slopes)
 
-  def lower(q, k, v, out, lse, do, dlse, mask):
-    dq, dk, dv = _backward_kernels(q, k, v, out, lse, do, dlse, mask, call)
+  def lower(q, k, v, out, lse, do, dlse, mask, slopes):
+    dq, dk, dv = _backward_kernels(q, k, v, out, lse, do, dlse, mask, slopes, call)
     if plan.kv_partial_over is not None:
       # MQA with the query heads split: the K/V head's gradient sums over
       # query heads held by several shards (the one collective here).
@@ -204,7 +225,7 @@ def _backward_partition(call, mesh, arg_shapes, result_shape):
     return dq, dk, dv
 
   qo, kv, rows = plan.qo, plan.kv, plan.rows
-  return mesh, lower, (qo, kv, kv), (qo, kv, kv, qo, rows, qo, rows, plan.mask)
+  return mesh, lower, (qo, kv, kv), (qo, kv, kv, qo, rows, qo, rows, plan.mask, plan.slopes)
 
 
 _backward_partitioned.def_partition(partition=_backward_partition, sharding_rule=_backward_rule)
@@ -221,8 +242,8 @@ def _fold(x: jax.Array, axis_size: int, batched: bool) -> jax.Array:
 
 
 def _fold_mask(mask: jax.Array | None, axis_size: int, batched: bool, batch: int) -> jax.Array | None:
-  """Folds a mask like _fold, keeping a batch axis that is broadcast over
-  everything at size 1."""
+  """Folds a mask (or the ALiBi slopes: any array with batch on axis 0) like
+  _fold, keeping a batch axis that is broadcast over everything at size 1."""
   if mask is None or (not batched and mask.shape[0] == 1):
     return mask
   if not batched:
@@ -237,8 +258,9 @@ def _unfold(x: jax.Array, axis_size: int) -> jax.Array:
 
 
 def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Callable:
-  """partitioned(*arrays, mask, call) under a custom_vmap that folds the
-  vmapped axis into batch. arrays all carry batch on axis 0."""
+  """partitioned(*arrays, mask, slopes, call) under a custom_vmap that folds
+  the vmapped axis into batch. arrays all carry batch on axis 0; mask and
+  slopes may keep a broadcast batch axis of size 1."""
 
   @jax.custom_batching.custom_vmap
   def fn(*args):
@@ -246,28 +268,32 @@ def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Call
 
   @fn.def_vmap
   def rule(axis_size, in_batched, *args):
-    *arrays, mask = args
+    *arrays, mask, slopes = args
     # The batch of one vmapped instance, read off q.
     batch = arrays[0].shape[1] if in_batched[0] else arrays[0].shape[0]
     folded = [_fold(x, axis_size, b) for x, b in zip(arrays, in_batched[:num_arrays])]
+    mask = _fold_mask(mask, axis_size, in_batched[num_arrays], batch)
+    slopes = _fold_mask(slopes, axis_size, in_batched[num_arrays + 1], batch)
     # fn, not partitioned: under nested vmaps this runs inside the outer one,
     # whose axis is folded in turn.
-    outs = fn(*folded, _fold_mask(mask, axis_size, in_batched[num_arrays], batch))
+    outs = fn(*folded, mask, slopes)
     return tuple(_unfold(x, axis_size) for x in outs), (True,) * len(outs)
 
   return fn
 
 
-def forward(q, k, v, mask, call: KernelCall) -> tuple[jax.Array, jax.Array]:
+def forward(q, k, v, mask, slopes, call: KernelCall) -> tuple[jax.Array, jax.Array]:
   """(out, lse): out like q, lse float32 [batch, heads, seq_q].
 
   q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim]
   (kv_heads divides heads); mask: None or int8 [batch or 1, heads or 1,
-  seq_q, seq_k].
+  seq_q, seq_k]; slopes: None or float32 ALiBi slopes [batch or 1, heads].
   """
-  return _with_vmap(_forward_partitioned, 3, call)(q, k, v, mask)
+  return _with_vmap(_forward_partitioned, 3, call)(q, k, v, mask, slopes)
 
 
-def backward(q, k, v, out, lse, do, dlse, mask, call: KernelCall) -> tuple[jax.Array, jax.Array, jax.Array]:
+def backward(
+    q, k, v, out, lse, do, dlse, mask, slopes, call: KernelCall
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(dq, dk, dv), each like its primal; lse, dlse float32 [batch, heads, seq_q]."""
-  return _with_vmap(_backward_partitioned, 7, call)(q, k, v, out, lse, do, dlse, mask)
+  return _with_vmap(_backward_partitioned, 7, call)(q, k, v, out, lse, do, dlse, mask, slopes)

@@ -64,40 +64,47 @@ def _first_order_only(fn, what: str):
   return guarded
 
 
-def _forward(q, k, v, mask, call: KernelCall):
-  guarded = _first_order_only(lambda q, k, v, mask: sharding.forward(q, k, v, mask, call), "forward pass")
-  out, lse = guarded(q, k, v, mask)
+def _forward(q, k, v, mask, slopes, call: KernelCall):
+  guarded = _first_order_only(lambda *args: sharding.forward(*args, call), "forward pass")
+  out, lse = guarded(q, k, v, mask, slopes)
   return checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def flash(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, call: KernelCall
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    alibi_slopes: jax.Array | None,
+    call: KernelCall,
 ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of attention through the Pallas kernels; see api.flash_attention.
 
-  q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads, head_dim];
-  mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k] (nonzero = visible).
+  q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim];
+  mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k] (nonzero = visible);
+  alibi_slopes: None, or float32 [batch or 1, heads].
   Returns out like q and lse float32 [batch, heads, seq_q].
   """
-  return _forward(q, k, v, mask, call)
+  return _forward(q, k, v, mask, alibi_slopes, call)
 
 
-def _flash_fwd(q, k, v, mask, call: KernelCall):
+def _flash_fwd(q, k, v, mask, alibi_slopes, call: KernelCall):
   # The kernels directly, not flash(): a custom_vjp called inside its own fwd
   # would meet a second-order JVP with JAX's generic custom_vjp error.
-  out, lse = _forward(q, k, v, mask, call)
-  return (out, lse), (q, k, v, mask, out, lse)
+  out, lse = _forward(q, k, v, mask, alibi_slopes, call)
+  return (out, lse), (q, k, v, mask, alibi_slopes, out, lse)
 
 
 def _flash_bwd(call: KernelCall, residuals, cotangents):
-  q, k, v, mask, out, lse = residuals
+  q, k, v, mask, alibi_slopes, out, lse = residuals
   do, dlse = cotangents
   guarded = _first_order_only(
       lambda *args: sharding.backward(*args, call), "backward pass"
   )
-  dq, dk, dv = guarded(q, k, v, out, lse, do, dlse, mask)
-  return dq, dk, dv, None  # the mask takes no gradient
+  dq, dk, dv = guarded(q, k, v, out, lse, do, dlse, mask, alibi_slopes)
+  # The mask and the ALiBi slopes take no gradient.
+  return dq, dk, dv, None, None
 
 
 flash.defvjp(_flash_fwd, _flash_bwd)

@@ -109,6 +109,27 @@ def test_jit_sharded_runs_per_shard_without_all_gather(case, kernel):
 
 
 @pytest.mark.parametrize("kernel", MODES)
+@pytest.mark.parametrize("per_batch", [False, True], ids=["slopes_per_head", "slopes_per_batch"])
+def test_alibi_slopes_shard_with_the_heads(per_batch, kernel):
+  mesh = _mesh((2, 4))
+  q, k, v, dout = _inputs()
+  slopes = jax.random.uniform(jax.random.PRNGKey(3), (4, 4) if per_batch else (4,), jnp.float32, 0.1, 0.5)
+
+  def f(q, k, v, dout, slopes):
+    attend = lambda q, k, v: flash_attention(q, k, v, alibi_slopes=slopes, causal=True, **kernel)
+    out, vjp = jax.vjp(attend, q, k, v)
+    return (out, *vjp(dout))
+
+  qkv = NamedSharding(mesh, QKV)
+  slopes_sharding = NamedSharding(mesh, P("data", "model") if per_batch else P("model"))
+  got, hlo = _compile(f, (q, k, v, dout, slopes), (qkv,) * 4 + (slopes_sharding,))
+  assert not COLLECTIVES.findall(hlo), COLLECTIVES.findall(hlo)
+  want = jax.jit(f)(q, k, v, dout, slopes)
+  for name, x, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert rel_err(x, w) < 1e-5, name
+
+
+@pytest.mark.parametrize("kernel", MODES)
 def test_mqa_sums_dkv_over_head_shards(kernel):
   """One K/V head shared by query heads split over "model": the forward stays
   local, and dK/dV are all-reduced over "model" (the one collective)."""

@@ -45,12 +45,13 @@ def _lse_log2(lse_ref, rows) -> jax.Array:
   return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2_E)
 
 
-def _probabilities(qk: jax.Array, lse_log2: jax.Array, problem: Problem):
+def _probabilities(qk: jax.Array, lse_log2: jax.Array, problem: Problem, q_idx, k_idx, slope):
   """P recomputed from raw scores and the forward's lse (log2 domain), and
-  the softcap's derivative (None without a softcap) that dS picks up."""
-  if problem.softcap is None:
+  the softcap's derivative (None without a softcap) that dS picks up.
+  q_idx, k_idx broadcast to the tile (see tiles.scores_log2)."""
+  if not problem.modifies_scores:
     return jnp.exp2(qk * (problem.softmax_scale * LOG2_E) - lse_log2), None
-  s, dcap = tiles.softcapped_log2(qk, problem)
+  s, dcap = tiles.scores_log2(qk, problem, q_idx, k_idx, slope)
   return jnp.exp2(s - lse_log2), dcap
 
 
@@ -64,7 +65,8 @@ def _dkv_kernel(
   # group axis left out when group is 1. With a dense mask, mask_ref:
   # [(group,) seq_q, seq_k] and flags_ref: [(group,) Q blocks, K blocks], the
   # group axis there only when the mask has one per head (mask_grouped).
-  mask_ref, flags_ref, dk_ref, dv_ref = refs if problem.has_mask else (None, None, *refs)
+  # With ALiBi, slopes_ref: [(group,)] slopes of the group's query heads.
+  mask_ref, flags_ref, slopes_ref, dk_ref, dv_ref = tiles.split_refs(refs, problem)
   grouped = problem.group > 1
   cols = problem.head_mask()
   k_block = pl.program_id(0)
@@ -78,6 +80,7 @@ def _dkv_kernel(
   def step_for_head(g):
     """The loop step over Q blocks for query head g of the group."""
     mask_head = g if mask_grouped else None
+    slope = None if slopes_ref is None else (slopes_ref[g] if grouped else slopes_ref[...])
 
     def step(qb, carry, masked: bool):
       dk, dv = carry
@@ -96,7 +99,8 @@ def _dkv_kernel(
       # dK = dS^T Q then take P^T and dS^T as they come out of the dot, and
       # only the Q and dO tiles (which pass through shared memory anyway) are
       # transposed, instead of the register-resident P and dS.
-      p_t, dcap_t = _probabilities(tiles.dot(k, q, problem, trans_b=True), lse[None, :], problem)
+      qk_t = tiles.dot(k, q, problem, trans_b=True)
+      p_t, dcap_t = _probabilities(qk_t, lse[None, :], problem, q_idx[None, :], k_idx[:, None], slope)
       if masked:
         visible_t = tiles.visible(problem, q_idx[None, :], k_idx[:, None])
         if mask_ref is not None:
@@ -139,8 +143,10 @@ def _dq_kernel(
 ):
   # q_ref, do_ref, dq_ref: [block_q, D]; lse_ref, delta_ref: [block_q];
   # k_ref, v_ref: [seq_k, D];
-  # with a dense mask, mask_ref: [seq_q, seq_k] and flags_ref: [Q blocks, K blocks].
-  mask_ref, flags_ref, dq_ref = refs if problem.has_mask else (None, None, *refs)
+  # with a dense mask, mask_ref: [seq_q, seq_k] and flags_ref: [Q blocks, K blocks];
+  # with ALiBi, slopes_ref: [] (this head's slope).
+  mask_ref, flags_ref, slopes_ref, dq_ref = tiles.split_refs(refs, problem)
+  slope = slopes_ref[...] if slopes_ref is not None else None
   cols = problem.head_mask()
   q_block = tiles.q_block_of_program(pl.program_id(0), problem.seq_q, block_q)
   q_start = q_block * block_q
@@ -159,7 +165,8 @@ def _dq_kernel(
     k_slice = pl.ds(k_start, block_k)
     k = tiles.load_tile(k_ref.at[k_slice, :], k_rows, cols)
     v = tiles.load_tile(v_ref.at[k_slice, :], k_rows, cols)
-    p, dcap = _probabilities(tiles.dot(q, k, problem, trans_b=True), lse[:, None], problem)
+    qk = tiles.dot(q, k, problem, trans_b=True)
+    p, dcap = _probabilities(qk, lse[:, None], problem, q_idx[:, None], k_idx[None, :], slope)
     if masked:
       visible = tiles.visible(problem, q_idx[:, None], k_idx[None, :])
       if mask_ref is not None:
@@ -196,7 +203,9 @@ def compute_delta(out: jax.Array, do: jax.Array, problem: Problem, *, interpret:
   )(out, do)
 
 
-def compute_dkv(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelConfig, *, interpret: bool = False):
+def compute_dkv(
+    q, k, v, do, lse, delta, mask, alibi_slopes, problem: Problem, config: KernelConfig, *, interpret: bool = False
+):
   """(dK, dV), each like k; lse and delta are float32 [batch, heads, seq_q].
 
   The grid runs over K/V heads; each program also owns the sum over the query
@@ -204,7 +213,7 @@ def compute_dkv(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelC
   """
   batch, seq_q, d, group = q.shape[0], q.shape[1], problem.head_dim_padded, problem.group
   bq, bk = config.block_q, config.block_k
-  in_specs, args = tiles.with_mask(
+  in_specs, args = tiles.with_optional_inputs(
       [
           tiles.group_seq_spec(seq_q, bq, d, group),
           tiles.rows_spec(bk, d),
@@ -215,6 +224,7 @@ def compute_dkv(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelC
       ],
       [q, k, v, do, lse, delta],
       mask,
+      alibi_slopes,
       bq,
       bk,
       heads_per_program=group,
@@ -235,11 +245,13 @@ def compute_dkv(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelC
   )(*args)
 
 
-def compute_dq(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelConfig, *, interpret: bool = False):
+def compute_dq(
+    q, k, v, do, lse, delta, mask, alibi_slopes, problem: Problem, config: KernelConfig, *, interpret: bool = False
+):
   """dQ, like q; lse and delta are float32 [batch, heads, seq_q]."""
   batch, seq_q, heads, d = *q.shape[:3], problem.head_dim_padded
   bq, bk = config.block_q, config.block_k
-  in_specs, args = tiles.with_mask(
+  in_specs, args = tiles.with_optional_inputs(
       [
           tiles.rows_spec(bq, d, seq_q),
           tiles.whole_seq_spec(k.shape[1], bk, d, head_divisor=problem.group),
@@ -250,6 +262,7 @@ def compute_dq(q, k, v, do, lse, delta, mask, problem: Problem, config: KernelCo
       ],
       [q, k, v, do, lse, delta],
       mask,
+      alibi_slopes,
       bq,
       bk,
   )
@@ -274,6 +287,7 @@ def backward(
     do: jax.Array,
     dlse: jax.Array,
     mask: jax.Array | None,
+    alibi_slopes: jax.Array | None,
     problem: Problem,
     block_sizes: BlockSizes,
     *,
@@ -287,6 +301,7 @@ def backward(
     lse, dlse: float32 [batch, heads, seq_q] (the forward's log-sum-exp and its
       cotangent).
     mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
+    alibi_slopes: None, or float32 [batch or 1, heads].
 
   Returns:
     dq, dk, dv, each like its primal.
@@ -294,6 +309,6 @@ def backward(
   # d lse / d S = P, so a cotangent on lse adds P * dlse to
   # dS = P * (dP - delta): it folds into delta.
   delta = compute_delta(out, do, problem, interpret=interpret) - dlse
-  dk, dv = compute_dkv(q, k, v, do, lse, delta, mask, problem, block_sizes.dkv, interpret=interpret)
-  dq = compute_dq(q, k, v, do, lse, delta, mask, problem, block_sizes.dq, interpret=interpret)
+  dk, dv = compute_dkv(q, k, v, do, lse, delta, mask, alibi_slopes, problem, block_sizes.dkv, interpret=interpret)
+  dq = compute_dq(q, k, v, do, lse, delta, mask, alibi_slopes, problem, block_sizes.dq, interpret=interpret)
   return dq, dk, dv

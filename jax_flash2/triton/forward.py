@@ -22,8 +22,9 @@ from jax_flash2.triton.tiles import LN_2, LOG2_E, Problem
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, block_k: int):
   # q_ref, o_ref: [block_q, D]; k_ref, v_ref: [seq_k, D]; lse_ref: [block_q];
-  # with a dense mask, mask_ref: [seq_q, seq_k] and flags_ref: [Q blocks, K blocks].
-  mask_ref, flags_ref, o_ref, lse_ref = refs if problem.has_mask else (None, None, *refs)
+  # with a dense mask, mask_ref: [seq_q, seq_k] and flags_ref: [Q blocks, K blocks];
+  # with ALiBi, slopes_ref: [] (this head's slope).
+  mask_ref, flags_ref, slopes_ref, o_ref, lse_ref = tiles.split_refs(refs, problem)
   seq_q, seq_k = problem.seq_q, problem.seq_k
   q_block = tiles.q_block_of_program(pl.program_id(0), seq_q, block_q)
   q_start = q_block * block_q
@@ -35,10 +36,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   q = tiles.load_tile(q_ref, q_rows, cols)
   # The softmax scale and the change to base 2 fold into one factor. Scores
   # stay unscaled; m_i is kept scaled, so each score costs a single FMA
-  # (s * qk_scale - m) on its way into exp2. A softcap needs the scaled score
-  # inside its tanh, so there the scores are taken to base 2 up front.
+  # (s * qk_scale - m) on its way into exp2. A softcap or ALiBi needs the
+  # scaled score, so there the scores are taken to base 2 up front.
   qk_scale = problem.softmax_scale * LOG2_E
-  log2_domain = (lambda s: s) if problem.softcap is not None else (lambda s: s * qk_scale)
+  log2_domain = (lambda s: s) if problem.modifies_scores else (lambda s: s * qk_scale)
+  slope = slopes_ref[...] if slopes_ref is not None else None
 
   def step(kb, carry, masked: bool):
     acc, m_i, l_i = carry
@@ -47,8 +49,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
     k_rows = k_idx < seq_k if (masked and seq_k % block_k) else None
     k = tiles.load_tile(k_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
     s = tiles.dot(q, k, problem, trans_b=True)  # [block_q, block_k]
-    if problem.softcap is not None:
-      s = tiles.softcapped_log2(s, problem)[0]
+    if problem.modifies_scores:
+      s = tiles.scores_log2(s, problem, q_idx[:, None], k_idx[None, :], slope)[0]
     if masked:
       visible = tiles.visible(problem, q_idx[:, None], k_idx[None, :])
       if mask_ref is not None:
@@ -91,6 +93,7 @@ def forward(
     k: jax.Array,
     v: jax.Array,
     mask: jax.Array | None,
+    alibi_slopes: jax.Array | None,
     problem: Problem,
     config: KernelConfig,
     *,
@@ -101,6 +104,7 @@ def forward(
   Args:
     q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads // group, head_dim].
     mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
+    alibi_slopes: None, or float32 [batch or 1, heads].
 
   Returns:
     out: like q. lse: float32 [batch, heads, seq_q], natural log.
@@ -114,8 +118,8 @@ def forward(
   # share one (batch, head) and hit the same K/V in L2.
   grid = (pl.cdiv(seq_q, bq), batch, heads)
   kv_spec = tiles.whole_seq_spec(seq_k, bk, d, head_divisor=problem.group)
-  in_specs, args = tiles.with_mask(
-      [tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec], [q, k, v], mask, bq, bk
+  in_specs, args = tiles.with_optional_inputs(
+      [tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec], [q, k, v], mask, alibi_slopes, bq, bk
   )
   return pl.pallas_call(
       kernel,

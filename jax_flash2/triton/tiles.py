@@ -45,6 +45,14 @@ class Problem:
   group: int = 1
   # Scores become softcap * tanh(scores / softcap) before the softmax.
   softcap: float | None = None
+  # ALiBi: scores get -slope * |i + offset - j|, one slope per (batch,) head,
+  # read from a [batch or 1, heads] float32 input.
+  has_alibi: bool = False
+
+  @property
+  def modifies_scores(self) -> bool:
+    """Whether scores need their scale applied before the softmax's max."""
+    return self.softcap is not None or self.has_alibi
 
   @property
   def offset(self) -> int:
@@ -69,6 +77,23 @@ def dot(a: jax.Array, b: jax.Array, problem: Problem, *, trans_a=False, trans_b=
   return lax.dot_general(
       a, b, (contract, ((), ())), precision=problem.precision, preferred_element_type=jnp.float32
   )
+
+
+def scores_log2(qk: jax.Array, problem: Problem, q_idx, k_idx, slope) -> tuple[jax.Array, jax.Array | None]:
+  """Scores in the log2 domain with softcap and ALiBi applied, and the
+  softcap's derivative (None without one) that dS picks up in the backward.
+
+  q_idx, k_idx broadcast to the tile's shape ([q, 1] and [1, k], or the
+  transposes); slope is this head's ALiBi slope (a scalar) or None.
+  """
+  if problem.softcap is not None:
+    s, dcap = softcapped_log2(qk, problem)
+  else:
+    s, dcap = qk * (problem.softmax_scale * LOG2_E), None
+  if slope is not None:
+    distance = jnp.abs(q_idx + problem.offset - k_idx).astype(jnp.float32)
+    s = s - (slope * LOG2_E) * distance
+  return s, dcap
 
 
 def softcapped_log2(qk: jax.Array, problem: Problem) -> tuple[jax.Array, jax.Array]:
@@ -291,14 +316,43 @@ def mask_specs(
   )
 
 
-def with_mask(
-    in_specs: list, args: list, mask: jax.Array | None, block_q: int, block_k: int, heads_per_program: int = 1
+def with_optional_inputs(
+    in_specs: list,
+    args: list,
+    mask: jax.Array | None,
+    alibi_slopes: jax.Array | None,
+    block_q: int,
+    block_k: int,
+    heads_per_program: int = 1,
 ) -> tuple[list, list]:
-  """Appends the dense mask and its tile flags (for these tiles) to a call."""
-  if mask is None:
-    return in_specs, args
-  specs = mask_specs(mask, block_q, block_k, heads_per_program)
-  return [*in_specs, *specs], [*args, mask, block_flags(mask, block_q, block_k)]
+  """Appends the optional inputs a problem has, in the order `split_refs`
+  takes them apart: the dense mask and its tile flags (for these tiles), then
+  the ALiBi slopes."""
+  in_specs, args = list(in_specs), list(args)
+  if mask is not None:
+    in_specs += mask_specs(mask, block_q, block_k, heads_per_program)
+    args += [mask, block_flags(mask, block_q, block_k)]
+  if alibi_slopes is not None:
+    in_specs.append(alibi_spec(alibi_slopes, heads_per_program))
+    args.append(alibi_slopes)
+  return in_specs, args
+
+
+def alibi_spec(slopes: jax.Array, heads_per_program: int = 1) -> pl.BlockSpec:
+  """BlockSpec of the [batch or 1, heads] ALiBi slopes over a grid (blocks,
+  batch, heads): one slope per program, or its group's when heads_per_program > 1."""
+  batched = slopes.shape[0] > 1
+  heads = None if heads_per_program == 1 else heads_per_program
+  return pl.BlockSpec((None, heads), lambda i, b, h: (b if batched else 0, h))
+
+
+def split_refs(refs, problem: Problem) -> tuple:
+  """(mask_ref, flags_ref, slopes_ref, *outputs) from a kernel's trailing refs,
+  None for the optional inputs this problem does not have."""
+  refs = list(refs)
+  mask_ref, flags_ref = (refs.pop(0), refs.pop(0)) if problem.has_mask else (None, None)
+  slopes_ref = refs.pop(0) if problem.has_alibi else None
+  return (mask_ref, flags_ref, slopes_ref, *refs)
 
 
 def mask_has_group_axis(mask: jax.Array, heads_per_program: int) -> bool:
