@@ -4,14 +4,17 @@ Three kernels, none with atomics, so gradients are bitwise reproducible:
 
 1. `_delta_kernel`: delta = rowsum(dO * O), one value per query row. It is
    the rowsum of P * dP that every dS tile needs (dS = P * (dP - delta)).
-2. `_dkv_kernel`: grid over K/V blocks. A program owns dK and dV of one K/V
-   block and streams the Q blocks that can see it, recomputing P from Q, K
-   and the forward's log-sum-exp.
+2. `_dkv_kernel`: grid over K/V blocks (and K/V heads). A program owns dK
+   and dV of one K/V block and streams the Q blocks that can see it, for each
+   query head of its GQA group, recomputing P from Q, K and the forward's
+   log-sum-exp.
 3. `_dq_kernel`: grid over Q blocks. A program owns dQ of one Q block and
    streams the K/V blocks it can see.
 
 The probabilities are recomputed as P = exp2(S * scale * log2(e) - lse *
-log2(e)), never stored: memory stays linear in sequence length.
+log2(e)) (with the softcap and ALiBi applied to S as in the forward), never
+stored: memory stays linear in sequence length. Blocks outside the causal or
+window band, and tiles a dense mask hides, are skipped as in the forward.
 """
 
 from __future__ import annotations

@@ -3,8 +3,13 @@
 Grid: (Q blocks, batch, heads). Each program owns one block of queries, keeps
 it on chip together with the running row max `m_i`, the running row sum `l_i`
 and the unnormalised output `acc`, and streams the K/V blocks of its (batch,
-head) past it. The output is divided by `l_i` once, at the end, and the
+K/V head) past it. The output is divided by `l_i` once, at the end, and the
 log-sum-exp of each row is written for the backward pass.
+
+The loop visits only the K/V blocks inside the causal or window band
+(`tiles.kv_block_range`); of those, only the blocks crossing an edge of the
+band, a ragged end or a dense mask apply the element mask, and tiles a dense
+mask hides entirely are skipped.
 """
 
 from __future__ import annotations

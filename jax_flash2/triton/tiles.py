@@ -237,8 +237,9 @@ def split_loop(
   """Runs `step(i, carry, masked)` for i in [lo, hi).
 
   Blocks in [full_lo, full_hi) are known to be wholly visible and run without
-  the element mask; those in [lo, full_lo) and [full_hi, hi) cross the causal
-  diagonal, a ragged end or a dense mask, and run with it. Requires
+  the element mask; those in [lo, full_lo) and [full_hi, hi) cross an edge
+  of the band (the causal diagonal, a window), a ragged end or a dense mask,
+  and run with it. Requires
   lo <= full_lo <= full_hi <= hi. A stretch whose two bounds are the same
   value is left out at trace time.
   """
