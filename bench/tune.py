@@ -71,7 +71,7 @@ def main() -> None:
         seq_q=args.seq, seq_k=args.seq, head_dim=d, head_dim_padded=padded_head_dim(d),
         window_left=None, window_right=0 if causal else None, softmax_scale=d**-0.5, dtype="bfloat16",
     )
-    out, lse = tf.forward(q, k, v, None, None, problem, KernelConfig(64, 64, 4, 2))
+    out, lse = tf.forward(q, k, v, None, None, None, problem, KernelConfig(64, 64, 4, 2))
     delta = tb.compute_delta(out, do, problem)
     for kernel in args.kernels.split(","):
       if args.configs:
@@ -82,11 +82,11 @@ def main() -> None:
       best = None
       for cfg in configs:
         if kernel == "fwd":
-          fn = lambda q, k, v, cfg=cfg: tf.forward(q, k, v, None, None, problem, cfg)
+          fn = lambda q, k, v, cfg=cfg: tf.forward(q, k, v, None, None, None, problem, cfg)
         elif kernel == "dkv":
-          fn = lambda q, k, v, cfg=cfg: tb.compute_dkv(q, k, v, do, lse, delta, None, None, problem, cfg)
+          fn = lambda q, k, v, cfg=cfg: tb.compute_dkv(q, k, v, do, lse, delta, None, None, None, problem, cfg)
         else:
-          fn = lambda q, k, v, cfg=cfg: tb.compute_dq(q, k, v, do, lse, delta, None, None, problem, cfg)
+          fn = lambda q, k, v, cfg=cfg: tb.compute_dq(q, k, v, do, lse, delta, None, None, None, problem, cfg)
         try:
           ms = median_ms(fn, q, k, v)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped

@@ -38,6 +38,8 @@ def flash_attention(
     window_size: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     alibi_slopes: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     backend: str = "auto",
@@ -77,6 +79,9 @@ def flash_attention(
     alibi_slopes: float32 [heads] or [batch, heads]: ALiBi adds
       -slope * |i + seq_k - seq_q - j| to the scaled scores (after softcap).
       The slopes take no gradient.
+    q_segment_ids, kv_segment_ids: int32 [batch, seq_q] and [batch, seq_k],
+      both or neither: for packed sequences, query i sees key j only if
+      their ids are equal. Tiles whose id ranges do not meet are skipped.
     softmax_scale: multiplies q.k before the softmax; defaults to
       1 / sqrt(head_dim).
     return_lse: also return the log-sum-exp of each row's scaled scores.
@@ -108,11 +113,13 @@ def flash_attention(
     mask = _canonical_mask(mask, q, k)
   if alibi_slopes is not None:
     alibi_slopes = _canonical_slopes(alibi_slopes, q)
+  q_segment_ids, kv_segment_ids = _check_segments(q_segment_ids, kv_segment_ids, q, k)
 
   if kind is Backend.XLA:
     out, lse = reference.attention(
         q, k, v, mask=mask, window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes,
-        softmax_scale=softmax_scale, compute_dtype=jnp.float32,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale,
+        compute_dtype=jnp.float32,
     )
   else:
     seq_q, seq_k = q.shape[1], k.shape[1]
@@ -129,10 +136,11 @@ def flash_attention(
         group=q.shape[2] // k.shape[2],
         softcap=softcap,
         has_alibi=alibi_slopes is not None,
+        has_segments=q_segment_ids is not None,
     )
     blocks = (block_sizes or default_block_sizes(head_dim, causal)).fit(seq_q, seq_k)
     call = KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret))
-    out, lse = flash(q, k, v, mask, alibi_slopes, call)
+    out, lse = flash(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, call)
   return (out, lse) if return_lse else out
 
 
@@ -185,6 +193,22 @@ def _canonical_mask(mask, q, k) -> jax.Array:
   shape = (shape[0], shape[1], seq_q, k.shape[1])
   visible = jnp.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape)) != 0
   return jnp.broadcast_to(visible, shape).astype(jnp.int8)
+
+
+def _check_segments(q_ids, kv_ids, q, k) -> tuple[jax.Array | None, jax.Array | None]:
+  """Segment ids as int32 [batch, seq_q] and [batch, seq_k], or (None, None)."""
+  if q_ids is None and kv_ids is None:
+    return None, None
+  if q_ids is None or kv_ids is None:
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+  for name, ids, x in (("q_segment_ids", q_ids, q), ("kv_segment_ids", kv_ids, k)):
+    if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(ids).__name__}")
+    if tuple(ids.shape) != tuple(x.shape[:2]):
+      raise ValueError(f"{name} must have shape [batch, seq] = {tuple(x.shape[:2])}, got {tuple(ids.shape)}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integers, got dtype {ids.dtype}")
+  return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
 
 
 def _canonical_slopes(slopes, q) -> jax.Array:

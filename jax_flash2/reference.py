@@ -45,6 +45,8 @@ def attention(
     window_size: tuple[int | None, int | None] = (None, None),
     softcap: float | None = None,
     alibi_slopes: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     softmax_scale: float | None = None,
     compute_dtype: jnp.dtype | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -60,6 +62,8 @@ def attention(
       causal caps right at 0.
     softcap: scores become softcap * tanh(scores / softcap) (after scaling).
     alibi_slopes: [heads] or [batch, heads]; adds -slope * |i + seq_k - seq_q - j|.
+    q_segment_ids, kv_segment_ids: [batch, seq_q], [batch, seq_k]; query i
+      sees key j only if their ids are equal.
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
     compute_dtype: dtype of the arithmetic; defaults to q's dtype promoted to
       at least float32 (so float64 inputs give a float64 reference).
@@ -91,6 +95,9 @@ def attention(
     s = jnp.where(band_visible(q.shape[1], k.shape[1], left, right), s, -jnp.inf)
   if mask is not None:
     s = jnp.where(mask != 0, s, -jnp.inf)
+  if q_segment_ids is not None:
+    same = q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
+    s = jnp.where(same, s, -jnp.inf)
   # A row that sees nothing has max -inf; shifting by 0 instead keeps exp() at
   # 0 rather than NaN, and the guarded divide and log keep its gradient finite.
   m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))

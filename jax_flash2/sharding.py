@@ -56,7 +56,10 @@ def _factors(q_shape, kv_shape, mask_shape, slopes_shape=None) -> dict[str, str]
     heads = kv_heads = "h"
   else:
     heads, kv_heads = "qh", "kh"
-  names = {"qo": f"b i {heads} d", "kv": f"b j {kv_heads} d", "rows": f"b {heads} i"}
+  names = {
+      "qo": f"b i {heads} d", "kv": f"b j {kv_heads} d", "rows": f"b {heads} i",
+      "q_segments": "b i", "kv_segments": "b j",
+  }
   if mask_shape is not None:
     batch = "b" if mask_shape[0] > 1 else "mb"
     mask_heads = heads if mask_shape[1] > 1 else "mh"
@@ -96,6 +99,8 @@ class _Plan:
   kv: NamedSharding
   rows: NamedSharding
   mask: NamedSharding | None
+  q_segments: NamedSharding
+  kv_segments: NamedSharding
   slopes: NamedSharding | None
   kv_partial_over: str | tuple[str, ...] | None
 
@@ -130,6 +135,8 @@ def _plan(mesh, q, k, mask, slopes) -> _Plan:
       kv=NamedSharding(mesh, P(batch, None, kv_heads, None)),
       rows=NamedSharding(mesh, P(batch, heads, None)),
       mask=mask_sharding,
+      q_segments=NamedSharding(mesh, P(batch, None)),
+      kv_segments=NamedSharding(mesh, P(batch, None)),
       slopes=slopes_sharding,
       kv_partial_over=partial,
   )
@@ -147,25 +154,43 @@ def _local(call: KernelCall, q, k) -> KernelCall:
 # ---------------------------------------------------------------- forward
 
 
-def _forward_kernels(q, k, v, mask, slopes, call: KernelCall):
+def _segments(q_segments, kv_segments):
+  return None if q_segments is None else (q_segments, kv_segments)
+
+
+def _forward_kernels(q, k, v, mask, q_segments, kv_segments, slopes, call: KernelCall):
   call = _local(call, q, k)
   return triton_forward.forward(
-      q, k, v, mask, slopes, call.problem, call.block_sizes.fwd, interpret=call.interpret
+      q, k, v, mask, _segments(q_segments, kv_segments), slopes, call.problem, call.block_sizes.fwd,
+      interpret=call.interpret,
   )
 
 
-_forward_partitioned = custom_partitioning(_forward_kernels, static_argnums=(5,))
+_forward_partitioned = custom_partitioning(_forward_kernels, static_argnums=(7,))
 
 
 def _optional_factors(f: dict[str, str], call: KernelCall) -> list[str]:
   """Rule entries of the optional operands a call has (None ones are absent)."""
-  return ([f["mask"]] if call.problem.has_mask else []) + ([f["slopes"]] if call.problem.has_alibi else [])
+  problem = call.problem
+  return (
+      ([f["mask"]] if problem.has_mask else [])
+      + ([f["q_segments"], f["kv_segments"]] if problem.has_segments else [])
+      + ([f["slopes"]] if problem.has_alibi else [])
+  )
+
+
+def _optional_shardings(plan: _Plan, call: KernelCall) -> tuple:
+  """Shardings of (mask, q segment ids, kv segment ids, slopes), None where absent."""
+  segments = (plan.q_segments, plan.kv_segments) if call.problem.has_segments else (None, None)
+  return (plan.mask, *segments, plan.slopes)
 
 
 def _optional_shapes(shapes: list, num_fixed: int, call: KernelCall):
   """(mask shape, slopes shape) out of the operand shapes, None where absent."""
   rest = list(shapes[num_fixed:])
   mask = rest.pop(0) if call.problem.has_mask else None
+  if call.problem.has_segments:
+    rest = rest[2:]
   slopes = rest.pop(0) if call.problem.has_alibi else None
   return mask, slopes
 
@@ -179,12 +204,13 @@ def _forward_rule(call, mesh, operand_types, result_types):
 
 def _forward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
-  q, k, _, mask, slopes = arg_shapes
+  q, k, _, mask, _, _, slopes = arg_shapes
   plan = _plan(mesh, q, k, mask, slopes)
   # Every shard is a set of whole (batch, head) problems: the same kernels run
   # it on shard-shaped operands, with no communication.
-  lower = lambda q, k, v, mask, slopes: _forward_kernels(q, k, v, mask, slopes, call)
-  return mesh, lower, (plan.qo, plan.rows), (plan.qo, plan.kv, plan.kv, plan.mask, plan.slopes)
+  lower = lambda *args: _forward_kernels(*args, call)
+  operands = (plan.qo, plan.kv, plan.kv, *_optional_shardings(plan, call))
+  return mesh, lower, (plan.qo, plan.rows), operands
 
 
 _forward_partitioned.def_partition(partition=_forward_partition, sharding_rule=_forward_rule)
@@ -193,14 +219,15 @@ _forward_partitioned.def_partition(partition=_forward_partition, sharding_rule=_
 # ---------------------------------------------------------------- backward
 
 
-def _backward_kernels(q, k, v, out, lse, do, dlse, mask, slopes, call: KernelCall):
+def _backward_kernels(q, k, v, out, lse, do, dlse, mask, q_segments, kv_segments, slopes, call: KernelCall):
   call = _local(call, q, k)
   return triton_backward.backward(
-      q, k, v, out, lse, do, dlse, mask, slopes, call.problem, call.block_sizes, interpret=call.interpret
+      q, k, v, out, lse, do, dlse, mask, _segments(q_segments, kv_segments), slopes, call.problem,
+      call.block_sizes, interpret=call.interpret,
   )
 
 
-_backward_partitioned = custom_partitioning(_backward_kernels, static_argnums=(9,))
+_backward_partitioned = custom_partitioning(_backward_kernels, static_argnums=(11,))
 
 
 def _backward_rule(call, mesh, operand_types, result_types):
@@ -213,11 +240,11 @@ def _backward_rule(call, mesh, operand_types, result_types):
 
 def _backward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
-  q, k, *_, mask, slopes = arg_shapes
+  q, k, *_, mask, _, _, slopes = arg_shapes
   plan = _plan(mesh, q, k, mask, slopes)
 
-  def lower(q, k, v, out, lse, do, dlse, mask, slopes):
-    dq, dk, dv = _backward_kernels(q, k, v, out, lse, do, dlse, mask, slopes, call)
+  def lower(*args):
+    dq, dk, dv = _backward_kernels(*args, call)
     if plan.kv_partial_over is not None:
       # MQA with the query heads split: the K/V head's gradient sums over
       # query heads held by several shards (the one collective here).
@@ -225,7 +252,7 @@ def _backward_partition(call, mesh, arg_shapes, result_shape):
     return dq, dk, dv
 
   qo, kv, rows = plan.qo, plan.kv, plan.rows
-  return mesh, lower, (qo, kv, kv), (qo, kv, kv, qo, rows, qo, rows, plan.mask, plan.slopes)
+  return mesh, lower, (qo, kv, kv), (qo, kv, kv, qo, rows, qo, rows, *_optional_shardings(plan, call))
 
 
 _backward_partitioned.def_partition(partition=_backward_partition, sharding_rule=_backward_rule)
@@ -258,9 +285,9 @@ def _unfold(x: jax.Array, axis_size: int) -> jax.Array:
 
 
 def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Callable:
-  """partitioned(*arrays, mask, slopes, call) under a custom_vmap that folds
-  the vmapped axis into batch. arrays all carry batch on axis 0; mask and
-  slopes may keep a broadcast batch axis of size 1."""
+  """partitioned(*arrays, mask, q_segments, kv_segments, slopes, call) under a
+  custom_vmap that folds the vmapped axis into batch. arrays all carry batch
+  on axis 0; the optional inputs may keep a broadcast batch axis of size 1."""
 
   @jax.custom_batching.custom_vmap
   def fn(*args):
@@ -268,32 +295,34 @@ def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Call
 
   @fn.def_vmap
   def rule(axis_size, in_batched, *args):
-    *arrays, mask, slopes = args
+    arrays, optional = args[:num_arrays], args[num_arrays:]
     # The batch of one vmapped instance, read off q.
     batch = arrays[0].shape[1] if in_batched[0] else arrays[0].shape[0]
     folded = [_fold(x, axis_size, b) for x, b in zip(arrays, in_batched[:num_arrays])]
-    mask = _fold_mask(mask, axis_size, in_batched[num_arrays], batch)
-    slopes = _fold_mask(slopes, axis_size, in_batched[num_arrays + 1], batch)
+    # mask, q/kv segment ids, slopes: batch on axis 0, possibly broadcast.
+    optional = [_fold_mask(x, axis_size, b, batch) for x, b in zip(optional, in_batched[num_arrays:])]
     # fn, not partitioned: under nested vmaps this runs inside the outer one,
     # whose axis is folded in turn.
-    outs = fn(*folded, mask, slopes)
+    outs = fn(*folded, *optional)
     return tuple(_unfold(x, axis_size) for x in outs), (True,) * len(outs)
 
   return fn
 
 
-def forward(q, k, v, mask, slopes, call: KernelCall) -> tuple[jax.Array, jax.Array]:
+def forward(q, k, v, mask, q_segments, kv_segments, slopes, call: KernelCall) -> tuple[jax.Array, jax.Array]:
   """(out, lse): out like q, lse float32 [batch, heads, seq_q].
 
   q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim]
   (kv_heads divides heads); mask: None or int8 [batch or 1, heads or 1,
-  seq_q, seq_k]; slopes: None or float32 ALiBi slopes [batch or 1, heads].
+  seq_q, seq_k]; q_segments, kv_segments: None or int32 [batch, seq_q] and
+  [batch, seq_k]; slopes: None or float32 ALiBi slopes [batch or 1, heads].
   """
-  return _with_vmap(_forward_partitioned, 3, call)(q, k, v, mask, slopes)
+  return _with_vmap(_forward_partitioned, 3, call)(q, k, v, mask, q_segments, kv_segments, slopes)
 
 
 def backward(
-    q, k, v, out, lse, do, dlse, mask, slopes, call: KernelCall
+    q, k, v, out, lse, do, dlse, mask, q_segments, kv_segments, slopes, call: KernelCall
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(dq, dk, dv), each like its primal; lse, dlse float32 [batch, heads, seq_q]."""
-  return _with_vmap(_backward_partitioned, 7, call)(q, k, v, out, lse, do, dlse, mask, slopes)
+  optional = (mask, q_segments, kv_segments, slopes)
+  return _with_vmap(_backward_partitioned, 7, call)(q, k, v, out, lse, do, dlse, *optional)

@@ -64,18 +64,20 @@ def _first_order_only(fn, what: str):
   return guarded
 
 
-def _forward(q, k, v, mask, slopes, call: KernelCall):
+def _forward(q, k, v, optional, call: KernelCall):
   guarded = _first_order_only(lambda *args: sharding.forward(*args, call), "forward pass")
-  out, lse = guarded(q, k, v, mask, slopes)
+  out, lse = guarded(q, k, v, *optional)
   return checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def flash(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     mask: jax.Array | None,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
     alibi_slopes: jax.Array | None,
     call: KernelCall,
 ) -> tuple[jax.Array, jax.Array]:
@@ -83,28 +85,30 @@ def flash(
 
   q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim];
   mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k] (nonzero = visible);
+  q_segment_ids, kv_segment_ids: None, or int32 [batch, seq_q] and [batch, seq_k];
   alibi_slopes: None, or float32 [batch or 1, heads].
   Returns out like q and lse float32 [batch, heads, seq_q].
   """
-  return _forward(q, k, v, mask, alibi_slopes, call)
+  return _forward(q, k, v, (mask, q_segment_ids, kv_segment_ids, alibi_slopes), call)
 
 
-def _flash_fwd(q, k, v, mask, alibi_slopes, call: KernelCall):
+def _flash_fwd(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, call: KernelCall):
   # The kernels directly, not flash(): a custom_vjp called inside its own fwd
   # would meet a second-order JVP with JAX's generic custom_vjp error.
-  out, lse = _forward(q, k, v, mask, alibi_slopes, call)
-  return (out, lse), (q, k, v, mask, alibi_slopes, out, lse)
+  optional = (mask, q_segment_ids, kv_segment_ids, alibi_slopes)
+  out, lse = _forward(q, k, v, optional, call)
+  return (out, lse), (q, k, v, optional, out, lse)
 
 
 def _flash_bwd(call: KernelCall, residuals, cotangents):
-  q, k, v, mask, alibi_slopes, out, lse = residuals
+  q, k, v, optional, out, lse = residuals
   do, dlse = cotangents
   guarded = _first_order_only(
       lambda *args: sharding.backward(*args, call), "backward pass"
   )
-  dq, dk, dv = guarded(q, k, v, out, lse, do, dlse, mask, alibi_slopes)
-  # The mask and the ALiBi slopes take no gradient.
-  return dq, dk, dv, None, None
+  dq, dk, dv = guarded(q, k, v, out, lse, do, dlse, *optional)
+  # The mask, the segment ids and the ALiBi slopes take no gradient.
+  return dq, dk, dv, None, None, None, None
 
 
 flash.defvjp(_flash_fwd, _flash_bwd)

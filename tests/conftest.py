@@ -69,25 +69,30 @@ def rel_err(x, ref, floor: float = 0.0) -> float:
 
 def reference_with_grads(
     q, k, v, dout, dlse=None, *, mask=None, causal=False, window=(None, None), softcap=None,
-    alibi_slopes=None, softmax_scale=None, dtype=jnp.float64,
+    alibi_slopes=None, segment_ids=None, softmax_scale=None, dtype=jnp.float64,
 ):
   """(out, lse, dq, dk, dv) of the plain-jnp reference, all arithmetic in `dtype`."""
   if dlse is None:
     dlse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
   return _reference_with_grads(
-      q, k, v, dout, dlse, mask, alibi_slopes, causal, tuple(window), softcap, softmax_scale, jnp.dtype(dtype)
+      q, k, v, dout, dlse, mask, alibi_slopes, segment_ids, causal, tuple(window), softcap, softmax_scale,
+      jnp.dtype(dtype),
   )
 
 
-@functools.partial(jax.jit, static_argnums=(7, 8, 9, 10, 11))
-def _reference_with_grads(q, k, v, dout, dlse, mask, alibi_slopes, causal, window, softcap, softmax_scale, dtype):
+@functools.partial(jax.jit, static_argnums=(8, 9, 10, 11, 12))
+def _reference_with_grads(
+    q, k, v, dout, dlse, mask, alibi_slopes, segment_ids, causal, window, softcap, softmax_scale, dtype
+):
+  q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
   # Jitted: op-by-op dispatch of the reference at GPU test sizes compiled every
   # op for every shape, which dominated the GPU suite's time.
   args = [x.astype(dtype) for x in (q, k, v)]
   (out, lse), vjp = jax.vjp(
       lambda q, k, v: reference.attention(
           q, k, v, mask=mask, causal=causal, window_size=window, softcap=softcap,
-          alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, compute_dtype=dtype,
+          alibi_slopes=alibi_slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+          softmax_scale=softmax_scale, compute_dtype=dtype,
       ),
       *args,
   )

@@ -130,6 +130,25 @@ def test_alibi_slopes_shard_with_the_heads(per_batch, kernel):
 
 
 @pytest.mark.parametrize("kernel", MODES)
+def test_segment_ids_shard_with_the_batch(kernel):
+  mesh = _mesh((2, 4))
+  q, k, v, dout = _inputs()
+  ids = jnp.repeat(jnp.array([[0, 1], [0, 0], [2, 3], [1, 1]], jnp.int32), 8, axis=1)  # [4, 16]
+
+  def f(q, k, v, dout, ids):
+    attend = lambda q, k, v: flash_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, causal=True, **kernel)
+    out, vjp = jax.vjp(attend, q, k, v)
+    return (out, *vjp(dout))
+
+  qkv = NamedSharding(mesh, QKV)
+  got, hlo = _compile(f, (q, k, v, dout, ids), (qkv,) * 4 + (NamedSharding(mesh, P("data", None)),))
+  assert not COLLECTIVES.findall(hlo), COLLECTIVES.findall(hlo)
+  want = jax.jit(f)(q, k, v, dout, ids)
+  for name, x, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert rel_err(x, w) < 1e-5, name
+
+
+@pytest.mark.parametrize("kernel", MODES)
 def test_mqa_sums_dkv_over_head_shards(kernel):
   """One K/V head shared by query heads split over "model": the forward stays
   local, and dK/dV are all-reduced over "model" (the one collective)."""

@@ -65,11 +65,11 @@ def _dkv_kernel(
   # k_ref, v_ref, dk_ref, dv_ref: [block_k, D] of one K/V head. The query
   # heads that read it (its GQA group; one head without GQA) come whole:
   # q_ref, do_ref: [seq_q, group, D]; lse_ref, delta_ref: [group, seq_q], the
-  # group axis left out when group is 1. With a dense mask, mask_ref:
-  # [(group,) seq_q, seq_k] and flags_ref: [(group,) Q blocks, K blocks], the
-  # group axis there only when the mask has one per head (mask_grouped).
-  # With ALiBi, slopes_ref: [(group,)] slopes of the group's query heads.
-  mask_ref, flags_ref, slopes_ref, dk_ref, dv_ref = tiles.split_refs(refs, problem)
+  # group axis left out when group is 1. opt (tiles.OptionalRefs): the dense
+  # mask [(group,) seq_q, seq_k] and tile flags [(group,) Q blocks, K blocks],
+  # the group axis there only when the mask has one per head (mask_grouped);
+  # segment ids [seq_q] and [seq_k]; ALiBi slopes [(group,)].
+  opt, dk_ref, dv_ref = tiles.split_refs(refs, problem)
   grouped = problem.group > 1
   cols = problem.head_mask()
   k_block = pl.program_id(0)
@@ -83,7 +83,7 @@ def _dkv_kernel(
   def step_for_head(g):
     """The loop step over Q blocks for query head g of the group."""
     mask_head = g if mask_grouped else None
-    slope = None if slopes_ref is None else (slopes_ref[g] if grouped else slopes_ref[...])
+    slope = None if opt.slopes is None else (opt.slopes[g] if grouped else opt.slopes[...])
 
     def step(qb, carry, masked: bool):
       dk, dv = carry
@@ -106,8 +106,9 @@ def _dkv_kernel(
       p_t, dcap_t = _probabilities(qk_t, lse[None, :], problem, q_idx[None, :], k_idx[:, None], slope)
       if masked:
         visible_t = tiles.visible(problem, q_idx[None, :], k_idx[:, None])
-        if mask_ref is not None:
-          visible_t &= tiles.load_mask_tile(mask_ref, q_start, k_start, block_q, block_k, problem, mask_head).T
+        extra = tiles.extra_visible(opt, problem, q_start, k_start, block_q, block_k, mask_head)
+        if extra is not None:
+          visible_t &= extra.T
         p_t = jnp.where(visible_t, p_t, 0.0)
       dv += tiles.dot(p_t.astype(do.dtype), do, problem)
       dp_t = tiles.dot(v, do, problem, trans_b=True)
@@ -117,14 +118,14 @@ def _dkv_kernel(
       dk += tiles.dot(ds_t.astype(q.dtype), q, problem)
       return dk, dv
 
-    if problem.has_mask:
-      flag = (lambda qb: flags_ref[g, qb, k_block]) if mask_grouped else (lambda qb: flags_ref[qb, k_block])
+    if problem.has_tile_flags:
+      flag = (lambda qb: opt.flags[g, qb, k_block]) if mask_grouped else (lambda qb: opt.flags[qb, k_block])
       return tiles.skip_hidden_blocks(step, lambda qb: flag(qb) != 0)
     return step
 
   lo, full_lo, full_hi, hi = tiles.q_block_range(problem, k_start, block_q, block_k)
-  if problem.has_mask:
-    full_lo = full_hi = lo  # every visible tile takes the element mask
+  if problem.has_tile_flags:
+    full_lo = full_hi = lo  # every visited tile takes the element mask
 
   def accumulate_head(g, carry):
     return tiles.split_loop(step_for_head(g), carry, lo, full_lo, full_hi, hi)
@@ -146,10 +147,9 @@ def _dq_kernel(
 ):
   # q_ref, do_ref, dq_ref: [block_q, D]; lse_ref, delta_ref: [block_q];
   # k_ref, v_ref: [seq_k, D];
-  # with a dense mask, mask_ref: [seq_q, seq_k] and flags_ref: [Q blocks, K blocks];
-  # with ALiBi, slopes_ref: [] (this head's slope).
-  mask_ref, flags_ref, slopes_ref, dq_ref = tiles.split_refs(refs, problem)
-  slope = slopes_ref[...] if slopes_ref is not None else None
+  # opt (tiles.OptionalRefs): as in the forward kernel.
+  opt, dq_ref = tiles.split_refs(refs, problem)
+  slope = opt.slopes[...] if opt.slopes is not None else None
   cols = problem.head_mask()
   q_block = tiles.q_block_of_program(pl.program_id(0), problem.seq_q, block_q)
   q_start = q_block * block_q
@@ -172,8 +172,9 @@ def _dq_kernel(
     p, dcap = _probabilities(qk, lse[:, None], problem, q_idx[:, None], k_idx[None, :], slope)
     if masked:
       visible = tiles.visible(problem, q_idx[:, None], k_idx[None, :])
-      if mask_ref is not None:
-        visible &= tiles.load_mask_tile(mask_ref, q_start, k_start, block_q, block_k, problem)
+      extra = tiles.extra_visible(opt, problem, q_start, k_start, block_q, block_k)
+      if extra is not None:
+        visible &= extra
       p = jnp.where(visible, p, 0.0)
     dp = tiles.dot(do, v, problem, trans_b=True)
     ds = p * (dp - delta[:, None])
@@ -182,9 +183,9 @@ def _dq_kernel(
     return dq + tiles.dot(ds.astype(k.dtype), k, problem)
 
   lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
-  if problem.has_mask:
-    step = tiles.skip_hidden_blocks(step, lambda kb: flags_ref[q_block, kb] != 0)
-    full_lo = full_hi = lo  # every visible tile takes the element mask
+  if problem.has_tile_flags:
+    step = tiles.skip_hidden_blocks(step, lambda kb: opt.flags[q_block, kb] != 0)
+    full_lo = full_hi = lo  # every visited tile takes the element mask
   zeros = jnp.zeros((block_q, problem.head_dim_padded), jnp.float32)
   dq = tiles.split_loop(step, zeros, lo, full_lo, full_hi, hi)
   tiles.store_tile(dq_ref, (dq * problem.softmax_scale).astype(dq_ref.dtype), rows, cols)
@@ -207,7 +208,8 @@ def compute_delta(out: jax.Array, do: jax.Array, problem: Problem, *, interpret:
 
 
 def compute_dkv(
-    q, k, v, do, lse, delta, mask, alibi_slopes, problem: Problem, config: KernelConfig, *, interpret: bool = False
+    q, k, v, do, lse, delta, mask, segments, alibi_slopes, problem: Problem, config: KernelConfig, *,
+    interpret: bool = False,
 ):
   """(dK, dV), each like k; lse and delta are float32 [batch, heads, seq_q].
 
@@ -227,6 +229,7 @@ def compute_dkv(
       ],
       [q, k, v, do, lse, delta],
       mask,
+      segments,
       alibi_slopes,
       bq,
       bk,
@@ -234,7 +237,7 @@ def compute_dkv(
   )
   kernel = functools.partial(
       _dkv_kernel, problem=problem, block_q=bq, block_k=bk,
-      mask_grouped=mask is not None and tiles.mask_has_group_axis(mask, group),
+      mask_grouped=mask is not None and tiles.has_group_axis(mask, group),
   )
   return pl.pallas_call(
       kernel,
@@ -249,7 +252,8 @@ def compute_dkv(
 
 
 def compute_dq(
-    q, k, v, do, lse, delta, mask, alibi_slopes, problem: Problem, config: KernelConfig, *, interpret: bool = False
+    q, k, v, do, lse, delta, mask, segments, alibi_slopes, problem: Problem, config: KernelConfig, *,
+    interpret: bool = False,
 ):
   """dQ, like q; lse and delta are float32 [batch, heads, seq_q]."""
   batch, seq_q, heads, d = *q.shape[:3], problem.head_dim_padded
@@ -265,6 +269,7 @@ def compute_dq(
       ],
       [q, k, v, do, lse, delta],
       mask,
+      segments,
       alibi_slopes,
       bq,
       bk,
@@ -290,6 +295,7 @@ def backward(
     do: jax.Array,
     dlse: jax.Array,
     mask: jax.Array | None,
+    segments: tuple[jax.Array, jax.Array] | None,
     alibi_slopes: jax.Array | None,
     problem: Problem,
     block_sizes: BlockSizes,
@@ -304,6 +310,7 @@ def backward(
     lse, dlse: float32 [batch, heads, seq_q] (the forward's log-sum-exp and its
       cotangent).
     mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
+    segments: None, or int32 (q segment ids [batch, seq_q], kv segment ids [batch, seq_k]).
     alibi_slopes: None, or float32 [batch or 1, heads].
 
   Returns:
@@ -312,6 +319,7 @@ def backward(
   # d lse / d S = P, so a cotangent on lse adds P * dlse to
   # dS = P * (dP - delta): it folds into delta.
   delta = compute_delta(out, do, problem, interpret=interpret) - dlse
-  dk, dv = compute_dkv(q, k, v, do, lse, delta, mask, alibi_slopes, problem, block_sizes.dkv, interpret=interpret)
-  dq = compute_dq(q, k, v, do, lse, delta, mask, alibi_slopes, problem, block_sizes.dq, interpret=interpret)
+  optional = (mask, segments, alibi_slopes)
+  dk, dv = compute_dkv(q, k, v, do, lse, delta, *optional, problem, block_sizes.dkv, interpret=interpret)
+  dq = compute_dq(q, k, v, do, lse, delta, *optional, problem, block_sizes.dq, interpret=interpret)
   return dq, dk, dv

@@ -27,9 +27,10 @@ from jax_flash2.triton.tiles import LN_2, LOG2_E, Problem
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, block_k: int):
   # q_ref, o_ref: [block_q, D]; k_ref, v_ref: [seq_k, D]; lse_ref: [block_q];
-  # with a dense mask, mask_ref: [seq_q, seq_k] and flags_ref: [Q blocks, K blocks];
-  # with ALiBi, slopes_ref: [] (this head's slope).
-  mask_ref, flags_ref, slopes_ref, o_ref, lse_ref = tiles.split_refs(refs, problem)
+  # opt (tiles.OptionalRefs): the dense mask [seq_q, seq_k], the tile flags
+  # [Q blocks, K blocks], segment ids [seq_q] and [seq_k], this head's ALiBi
+  # slope [], each where the problem has it.
+  opt, o_ref, lse_ref = tiles.split_refs(refs, problem)
   seq_q, seq_k = problem.seq_q, problem.seq_k
   q_block = tiles.q_block_of_program(pl.program_id(0), seq_q, block_q)
   q_start = q_block * block_q
@@ -45,7 +46,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   # scaled score, so there the scores are taken to base 2 up front.
   qk_scale = problem.softmax_scale * LOG2_E
   log2_domain = (lambda s: s) if problem.modifies_scores else (lambda s: s * qk_scale)
-  slope = slopes_ref[...] if slopes_ref is not None else None
+  slope = opt.slopes[...] if opt.slopes is not None else None
 
   def step(kb, carry, masked: bool):
     acc, m_i, l_i = carry
@@ -58,8 +59,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
       s = tiles.scores_log2(s, problem, q_idx[:, None], k_idx[None, :], slope)[0]
     if masked:
       visible = tiles.visible(problem, q_idx[:, None], k_idx[None, :])
-      if mask_ref is not None:
-        visible &= tiles.load_mask_tile(mask_ref, q_start, k_start, block_q, block_k, problem)
+      extra = tiles.extra_visible(opt, problem, q_start, k_start, block_q, block_k)
+      if extra is not None:
+        visible &= extra
       s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m_i, log2_domain(jnp.max(s, axis=1)))
     if masked:
@@ -74,8 +76,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
     return acc, m_new, l_i
 
   lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
-  if problem.has_mask:
-    step = tiles.skip_hidden_blocks(step, lambda kb: flags_ref[q_block, kb] != 0)
+  if problem.has_tile_flags:
+    step = tiles.skip_hidden_blocks(step, lambda kb: opt.flags[q_block, kb] != 0)
     full_lo = full_hi = lo  # every visible tile takes the element mask
   acc = jnp.zeros((block_q, problem.head_dim_padded), jnp.float32)
   m_i = jnp.full((block_q,), -jnp.inf, jnp.float32)
@@ -98,6 +100,7 @@ def forward(
     k: jax.Array,
     v: jax.Array,
     mask: jax.Array | None,
+    segments: tuple[jax.Array, jax.Array] | None,
     alibi_slopes: jax.Array | None,
     problem: Problem,
     config: KernelConfig,
@@ -109,6 +112,7 @@ def forward(
   Args:
     q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads // group, head_dim].
     mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
+    segments: None, or int32 (q segment ids [batch, seq_q], kv segment ids [batch, seq_k]).
     alibi_slopes: None, or float32 [batch or 1, heads].
 
   Returns:
@@ -124,7 +128,7 @@ def forward(
   grid = (pl.cdiv(seq_q, bq), batch, heads)
   kv_spec = tiles.whole_seq_spec(seq_k, bk, d, head_divisor=problem.group)
   in_specs, args = tiles.with_optional_inputs(
-      [tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec], [q, k, v], mask, alibi_slopes, bq, bk
+      [tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec], [q, k, v], mask, segments, alibi_slopes, bq, bk
   )
   return pl.pallas_call(
       kernel,

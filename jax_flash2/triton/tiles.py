@@ -8,7 +8,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,16 @@ class Problem:
   # ALiBi: scores get -slope * |i + offset - j|, one slope per (batch,) head,
   # read from a [batch or 1, heads] float32 input.
   has_alibi: bool = False
+  # Packed sequences: query i sees key j only if their segment ids (int32
+  # [batch, seq_q] and [batch, seq_k]) are equal.
+  has_segments: bool = False
+
+  @property
+  def has_tile_flags(self) -> bool:
+    """Whether per-tile flags (from the dense mask and/or the segment ids'
+    ranges) say which tiles can be skipped; then every visited tile takes
+    the element mask."""
+    return self.has_mask or self.has_segments
 
   @property
   def modifies_scores(self) -> bool:
@@ -285,54 +295,88 @@ def load_mask_tile(
   return load_tile(tile_ref, rows, cols, other=0) != 0
 
 
-def block_flags(mask: jax.Array, block_q: int, block_k: int) -> jax.Array:
-  """int32 [batch or 1, heads or 1, Q blocks, K blocks]: 1 where a tile has a
-  visible score, 0 where the mask hides it entirely."""
-  bm, hm, seq_q, seq_k = mask.shape
-  nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
-  padded = jnp.pad(mask != 0, ((0, 0), (0, 0), (0, nq * block_q - seq_q), (0, nk * block_k - seq_k)))
-  return jnp.any(padded.reshape(bm, hm, nq, block_q, nk, block_k), axis=(3, 5)).astype(jnp.int32)
+def block_flags(
+    mask: jax.Array | None, segments: tuple[jax.Array, jax.Array] | None, block_q: int, block_k: int
+) -> jax.Array:
+  """int32 [batch or 1, heads or 1, Q blocks, K blocks]: 0 where a tile is
+  surely hidden (by the dense mask, or because its query and key segment-id
+  ranges do not overlap), 1 where it may hold a visible score."""
+  flags = None
+  if mask is not None:
+    bm, hm, seq_q, seq_k = mask.shape
+    nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
+    padded = jnp.pad(mask != 0, ((0, 0), (0, 0), (0, nq * block_q - seq_q), (0, nk * block_k - seq_k)))
+    flags = jnp.any(padded.reshape(bm, hm, nq, block_q, nk, block_k), axis=(3, 5))
+  if segments is not None:
+    (q_lo, q_hi), (k_lo, k_hi) = (_segment_ranges(ids, block) for ids, block in zip(segments, (block_q, block_k)))
+    # Disjoint id ranges share no id; overlapping ones may (exactly so for
+    # sorted ids, as in packed sequences).
+    overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+    flags = overlap[:, None] if flags is None else flags & overlap[:, None]
+  return flags.astype(jnp.int32)
 
 
-def mask_specs(
-    mask: jax.Array, block_q: int, block_k: int, heads_per_program: int = 1
-) -> tuple[pl.BlockSpec, pl.BlockSpec]:
-  """BlockSpecs of the dense mask's slab and of its tile flags over a grid
-  (blocks, batch, heads); broadcast batch/head axes read index 0.
+def _segment_ranges(ids: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+  """(min, max) segment id of each block of a [batch, seq] array: [batch, blocks]."""
+  batch, seq = ids.shape
+  n = -(-seq // block)
+  info = jnp.iinfo(jnp.int32)
+  low = jnp.pad(ids, ((0, 0), (0, n * block - seq)), constant_values=info.max).reshape(batch, n, block)
+  high = jnp.pad(ids, ((0, 0), (0, n * block - seq)), constant_values=info.min).reshape(batch, n, block)
+  return low.min(axis=2), high.max(axis=2)
 
+
+def _slab_spec(array: jax.Array, block_shape: tuple, heads_per_program: int) -> pl.BlockSpec:
+  """A [batch or 1, heads or 1, ...] array's slab for a program of a grid
+  (blocks, batch, heads): broadcast batch/head axes read index 0, and with
   heads_per_program > 1 (the dK/dV kernel under GQA, whose programs own one
-  K/V head) gives each program the mask of all the query heads of its group,
-  as a leading axis; see `mask_has_group_axis`.
-  """
-  bm, hm, seq_q, seq_k = mask.shape
-  heads = heads_per_program if mask_has_group_axis(mask, heads_per_program) else None
+  K/V head) a per-head array gives the slabs of all the group's query heads,
+  as a leading axis (see `has_group_axis`)."""
+  bm, hm = array.shape[:2]
+  heads = heads_per_program if has_group_axis(array, heads_per_program) else None
 
   def index(i, b, h):
-    return (b if bm > 1 else 0, h if hm > 1 else 0, 0, 0)
+    return (b if bm > 1 else 0, h if hm > 1 else 0, *(0 for _ in block_shape))
 
-  nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
-  return (
-      pl.BlockSpec((None, heads, nq * block_q, nk * block_k), index),
-      pl.BlockSpec((None, heads, nq, nk), index),
-  )
+  return pl.BlockSpec((None, heads, *block_shape), index)
+
+
+def has_group_axis(array: jax.Array, heads_per_program: int) -> bool:
+  """Whether a [batch or 1, heads or 1, ...] input reaches a GQA dK/dV program
+  with a leading axis over its group's query heads."""
+  return heads_per_program > 1 and array.shape[1] > 1
+
+
+def segment_spec(seq: int, block: int) -> pl.BlockSpec:
+  """The whole [seq] segment ids of one batch row, rounded up to whole blocks."""
+  return pl.BlockSpec((None, round_up(seq, block)), lambda i, b, h: (b, 0))
 
 
 def with_optional_inputs(
     in_specs: list,
     args: list,
     mask: jax.Array | None,
+    segments: tuple[jax.Array, jax.Array] | None,
     alibi_slopes: jax.Array | None,
     block_q: int,
     block_k: int,
     heads_per_program: int = 1,
 ) -> tuple[list, list]:
   """Appends the optional inputs a problem has, in the order `split_refs`
-  takes them apart: the dense mask and its tile flags (for these tiles), then
-  the ALiBi slopes."""
+  takes them apart: the dense mask, the tile flags (for these tiles), the
+  query and key segment ids, the ALiBi slopes."""
   in_specs, args = list(in_specs), list(args)
   if mask is not None:
-    in_specs += mask_specs(mask, block_q, block_k, heads_per_program)
-    args += [mask, block_flags(mask, block_q, block_k)]
+    seq_q, seq_k = mask.shape[2:]
+    in_specs.append(_slab_spec(mask, (round_up(seq_q, block_q), round_up(seq_k, block_k)), heads_per_program))
+    args.append(mask)
+  if mask is not None or segments is not None:
+    flags = block_flags(mask, segments, block_q, block_k)
+    in_specs.append(_slab_spec(flags, flags.shape[2:], heads_per_program))
+    args.append(flags)
+  if segments is not None:
+    in_specs += [segment_spec(segments[0].shape[1], block_q), segment_spec(segments[1].shape[1], block_k)]
+    args += list(segments)
   if alibi_slopes is not None:
     in_specs.append(alibi_spec(alibi_slopes, heads_per_program))
     args.append(alibi_slopes)
@@ -347,17 +391,45 @@ def alibi_spec(slopes: jax.Array, heads_per_program: int = 1) -> pl.BlockSpec:
   return pl.BlockSpec((None, heads), lambda i, b, h: (b if batched else 0, h))
 
 
+class OptionalRefs(NamedTuple):
+  """A kernel's optional input refs, None where the problem has no such input."""
+
+  mask: Any
+  flags: Any
+  q_segments: Any
+  kv_segments: Any
+  slopes: Any
+
+
 def split_refs(refs, problem: Problem) -> tuple:
-  """(mask_ref, flags_ref, slopes_ref, *outputs) from a kernel's trailing refs,
-  None for the optional inputs this problem does not have."""
+  """(OptionalRefs, *outputs) from a kernel's trailing refs, in the order
+  `with_optional_inputs` appends them."""
   refs = list(refs)
-  mask_ref, flags_ref = (refs.pop(0), refs.pop(0)) if problem.has_mask else (None, None)
-  slopes_ref = refs.pop(0) if problem.has_alibi else None
-  return (mask_ref, flags_ref, slopes_ref, *refs)
+  take = lambda present: refs.pop(0) if present else None
+  mask = take(problem.has_mask)
+  flags = take(problem.has_tile_flags)
+  q_segments, kv_segments = take(problem.has_segments), take(problem.has_segments)
+  slopes = take(problem.has_alibi)
+  return (OptionalRefs(mask, flags, q_segments, kv_segments, slopes), *refs)
 
 
-def mask_has_group_axis(mask: jax.Array, heads_per_program: int) -> bool:
-  return heads_per_program > 1 and mask.shape[1] > 1
+def extra_visible(
+    opt: OptionalRefs, problem: Problem, q_start, k_start, block_q: int, block_k: int, mask_head=None
+) -> jax.Array | None:
+  """[block_q, block_k] bool visibility from the dense mask and the segment
+  ids, or None when the problem has neither."""
+  visible = None
+  if opt.mask is not None:
+    visible = load_mask_tile(opt.mask, q_start, k_start, block_q, block_k, problem, mask_head)
+  if opt.q_segments is not None:
+    rows = indices(q_start, block_q) < problem.seq_q if problem.seq_q % block_q else None
+    cols = indices(k_start, block_k) < problem.seq_k if problem.seq_k % block_k else None
+    # Past either end the ids read -1 and -2: never equal (visible() masks there anyway).
+    q_ids = load(opt.q_segments.at[pl.ds(q_start, block_q)], rows, other=-1)
+    k_ids = load(opt.kv_segments.at[pl.ds(k_start, block_k)], cols, other=-2)
+    same = q_ids[:, None] == k_ids[None, :]
+    visible = same if visible is None else visible & same
+  return visible
 
 
 def floordiv(a: jax.Array, b: int) -> jax.Array:
