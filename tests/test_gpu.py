@@ -40,26 +40,31 @@ def _poison():
   return jnp.full((1 << 28,), jnp.nan, jnp.float32)
 
 
-def _flash(q, k, v, dout, mask, causal, window=None, softcap=None):
+def _flash(q, k, v, dout, mask, slopes, segment_ids, causal, window=None, softcap=None):
+  q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
+
   def f(q, k, v):
     return flash_attention(q, k, v, mask=mask, causal=causal, window_size=window, softcap=softcap,
+                           alibi_slopes=slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                            return_lse=True, backend="triton")
 
   (out, lse), vjp = jax.vjp(f, q, k, v)
   return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
 
 
-_flash_jit = jax.jit(_flash, static_argnums=(5, 6, 7))
+_flash_jit = jax.jit(_flash, static_argnums=(7, 8, 9))
 
 
-def _check(shape, dtype, causal, mask=None, kv_heads=None, window=None, softcap=None):
+def _check(shape, dtype, causal, mask=None, kv_heads=None, window=None, softcap=None, slopes=None,
+           segment_ids=None):
   batch, seq_q, seq_k, heads, head_dim = shape
   q, k, v, dout = random_inputs(hash((shape, causal)) % 2**31, batch, seq_q, seq_k, heads, head_dim, dtype)
   if kv_heads is not None:
     k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
   _poison().block_until_ready()
-  got = _flash_jit(q, k, v, dout, mask, causal, window, softcap)
-  ref = dict(mask=mask, causal=causal, window=window or (None, None), softcap=softcap)
+  got = _flash_jit(q, k, v, dout, mask, slopes, segment_ids, causal, window, softcap)
+  ref = dict(mask=mask, causal=causal, window=window or (None, None), softcap=softcap, alibi_slopes=slopes,
+             segment_ids=segment_ids)
   want = reference_with_grads(q, k, v, dout, dtype=jnp.float32, **ref)
   plain = reference_with_grads(q, k, v, dout, dtype=dtype, **ref)
   for name, x, ref, base in zip(("out", "lse", "dq", "dk", "dv"), got, want, plain):
@@ -106,10 +111,21 @@ def test_softcap():
   _check((2, 2048, 2048, 4, 128), jnp.bfloat16, True, softcap=30.0)
 
 
+def test_alibi():
+  slopes = 2.0 ** -jnp.arange(1, 5, dtype=jnp.float32)
+  _check((2, 2048, 2048, 4, 128), jnp.bfloat16, True, slopes=slopes)
+
+
+def test_packed_segments():
+  lengths = jnp.array([100, 400, 548, 1000, 100])  # 5 sequences packed in 2048
+  ids = jnp.repeat(jnp.arange(5, dtype=jnp.int32), lengths, total_repeat_length=2048)[None]
+  _check((1, 2048, 2048, 4, 128), jnp.bfloat16, True, segment_ids=(ids, ids))
+
+
 def test_gradients_are_bitwise_deterministic():
   q, k, v, dout = random_inputs(1, 2, 2048, 2048, 4, 128, jnp.bfloat16)
-  first = _flash_jit(q, k, v, dout, None, True)
-  second = _flash_jit(q, k, v, dout, None, True)
+  first = _flash_jit(q, k, v, dout, None, None, None, True)
+  second = _flash_jit(q, k, v, dout, None, None, None, True)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
 
@@ -117,5 +133,5 @@ def test_gradients_are_bitwise_deterministic():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_no_nan_at_16k(causal):
   q, k, v, dout = random_inputs(2, 1, 16384, 16384, 4, 128, jnp.bfloat16)
-  for x in _flash_jit(q, k, v, dout, None, causal):
+  for x in _flash_jit(q, k, v, dout, None, None, None, causal):
     assert bool(jnp.all(jnp.isfinite(x.astype(jnp.float32))))
