@@ -281,20 +281,6 @@ def skip_hidden_blocks(step: Callable[[Any, Any, bool], Any], block_visible: Cal
   return gated
 
 
-def load_mask_tile(
-    mask_ref, q_start, k_start, block_q: int, block_k: int, problem: Problem, head=None
-) -> jax.Array:
-  """[block_q, block_k] bool tile of the dense mask; outside the array reads hidden.
-
-  `head` indexes a leading head axis of mask_ref (the dK/dV kernel's group).
-  """
-  rows = indices(q_start, block_q) < problem.seq_q if problem.seq_q % block_q else None
-  cols = indices(k_start, block_k) < problem.seq_k if problem.seq_k % block_k else None
-  tile = (pl.ds(q_start, block_q), pl.ds(k_start, block_k))
-  tile_ref = mask_ref.at[tile] if head is None else mask_ref.at[(head, *tile)]
-  return load_tile(tile_ref, rows, cols, other=0) != 0
-
-
 def block_flags(
     mask: jax.Array | None, segments: tuple[jax.Array, jax.Array] | None, block_q: int, block_k: int
 ) -> jax.Array:
@@ -418,13 +404,17 @@ def extra_visible(
 ) -> jax.Array | None:
   """[block_q, block_k] bool visibility from the dense mask and the segment
   ids, or None when the problem has neither."""
+  # Rows and columns past a ragged end read as hidden (visible() masks them too).
+  rows = indices(q_start, block_q) < problem.seq_q if problem.seq_q % block_q else None
+  cols = indices(k_start, block_k) < problem.seq_k if problem.seq_k % block_k else None
   visible = None
   if opt.mask is not None:
-    visible = load_mask_tile(opt.mask, q_start, k_start, block_q, block_k, problem, mask_head)
+    # mask_head indexes a leading head axis of the mask (the dK/dV kernel's group).
+    tile = (pl.ds(q_start, block_q), pl.ds(k_start, block_k))
+    tile_ref = opt.mask.at[tile] if mask_head is None else opt.mask.at[(mask_head, *tile)]
+    visible = load_tile(tile_ref, rows, cols, other=0) != 0
   if opt.q_segments is not None:
-    rows = indices(q_start, block_q) < problem.seq_q if problem.seq_q % block_q else None
-    cols = indices(k_start, block_k) < problem.seq_k if problem.seq_k % block_k else None
-    # Past either end the ids read -1 and -2: never equal (visible() masks there anyway).
+    # Past either end the ids read -1 and -2: never equal.
     q_ids = load(opt.q_segments.at[pl.ds(q_start, block_q)], rows, other=-1)
     k_ids = load(opt.kv_segments.at[pl.ds(k_start, block_k)], cols, other=-2)
     same = q_ids[:, None] == k_ids[None, :]
