@@ -98,3 +98,13 @@ def _reference_with_grads(
   )
   dq, dk, dv = vjp((dout.astype(dtype), dlse.astype(lse.dtype)))
   return out, lse, dq, dk, dv
+
+
+def assert_matches_reference(got, want, dout, tol: float = 1e-5) -> None:
+  """(out, lse, dq, dk, dv) against the reference: relative error under tol,
+  gradients with a floor of 0.1 * ||dout|| (see rel_err)."""
+  floor = 0.1 * float(jnp.linalg.norm(dout))
+  for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    assert x.shape == ref.shape, name
+    err = rel_err(x, ref, floor=floor if name.startswith("d") else 0.0)
+    assert err < tol, f"{name}: relative error {err:.3g}"
