@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash2 import reference
-from jax_flash2.bench.spec import Shape
+from jax_flash2.bench.impls import segment_ids
+from jax_flash2.bench.spec import Shape, Window
 
 # Largest float32 score tensor [batch, heads, seq, seq] the reference may build;
 # the check shape gives up batch (then sequence length) to stay under it.
@@ -16,23 +17,35 @@ _REFERENCE_SCORE_BYTES = 1 << 30
 
 
 def check_shape(shape: Shape) -> Shape:
-  """`shape` with batch (and if need be seqlen) cut so the reference stays small."""
+  """`shape` with batch (and if need be seqlen) cut so the reference stays small.
+
+  The window and the number of segments stay; seqlen is only halved while it
+  remains a multiple of the segments (so they stay equal).
+  """
   per_batch = shape.heads * shape.seqlen * shape.seqlen * 4
   batch = max(1, min(shape.batch, _REFERENCE_SCORE_BYTES // per_batch))
   seqlen = shape.seqlen
-  while batch == 1 and shape.heads * seqlen * seqlen * 4 > _REFERENCE_SCORE_BYTES and seqlen > 128:
+  while (batch == 1 and shape.heads * seqlen * seqlen * 4 > _REFERENCE_SCORE_BYTES and seqlen > 128
+         and (seqlen // 2) % shape.segments == 0):
     seqlen //= 2
   return dataclasses.replace(shape, batch=batch, seqlen=seqlen)
 
 
-def reference_fwd_bwd(q, k, v, dout, *, causal: bool) -> tuple[jax.Array, ...]:
+def reference_fwd_bwd(
+    q, k, v, dout, *, causal: bool, window: Window | None = None, segments: int = 1
+) -> tuple[jax.Array, ...]:
   """(out, dq, dk, dv) of `reference.attention` in float32; k/v heads are
-  repeated for grouped-query attention (query head n uses kv head n // group)."""
+  repeated for grouped-query attention (query head n uses kv head n // group).
+  `window` and `segments` mean what they mean in spec.Shape."""
   group = q.shape[2] // k.shape[2]
+  ids = segment_ids(q.shape[0], q.shape[1], segments)
 
   def f(q, k, v):
     k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
-    out, _ = reference.attention(q, k, v, causal=causal, compute_dtype=jnp.float32)
+    out, _ = reference.attention(
+        q, k, v, causal=causal, window_size=window if window is not None else (None, None),
+        q_segment_ids=ids, kv_segment_ids=ids, compute_dtype=jnp.float32,
+    )
     return out
 
   args = [x.astype(jnp.float32) for x in (q, k, v)]
@@ -51,4 +64,4 @@ def relative_errors(got: tuple[jax.Array, ...], want: tuple[jax.Array, ...]) -> 
   return jnp.stack(errs)
 
 
-reference_fwd_bwd_jit = jax.jit(reference_fwd_bwd, static_argnames="causal")
+reference_fwd_bwd_jit = jax.jit(reference_fwd_bwd, static_argnames=("causal", "window", "segments"))

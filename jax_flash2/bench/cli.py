@@ -15,7 +15,7 @@ import sys
 from typing import Sequence
 
 from jax_flash2.bench import impls as impls_lib
-from jax_flash2.bench.spec import DTYPE_ALIASES, MODES, SweepConfig
+from jax_flash2.bench.spec import DTYPE_ALIASES, MODES, SweepConfig, Window, window_text
 
 GPU_DEFAULTS = dict(
     seqlens=(512, 1024, 2048, 4096, 8192, 16384),
@@ -63,6 +63,52 @@ def _ints(values: Sequence[str] | None, flag: str) -> tuple[int, ...] | None:
   return tuple(out)
 
 
+def _window_side(text: str, item: str) -> int | None:
+  """One side of a --window value: an int >= 0 ('1k' ok) or none (unbounded)."""
+  text = text.strip().lower()
+  if text == "none":
+    return None
+  mult = 1024 if text.endswith("k") else 1
+  try:
+    n = int(text[:-1] if mult > 1 else text) * mult
+  except ValueError:
+    raise UsageError(f"--window {item!r}: {text!r} is neither an integer nor none") from None
+  if n < 0:
+    raise UsageError(f"--window {item!r}: sides must be >= 0 (or none), got {n}")
+  return n
+
+
+def _windows(values: Sequence[str] | None) -> tuple[Window | None, ...]:
+  """`--window` values: none, LEFT (meaning LEFT,0), LEFT,RIGHT or LEFT:RIGHT.
+
+  A comma inside one word joins LEFT and RIGHT, so several windows are
+  separate words (`--window none 1024,0`), or LEFT:RIGHT pairs joined by
+  commas (`--window 1024:0,256:0`). A side may be `none` (unbounded);
+  none,none is no window.
+  """
+  items: list[str] = []
+  for word in values or ["none"]:
+    items.extend(word.split(",") if ":" in word else [word])
+  out: list[Window | None] = []
+  for item in (i.strip() for i in items):
+    if not item:
+      continue
+    if item.lower() == "none":
+      window = None
+    else:
+      sides = item.replace(":", ",").split(",")
+      if len(sides) > 2:
+        raise UsageError(f"--window: expected LEFT[,RIGHT] or LEFT:RIGHT, got {item!r}")
+      left = _window_side(sides[0], item)
+      right = _window_side(sides[1], item) if len(sides) == 2 else 0
+      window = None if left is None and right is None else (left, right)
+    if window not in out:
+      out.append(window)
+  if not out:
+    raise UsageError("--window: no value given")
+  return tuple(out)
+
+
 def _causal(values: Sequence[str]) -> tuple[bool, ...]:
   table = {"both": (False, True), "true": (True,), "false": (False,), "causal": (True,), "none": (False,)}
   out: list[bool] = []
@@ -88,6 +134,21 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--hidden", type=int, default=2048, help="heads x head_dim when --heads is not given (default 2048)")
   g.add_argument("--kv-heads", type=int, help="key/value heads (default = heads); != heads is grouped-query attention")
   g.add_argument("--causal", nargs="+", default=["both"], metavar="both|true|false", help="masks (default both)")
+  g.add_argument(
+      "--window",
+      nargs="+",
+      metavar="LEFT[,RIGHT]",
+      help="local-attention windows, each none, LEFT,RIGHT or LEFT:RIGHT (a lone LEFT means LEFT,0; a side may be "
+      "none = unbounded); key j visible to query i iff i-LEFT <= j <= i+RIGHT, combined with --causal "
+      "(default none)",
+  )
+  g.add_argument(
+      "--segments",
+      nargs="+",
+      metavar="N",
+      help="packed sequences: each row split into N equal contiguous segments, attention within a segment only "
+      "(default 1 = no segment ids); every seqlen must be a multiple of N",
+  )
   g.add_argument("--dtype", nargs="+", default=["bf16"], metavar="bf16|fp16|fp32", help="dtypes (default bf16)")
   g.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE", help="fwd, bwd, fwd+bwd (default all)")
   g.add_argument(
@@ -137,6 +198,12 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
       h = heads if heads is not None else ns.hidden // hd
       if h % ns.kv_heads:
         raise UsageError(f"--kv-heads {ns.kv_heads} does not divide heads {h} (head_dim {hd})")
+  windows = _windows(ns.window)
+  segments = tuple(dict.fromkeys(_ints(ns.segments, "--segments") or (1,)))
+  for n in segments:
+    for seqlen in seqlens:
+      if seqlen % n:
+        raise UsageError(f"--segments {n} does not divide seqlen {seqlen}")
   dtypes = []
   for name in _split(ns.dtype) or []:
     if name.lower() not in DTYPE_ALIASES:
@@ -175,6 +242,8 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
       batch=batch,
       heads=heads,
       kv_heads=ns.kv_heads,
+      windows=windows,
+      segments=segments,
       warmup=warmup,
       iters=iters,
       input_sets=ns.input_sets,
@@ -205,9 +274,14 @@ def _describe(cfg: SweepConfig) -> str:
   batch = f"{cfg.batch}" if cfg.batch is not None else f"{cfg.tokens} tokens / seq"
   heads = f"{cfg.heads}" if cfg.heads is not None else f"{cfg.hidden} / head_dim"
   kv = f", kv_heads {cfg.kv_heads}" if cfg.kv_heads is not None else ""
+  masks = ""
+  if cfg.windows != (None,):
+    masks += f", windows {[window_text(w) for w in cfg.windows]}"
+  if cfg.segments != (1,):
+    masks += f", segments {list(cfg.segments)}"
   return (
       f"seqlens {list(cfg.seqlens)}, head_dims {list(cfg.head_dims)}, batch {batch}, heads {heads}{kv}, "
-      f"causal {list(cfg.causal)}, dtypes {list(cfg.dtypes)}, modes {list(cfg.modes)}, impls {list(cfg.impls)}, "
+      f"causal {list(cfg.causal)}{masks}, dtypes {list(cfg.dtypes)}, modes {list(cfg.modes)}, impls {list(cfg.impls)}, "
       f"warmup {cfg.warmup}, iters {cfg.iters} (median), input sets {cfg.input_sets}"
       + (", Pallas interpret mode" if cfg.interpret else "")
   )

@@ -5,12 +5,16 @@ shape (layout [batch, seq, heads, head_dim]; k and v may have fewer heads
 when kv_heads != heads) and a `supports` check returning None when the shape
 can run, else a short reason shown as "unsupported". Adding an
 implementation is one `register(Impl(...))` call.
+
+A shape's window and segments (spec.Shape) are part of the problem: every
+factory applies them (or its `supports` says why it cannot). Segment ids are
+built inside the jitted function from an iota (`segment_ids`), so they cost
+no input and XLA folds them to constants.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
@@ -55,6 +59,14 @@ def get(name: str) -> Impl:
     raise ValueError(f"unknown implementation {name!r}; known: {', '.join(REGISTRY)}") from None
 
 
+def segment_ids(batch: int, seqlen: int, segments: int) -> jax.Array | None:
+  """int32 [batch, seqlen]: position // (seqlen // segments); None for one segment."""
+  if segments <= 1:
+    return None
+  ids = jnp.arange(seqlen, dtype=jnp.int32) // (seqlen // segments)
+  return jnp.broadcast_to(ids, (batch, seqlen))
+
+
 # ---------------------------------------------------------------- jax_flash2
 
 
@@ -68,11 +80,14 @@ def _flash2_factory(backend: str) -> Callable[[Shape, Options], AttentionFn]:
   def factory(shape: Shape, opts: Options) -> AttentionFn:
     from jax_flash2 import flash_attention
 
-    return jax.jit(
-        functools.partial(
-            flash_attention, causal=shape.causal, backend=backend, interpret=opts.interpret
-        )
-    )
+    def attn(q, k, v):
+      ids = segment_ids(shape.batch, shape.seqlen, shape.segments)
+      return flash_attention(
+          q, k, v, causal=shape.causal, window_size=shape.window, q_segment_ids=ids, kv_segment_ids=ids,
+          backend=backend, interpret=opts.interpret,
+      )
+
+    return jax.jit(attn)
 
   return factory
 
@@ -113,11 +128,48 @@ register(
 # ------------------------------------------------- jax.nn.dot_product_attention
 
 
+# Windows: jax.nn.dot_product_attention(local_window_size=(left, right)) (jax
+# 0.11.2) masks key j for query i unless i - left <= j <= i + right, aligned
+# top-left; with seq_q == seq_k that is our band. Both sides must be ints, so
+# an unbounded side becomes seqlen. The XLA path ANDs it with is_causal, as
+# flash_attention does. The cuDNN path passes only a left window
+# (sliding_window_length = left + 1 with the causal mask) and raises on a
+# right side unless causal; so cuDNN runs windows whose right side is 0 or
+# capped by causal, as causal + (left, 0), and reports the rest unsupported.
+#
+# Segments: jax.nn.dot_product_attention has no segment ids (cuDNN's packed
+# layout is not reachable through it), so both paths get the dense boolean
+# mask ids_q == ids_k, [batch, 1, seq, seq], built in the jitted function.
+# XLA applies it to its dense scores; cuDNN turns it into an additive bias
+# (no bias gradient for a boolean mask). That materialises seq^2 per batch
+# row and skips no tile: it is what these implementations offer for packed
+# sequences, not a like-for-like kernel comparison.
+
+
+def _dpa_window(shape: Shape, implementation: str) -> tuple[bool, tuple[int, int] | None]:
+  """(is_causal, local_window_size) passing `shape`'s mask to jax.nn.dot_product_attention."""
+  if shape.window is None:
+    return shape.causal, None
+  left, right = shape.window
+  if implementation == "cudnn":
+    # Only reached for right == 0 or causal (see _cudnn_supports): causal plus a left bound.
+    return True, (left, 0) if left is not None else None
+  unbounded = shape.seqlen
+  return shape.causal, (unbounded if left is None else left, unbounded if right is None else right)
+
+
 def _dpa_factory(implementation: str) -> Callable[[Shape, Options], AttentionFn]:
   def factory(shape: Shape, opts: Options) -> AttentionFn:
-    return jax.jit(
-        functools.partial(jax.nn.dot_product_attention, is_causal=shape.causal, implementation=implementation)
-    )
+    is_causal, window = _dpa_window(shape, implementation)
+
+    def attn(q, k, v):
+      ids = segment_ids(shape.batch, shape.seqlen, shape.segments)
+      mask = None if ids is None else ids[:, None, :, None] == ids[:, None, None, :]
+      return jax.nn.dot_product_attention(
+          q, k, v, mask=mask, is_causal=is_causal, local_window_size=window, implementation=implementation
+      )
+
+    return jax.jit(attn)
 
   return factory
 
@@ -135,6 +187,8 @@ def _cudnn_supports(shape: Shape, opts: Options) -> str | None:
     return "cuDNN takes fp16/bf16 only"
   if shape.head_dim % 8 or shape.head_dim > 256:
     return "head_dim must be a multiple of 8, <= 256"
+  if shape.window is not None and not shape.causal and shape.window[1] != 0:
+    return "cuDNN windows are left-only: right side 0, or --causal"
   # Finer limits (head_dim 256 before Hopper, ...) surface as NotImplementedError
   # from JAX at trace time and are reported as "unsupported" too.
   return _gqa_ok(shape)

@@ -15,9 +15,19 @@ import sys
 from typing import Any, Iterable
 
 from jax_flash2.bench.memory import summarize
-from jax_flash2.bench.spec import CELL_FIELDS, SHORT_DTYPE, CellResult, CheckResult, MemoryStep, SweepConfig
+from jax_flash2.bench.spec import (
+    CELL_FIELDS,
+    SHORT_DTYPE,
+    CellResult,
+    CheckResult,
+    MemoryStep,
+    SweepConfig,
+    mask_text,
+)
 
-SCHEMA_VERSION = 1
+# 2: cells, checks and memory steps gained window_left, window_right and
+# segments; cells gained flops_convention and visible_fraction.
+SCHEMA_VERSION = 2
 _MIB = 1 << 20
 
 
@@ -107,11 +117,17 @@ def _cell_text(c: CellResult | None) -> tuple[str, str, str] | str:
   return c.status
 
 
+def _mask(r: CellResult | CheckResult) -> str:
+  """"causal", "non-causal", plus the window and segments where set."""
+  window = None if r.window_left is None and r.window_right is None else (r.window_left, r.window_right)
+  return mask_text(r.causal, window, r.segments)
+
+
 def _group(cells: Iterable[CellResult]) -> dict[tuple, dict[tuple[int, int, int], dict[str, CellResult]]]:
-  """(dtype, head_dim, causal, mode) -> (seqlen, batch, heads) -> impl -> cell, in run order."""
+  """(dtype, head_dim, mask, mode) -> (seqlen, batch, heads) -> impl -> cell, in run order."""
   groups: dict[tuple, dict] = {}
   for c in cells:
-    rows = groups.setdefault((c.dtype, c.head_dim, c.causal, c.mode), {})
+    rows = groups.setdefault((c.dtype, c.head_dim, _mask(c), c.mode), {})
     rows.setdefault((c.seqlen, c.batch, c.heads, c.kv_heads), {})[c.impl] = c
   return groups
 
@@ -126,8 +142,7 @@ def format_table(cells: list[CellResult], impls: Iterable[str]) -> str:
   impls = list(impls)
   width = 27
   lines = []
-  for (dtype, head_dim, causal, mode), rows in _group(cells).items():
-    mask = "causal" if causal else "non-causal"
+  for (dtype, head_dim, mask, mode), rows in _group(cells).items():
     lines.append(f"== {mode}  head_dim {head_dim}  {mask}  {SHORT_DTYPE.get(dtype, dtype)} ==")
     left = f"{'seq':>6} {'batch':>5} {'heads':>7}"
     lines.append(left + " | " + " | ".join(f"{name:^{width}}" for name in impls))
@@ -161,8 +176,7 @@ def format_memory_table(cells: list[CellResult], impls: Iterable[str]) -> str:
   width = 24
   lines = ["fwd+bwd memory, MiB (compiled = XLA argument+output+temp bytes of the executable; "
            "device peak = process high-water mark, * = set by this cell; min = inputs+outputs+lse)"]
-  for (dtype, head_dim, causal, _), rows in _group(fb).items():
-    mask = "causal" if causal else "non-causal"
+  for (dtype, head_dim, mask, _), rows in _group(fb).items():
     lines.append(f"== fwd+bwd memory  head_dim {head_dim}  {mask}  {SHORT_DTYPE.get(dtype, dtype)} ==")
     left = f"{'seq':>6} {'batch':>5} {'min':>9}"
     lines.append(left + " | " + " | ".join(f"{name:^{width}}" for name in impls))
@@ -189,15 +203,15 @@ def format_checks(checks: list[CheckResult]) -> str:
   """Relative error ||x - ref|| / ||ref|| against the float32 reference."""
   if not checks:
     return ""
+  width = max(10, *(len(_mask(r)) for r in checks))
   lines = [
       "Accuracy vs float32 reference, ||x - ref|| / ||ref||:",
-      f"{'impl':<15} {'dtype':>5} {'hd':>4} {'mask':>10} {'shape (b,s,h)':>16} {'out':>9} {'dq':>9} {'dk':>9} {'dv':>9}",
+      f"{'impl':<15} {'dtype':>5} {'hd':>4} {'mask':>{width}} {'shape (b,s,h)':>16} {'out':>9} {'dq':>9} {'dk':>9} {'dv':>9}",
   ]
   for r in checks:
-    mask = "causal" if r.causal else "non-causal"
     h = f"{r.heads}" if r.heads == r.kv_heads else f"{r.heads}/{r.kv_heads}"
     where = f"{r.batch},{r.seqlen},{h}"
-    head = f"{r.impl:<15} {SHORT_DTYPE.get(r.dtype, r.dtype):>5} {r.head_dim:>4} {mask:>10} {where:>16}"
+    head = f"{r.impl:<15} {SHORT_DTYPE.get(r.dtype, r.dtype):>5} {r.head_dim:>4} {_mask(r):>{width}} {where:>16}"
     if r.status == "ok":
       errs = (r.rel_err_out, r.rel_err_dq, r.rel_err_dk, r.rel_err_dv)
       lines.append(head + " " + " ".join(f"{_fmt_err(e):>9}" for e in errs))
@@ -261,7 +275,13 @@ def write_json(
       "notes": {
           "tiny_cpu_run": cfg.tiny,
           "ms": "median over iters rounds of the per-call time of timing.CALLS_PER_ROUND back-to-back calls, synchronised once per round",
-          "tflops": "FlashAttention convention: fwd 4*B*H*S*S*D (halved if causal), bwd 2.5x, fwd+bwd 3.5x",
+          "tflops": "flops / ms; flops by the cell's flops_convention: dense = fwd 4*B*H*S*S*D, causal-half = "
+          "half that (plain causal, FlashAttention convention), visible = 4*D*B*H per visible (query, key) pair "
+          "(windows, segments); bwd 2.5x fwd, fwd+bwd 3.5x",
+          "visible_fraction": "visible (query, key) pairs / S*S, exact",
+          "window_left, window_right": "local window: key j visible to query i iff i-left <= j <= i+right "
+          "(null: unbounded; both null: no window), combined with causal",
+          "segments": "each row packs this many equal contiguous sequences (1: no segment ids)",
           "speed_vs_cudnn": "cuDNN ms / this ms (> 1: faster than cuDNN)",
           "compiled_bytes": "XLA memory_analysis of the fwd+bwd executable: argument+output+temp-alias",
           "device_peak_bytes": "process-wide peak_bytes_in_use after the cell (never reset); "
@@ -285,8 +305,9 @@ def write_csv(path: str, cells: list[CellResult]) -> None:
 
 
 def write_plots(out_dir: str, cells: list[CellResult], impls: Iterable[str], title: str = "") -> list[str]:
-  """TFLOP/s against sequence length: one panel per head_dim x mask x mode, one
-  line per implementation. One PNG per dtype. Returns the files written."""
+  """TFLOP/s against sequence length: one panel per head_dim x mask (causal,
+  window, segments) x mode, one line per implementation. One PNG per dtype.
+  Returns the files written."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -296,15 +317,15 @@ def write_plots(out_dir: str, cells: list[CellResult], impls: Iterable[str], tit
   written = []
   for dtype in dict.fromkeys(c.dtype for c in cells):
     dcells = [c for c in cells if c.dtype == dtype]
-    rows = list(dict.fromkeys((c.head_dim, c.causal) for c in dcells))
+    rows = list(dict.fromkeys((c.head_dim, _mask(c)) for c in dcells))
     modes = list(dict.fromkeys(c.mode for c in dcells))
     fig, axes = plt.subplots(
         len(rows), len(modes), figsize=(4.2 * len(modes), 3.2 * len(rows)), squeeze=False, constrained_layout=True
     )
-    for i, (head_dim, causal) in enumerate(rows):
+    for i, (head_dim, mask) in enumerate(rows):
       for j, mode in enumerate(modes):
         ax = axes[i][j]
-        panel = [c for c in dcells if c.head_dim == head_dim and c.causal == causal and c.mode == mode]
+        panel = [c for c in dcells if c.head_dim == head_dim and _mask(c) == mask and c.mode == mode]
         for name in impls:
           pts = sorted((c.seqlen, c.tflops) for c in panel if c.impl == name and c.status == "ok")
           if pts:
@@ -313,7 +334,7 @@ def write_plots(out_dir: str, cells: list[CellResult], impls: Iterable[str], tit
         seqs = sorted({c.seqlen for c in panel})
         ax.set_xticks(seqs, [f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s) for s in seqs])
         ax.minorticks_off()
-        ax.set_title(f"{mode}, d={head_dim}, {'causal' if causal else 'non-causal'}", fontsize=9)
+        ax.set_title(f"{mode}, d={head_dim}, {mask}", fontsize=9)
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")
         ax.grid(True, alpha=0.3)

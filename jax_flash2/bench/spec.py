@@ -23,10 +23,40 @@ DTYPE_ALIASES: dict[str, str] = {
 }
 SHORT_DTYPE: dict[str, str] = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
+# (left, right) of a local-attention band, as flash_attention's window_size:
+# key j is visible to query i iff i - left <= j <= i + right (seq_q == seq_k);
+# None on a side leaves it unbounded.
+Window = tuple[int | None, int | None]
+
+
+def _side(n: int | None) -> str:
+  return "none" if n is None else str(n)
+
+
+def window_text(window: Window | None) -> str:
+  """"1024,0" for (1024, 0), "none" for no window: how --window spells it."""
+  return "none" if window is None else f"{_side(window[0])},{_side(window[1])}"
+
+
+def mask_text(causal: bool, window: Window | None, segments: int) -> str:
+  """"causal", "non-causal", plus " window 1024,0" and " 8 segments" when set."""
+  text = "causal" if causal else "non-causal"
+  if window is not None:
+    text += f" window {window_text(window)}"
+  if segments > 1:
+    text += f" {segments} segments"
+  return text
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-  """One attention problem, layout [batch, seq, heads, head_dim], seq_q == seq_k."""
+  """One attention problem, layout [batch, seq, heads, head_dim], seq_q == seq_k.
+
+  window_left / window_right: the band of `Window`; both None means no window
+  (flat fields so that JSON and CSV cells carry them as plain numbers).
+  segments: each row packs this many equal contiguous sequences (segment ids
+  position // (seqlen // segments)); 1 means no segment ids.
+  """
 
   batch: int
   seqlen: int
@@ -35,6 +65,20 @@ class Shape:
   head_dim: int
   causal: bool
   dtype: str  # a jnp dtype name: "bfloat16", "float16" or "float32"
+  window_left: int | None = None
+  window_right: int | None = None
+  segments: int = 1
+
+  @property
+  def window(self) -> Window | None:
+    """(left, right) for flash_attention's window_size, None when unset."""
+    if self.window_left is None and self.window_right is None:
+      return None
+    return (self.window_left, self.window_right)
+
+  @property
+  def mask(self) -> str:
+    return mask_text(self.causal, self.window, self.segments)
 
   @property
   def q_shape(self) -> tuple[int, int, int, int]:
@@ -51,6 +95,10 @@ class Shape:
   def describe(self) -> str:
     heads = f"{self.heads}" if not self.is_gqa else f"{self.heads}/{self.kv_heads}kv"
     mask = "causal" if self.causal else "full"
+    if self.window is not None:
+      mask += f" win{window_text(self.window)}"
+    if self.segments > 1:
+      mask += f" seg{self.segments}"
     return f"b{self.batch} s{self.seqlen} h{heads} d{self.head_dim} {mask} {SHORT_DTYPE.get(self.dtype, self.dtype)}"
 
 
@@ -59,7 +107,8 @@ class SweepConfig:
   """The grid of a run plus how to time it. Built by `cli.config_from_args`.
 
   `batch` None means tokens // seqlen; `heads` None means hidden // head_dim;
-  `kv_heads` None means heads.
+  `kv_heads` None means heads. `windows` holds None for no window; `segments`
+  1 for no segment ids.
   """
 
   seqlens: tuple[int, ...]
@@ -73,6 +122,8 @@ class SweepConfig:
   batch: int | None = None
   heads: int | None = None
   kv_heads: int | None = None
+  windows: tuple[Window | None, ...] = (None,)
+  segments: tuple[int, ...] = (1,)
   warmup: int = 3
   iters: int = 20
   input_sets: int = 2
@@ -100,7 +151,10 @@ class SweepConfig:
   def kv_heads_for(self, head_dim: int) -> int:
     return self.kv_heads if self.kv_heads is not None else self.heads_for(head_dim)
 
-  def shape(self, dtype: str, head_dim: int, causal: bool, seqlen: int) -> Shape:
+  def shape(
+      self, dtype: str, head_dim: int, causal: bool, seqlen: int, window: Window | None = None, segments: int = 1
+  ) -> Shape:
+    left, right = window if window is not None else (None, None)
     return Shape(
         batch=self.batch_for(seqlen),
         seqlen=seqlen,
@@ -109,11 +163,21 @@ class SweepConfig:
         head_dim=head_dim,
         causal=causal,
         dtype=dtype,
+        window_left=left,
+        window_right=right,
+        segments=segments,
     )
 
-  def groups(self) -> list[tuple[str, int, bool]]:
-    """(dtype, head_dim, causal) in sweep order; each group runs all seqlens."""
-    return [(d, h, c) for d in self.dtypes for h in self.head_dims for c in self.causal]
+  def groups(self) -> list[tuple[str, int, bool, Window | None, int]]:
+    """(dtype, head_dim, causal, window, segments) in sweep order; each group runs all seqlens."""
+    return [
+        (d, h, c, w, n)
+        for d in self.dtypes
+        for h in self.head_dims
+        for c in self.causal
+        for w in self.windows
+        for n in self.segments
+    ]
 
   def num_cells(self) -> int:
     return len(self.groups()) * len(self.seqlens) * len(self.modes) * len(self.impls)
@@ -134,8 +198,13 @@ class CellResult:
       reports no memory stats (CPU).
     min_bytes: the theoretical minimum: q, k, v, dout in and out, dq, dk, dv
       out (q's dtype) plus a float32 lse.
+  flops / flops_convention: see flops.py; "dense" (4*B*H*S*S*D forward),
+    "causal-half" (half that: plain causal, the FlashAttention convention)
+    or "visible" (4*D*B*H per visible (query, key) pair: windows, segments).
+  visible_fraction: visible (query, key) pairs / S*S, exact, whatever the
+    convention.
   rel_err_out / rel_err_grad: ||x - ref|| / ||ref|| against the float32
-    reference on this (impl, dtype, head_dim, causal) group's check shape
+    reference on this (impl, dtype, head_dim, mask) group's check shape
     (rel_err_grad: the largest of dq, dk, dv). None when not checked.
   """
 
@@ -149,11 +218,16 @@ class CellResult:
   causal: bool
   mode: str
   status: str
+  window_left: int | None = None
+  window_right: int | None = None
+  segments: int = 1
   error: str | None = None
   ms: float | None = None
   ms_min: float | None = None
   iters: int | None = None
   flops: int | None = None
+  flops_convention: str | None = None
+  visible_fraction: float | None = None
   tflops: float | None = None
   speed_vs_cudnn: float | None = None
   compiled_bytes: int | None = None
@@ -166,7 +240,10 @@ class CellResult:
 
   @property
   def shape(self) -> Shape:
-    return Shape(self.batch, self.seqlen, self.heads, self.kv_heads, self.head_dim, self.causal, self.dtype)
+    return Shape(
+        self.batch, self.seqlen, self.heads, self.kv_heads, self.head_dim, self.causal, self.dtype,
+        self.window_left, self.window_right, self.segments,
+    )
 
   def to_record(self) -> dict:
     return dataclasses.asdict(self)
@@ -188,6 +265,9 @@ class CheckResult:
   head_dim: int
   causal: bool
   status: str
+  window_left: int | None = None
+  window_right: int | None = None
+  segments: int = 1
   error: str | None = None
   rel_err_out: float | None = None
   rel_err_dq: float | None = None
@@ -216,6 +296,9 @@ class MemoryStep:
   head_dim: int
   causal: bool
   status: str
+  window_left: int | None = None
+  window_right: int | None = None
+  segments: int = 1
   error: str | None = None
   ms: float | None = None
   compiled_bytes: int | None = None

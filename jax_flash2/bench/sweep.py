@@ -35,7 +35,9 @@ def run_check(
     prepared = timing.prepare(attn, "fwd+bwd", [x])
     compiled = prepared.compiled
     got = prepared(0)
-    want = check_lib.reference_fwd_bwd_jit(x.q, x.k, x.v, x.dout, causal=cshape.causal)
+    want = check_lib.reference_fwd_bwd_jit(
+        x.q, x.k, x.v, x.dout, causal=cshape.causal, window=cshape.window, segments=cshape.segments
+    )
     errs = [float(e) for e in check_lib.relative_errors(tuple(got), tuple(want))]
     del got, want, prepared
   except Exception as exc:  # noqa: BLE001 - every failure becomes a table entry
@@ -59,6 +61,15 @@ def run_check(
   return result, compiled if cshape == shape else None
 
 
+def _shape_fields(shape: Shape) -> dict[str, Any]:
+  """A cell's shape fields plus how its FLOPs are counted (see flops.py)."""
+  return dict(
+      **dataclasses.asdict(shape),
+      flops_convention=flops_lib.flops_convention(shape),
+      visible_fraction=flops_lib.visible_fraction(shape),
+  )
+
+
 def run_cell(
     impl: impls_lib.Impl,
     shape: Shape,
@@ -69,7 +80,7 @@ def run_cell(
     compiled: Any = None,
 ) -> CellResult:
   """Compiles and times one cell; any failure is caught and becomes its status."""
-  fields = dict(impl=impl.name, mode=mode, **dataclasses.asdict(shape))
+  fields = dict(impl=impl.name, mode=mode, **_shape_fields(shape))
   flops = flops_lib.mode_flops(shape, mode)
   memory_fields: dict[str, Any] = {}
   if mode == "fwd+bwd":
@@ -115,9 +126,9 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> tuple[list[
   progress = progress or Progress(0, enabled=False)
   cells: list[CellResult] = []
   checks: list[CheckResult] = []
-  for dtype, head_dim, causal in cfg.groups():
+  for dtype, head_dim, causal, window, segments in cfg.groups():
     for index, seqlen in enumerate(cfg.seqlens):
-      shape = cfg.shape(dtype, head_dim, causal, seqlen)
+      shape = cfg.shape(dtype, head_dim, causal, seqlen, window, segments)
       inputs: list[timing.Inputs] | None = None
       try:
         inputs = [timing.make_inputs(shape, cfg.seed + i) for i in range(cfg.input_sets)]
@@ -125,8 +136,10 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> tuple[list[
         status, short = timing.classify(exc)
         for impl in impls:
           for mode in cfg.modes:
-            fields = dict(impl=impl.name, mode=mode, **dataclasses.asdict(shape))
-            cells.append(CellResult(status=status, error=f"inputs: {short}", **fields))
+            fields = dict(impl=impl.name, mode=mode, **_shape_fields(shape))
+            cells.append(
+                CellResult(status=status, error=f"inputs: {short}", flops=flops_lib.mode_flops(shape, mode), **fields)
+            )
             progress.update(f"{impl.name} {mode} {shape.describe()}")
         timing.free()
         continue
@@ -155,19 +168,22 @@ def num_steps(cfg: SweepConfig) -> int:
 
 def annotate(cells: list[CellResult], checks: list[CheckResult]) -> list[CellResult]:
   """Adds speed_vs_cudnn (cuDNN ms / cell ms) and the check errors to each cell."""
+  def mask(r: CellResult | CheckResult) -> tuple:
+    return (r.causal, r.window_left, r.window_right, r.segments)
+
   cudnn_ms = {
-      (c.dtype, c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, c.causal, c.mode): c.ms
+      (c.dtype, c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, *mask(c), c.mode): c.ms
       for c in cells
       if c.impl == "cudnn" and c.status == "ok"
   }
-  errs = {(r.impl, r.dtype, r.head_dim, r.causal): r for r in checks if r.status == "ok"}
+  errs = {(r.impl, r.dtype, r.head_dim, *mask(r)): r for r in checks if r.status == "ok"}
   out = []
   for c in cells:
-    key = (c.dtype, c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, c.causal, c.mode)
+    key = (c.dtype, c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, *mask(c), c.mode)
     updates: dict[str, Any] = {}
     if c.status == "ok" and key in cudnn_ms:
       updates["speed_vs_cudnn"] = cudnn_ms[key] / c.ms
-    r = errs.get((c.impl, c.dtype, c.head_dim, c.causal))
+    r = errs.get((c.impl, c.dtype, c.head_dim, *mask(c)))
     if r is not None:
       updates["rel_err_out"] = r.rel_err_out
       updates["rel_err_grad"] = r.rel_err_grad
