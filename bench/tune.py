@@ -21,7 +21,9 @@ from jax_flash2.bench import timing
 from jax_flash2.config import KernelConfig, padded_head_dim
 from jax_flash2.triton import backward as tb
 from jax_flash2.triton import forward as tf
-from jax_flash2.triton.tiles import Problem
+from jax_flash2.triton.tiles import OptionalInputs, Problem
+
+NO_OPTIONAL = OptionalInputs()
 
 
 def median_ms(fn, *args, rounds: int = 7) -> float:
@@ -71,7 +73,7 @@ def main() -> None:
         seq_q=args.seq, seq_k=args.seq, head_dim=d, head_dim_padded=padded_head_dim(d),
         window_left=None, window_right=0 if causal else None, softmax_scale=d**-0.5, dtype="bfloat16",
     )
-    out, lse = tf.forward(q, k, v, None, None, None, problem, KernelConfig(64, 64, 4, 2))
+    out, lse = tf.forward(q, k, v, NO_OPTIONAL, problem, KernelConfig(64, 64, 4, 2))
     delta = tb.compute_delta(out, do, problem)
     for kernel in args.kernels.split(","):
       if args.configs:
@@ -82,11 +84,11 @@ def main() -> None:
       best = None
       for cfg in configs:
         if kernel == "fwd":
-          fn = lambda q, k, v, cfg=cfg: tf.forward(q, k, v, None, None, None, problem, cfg)
+          fn = lambda q, k, v, cfg=cfg: tf.forward(q, k, v, NO_OPTIONAL, problem, cfg)
         elif kernel == "dkv":
-          fn = lambda q, k, v, cfg=cfg: tb.compute_dkv(q, k, v, do, lse, delta, None, None, None, problem, cfg)
+          fn = lambda q, k, v, cfg=cfg: tb.compute_dkv(q, k, v, do, lse, delta, NO_OPTIONAL, problem, cfg)
         else:
-          fn = lambda q, k, v, cfg=cfg: tb.compute_dq(q, k, v, do, lse, delta, None, None, None, problem, cfg)
+          fn = lambda q, k, v, cfg=cfg: tb.compute_dq(q, k, v, do, lse, delta, NO_OPTIONAL, problem, cfg)
         try:
           ms = median_ms(fn, q, k, v)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped

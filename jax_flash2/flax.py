@@ -57,13 +57,15 @@ What maps onto what (the keywords the modules pass, as of flax 0.12):
 - ``precision``: accepted and ignored; the kernels fix their own precision
   (float32 accumulation; float32 inputs use full-precision dots).
 - ``force_fp32_for_softmax``: accepted; the softmax is always float32.
-- ``deterministic``, ``dropout_rng``, ``broadcast_dropout``: accepted; see
-  dropout below.
+- ``dropout_rate``, ``dropout_rng``, ``deterministic``, ``broadcast_dropout``:
+  attention dropout inside the kernels when ``dropout_rate > 0`` and not
+  ``deterministic`` (the mask is a hash of the key and the element's
+  position, regenerated in the backward; see ``flash_attention``).
+  ``broadcast_dropout=True`` (Flax's default) shares one mask across batch
+  and heads, as Flax does.
 
 Not supported (each raises a clear error rather than silently differing):
 
-- Attention dropout (``dropout_rate > 0`` and not ``deterministic``):
-  ValueError. Use ``dropout_rate=0.0`` or ``deterministic=True``.
 - Sowing the weights (``sow_weights=True``, which passes ``module``):
   ValueError; the attention weights are never materialised.
 - ``bias``: ValueError (an additive bias is not supported by the kernels).
@@ -169,9 +171,10 @@ class FlashAttentionFn:
       bias: must be None (not supported).
       mask: broadcastable to [batch..., heads, q_length, kv_length]; nonzero
         = visible.
-      broadcast_dropout, dropout_rng: accepted; dropout is not supported.
-      dropout_rate, deterministic: dropout_rate > 0 with deterministic False
-        raises ValueError.
+      broadcast_dropout: one dropout mask for every batch element and head.
+      dropout_rng: the PRNG key of the dropout mask.
+      dropout_rate, deterministic: dropout applies when dropout_rate > 0
+        and not deterministic.
       dtype: cast query/key/value to it; None promotes them to a common dtype.
       precision: ignored (the kernels fix their precision).
       module: must be None (attention weights are never materialised).
@@ -183,9 +186,10 @@ class FlashAttentionFn:
     Returns:
       [batch..., q_length, heads, head_dim] in the compute dtype.
     """
-    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
-    _check_unsupported(bias, dropout_rate, deterministic, module, input_positions,
-                       qk_attn_weights_einsum, attn_weights_value_einsum)
+    del precision, force_fp32_for_softmax
+    _check_unsupported(bias, module, input_positions, qk_attn_weights_einsum, attn_weights_value_einsum)
+    if deterministic or dropout_rate == 0.0:
+      dropout_rate, dropout_rng = 0.0, None
     query, key, value = _cast(query, key, value, dtype)
     batch_shape = _batch_shape(query, key, value)
     q, k, v = (_flatten_batch(x, batch_shape) for x in (query, key, value))
@@ -198,8 +202,8 @@ class FlashAttentionFn:
       else:
         mask = _and_masks(mask, jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_)))
     out = flash_attention(
-        q, k, v, mask=mask, causal=causal, softmax_scale=self.softmax_scale,
-        backend=self.backend, interpret=self.interpret, block_sizes=self.block_sizes,
+        q, k, v, mask=mask, causal=causal, softmax_scale=self.softmax_scale, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, dropout_broadcast=broadcast_dropout, backend=self.backend, interpret=self.interpret, block_sizes=self.block_sizes,
     )
     return out.reshape(batch_shape + out.shape[1:])
 
@@ -223,15 +227,9 @@ def make_attention_fn(
 attention_fn = make_attention_fn()
 
 
-def _check_unsupported(bias, dropout_rate, deterministic, module, input_positions, qk_einsum, v_einsum) -> None:
+def _check_unsupported(bias, module, input_positions, qk_einsum, v_einsum) -> None:
   if bias is not None:
     raise ValueError("jax_flash2.flax: an attention `bias` is not supported yet; pass a boolean `mask` instead")
-  if dropout_rate > 0.0 and not deterministic:
-    raise ValueError(
-        f"jax_flash2.flax: attention dropout (dropout_rate={dropout_rate}, deterministic=False) is not "
-        "supported yet (dropout inside the kernel is planned). Set dropout_rate=0.0 on the attention "
-        "module or call it with deterministic=True."
-    )
   if module is not None:
     raise ValueError(
         "jax_flash2.flax: cannot sow attention weights (sow_weights=True): the flash kernels never "

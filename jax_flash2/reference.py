@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_flash2 import dropout
+
 
 def band_visible(seq_q: int, seq_k: int, left: int | None, right: int | None) -> jax.Array:
   """[seq_q, seq_k] bool: query i sees key j iff
@@ -48,6 +50,9 @@ def attention(
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     softmax_scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: jax.Array | None = None,
+    dropout_broadcast: bool = False,
     compute_dtype: jnp.dtype | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Exact softmax attention and its log-sum-exp.
@@ -65,6 +70,9 @@ def attention(
     q_segment_ids, kv_segment_ids: [batch, seq_q], [batch, seq_k]; query i
       sees key j only if their ids are equal.
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
+    dropout_rate, dropout_seed: dropout on the probabilities with the mask
+      of jax_flash2.dropout (seed: int32 [2]); the lse is not affected.
+    dropout_broadcast: one dropout mask for every batch element and head.
     compute_dtype: dtype of the arithmetic; defaults to q's dtype promoted to
       at least float32 (so float64 inputs give a float64 reference).
 
@@ -106,6 +114,15 @@ def attention(
   l = jnp.sum(p, axis=-1, keepdims=True)
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
-  out = jnp.einsum("bhqk,bkhd->bqhd", p / l_safe, vc, precision=jax.lax.Precision.HIGHEST)
+  probs = p / l_safe
+  if dropout_rate > 0.0:
+    batch, heads = q.shape[0], q.shape[2]
+    head = jnp.arange(batch * heads, dtype=jnp.int32).reshape(batch, heads, 1, 1)
+    if dropout_broadcast:
+      head = jnp.zeros_like(head)
+    rows = jnp.arange(q.shape[1], dtype=jnp.int32)[:, None]
+    cols = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
+    probs = probs * dropout.multiplier(dropout_seed, head, rows, cols, dropout_rate).astype(probs.dtype)
+  out = jnp.einsum("bhqk,bkhd->bqhd", probs, vc, precision=jax.lax.Precision.HIGHEST)
   lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)[..., 0]
   return out.astype(q.dtype), lse

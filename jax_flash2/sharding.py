@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flash2.triton import backward as triton_backward
 from jax_flash2.triton import forward as triton_forward
+from jax_flash2.triton.tiles import OptionalInputs
 
 if TYPE_CHECKING:
   from jax_flash2.vjp import KernelCall
@@ -50,7 +51,7 @@ def _factors(q_shape, kv_shape, mask_shape, slopes_shape=None) -> dict[str, str]
   custom_partitioning cannot hand to the partition callback;
   _plan keeps them consistent instead. mb / mh are a mask's broadcast (size 1)
   batch / heads axes, which can share no factor with the full-size ones; ab
-  the ALiBi slopes' broadcast batch axis.
+  the ALiBi slopes' broadcast batch axis; z the dropout seed's two words.
   """
   if q_shape[2] == kv_shape[2]:
     heads = kv_heads = "h"
@@ -58,7 +59,7 @@ def _factors(q_shape, kv_shape, mask_shape, slopes_shape=None) -> dict[str, str]
     heads, kv_heads = "qh", "kh"
   names = {
       "qo": f"b i {heads} d", "kv": f"b j {kv_heads} d", "rows": f"b {heads} i",
-      "q_segments": "b i", "kv_segments": "b j",
+      "q_segments": "b i", "kv_segments": "b j", "seed": "z",
   }
   if mask_shape is not None:
     batch = "b" if mask_shape[0] > 1 else "mb"
@@ -75,7 +76,7 @@ def _rule(operands: list[str], results: list[str]) -> tuple[str, dict]:
   rule = f"{', '.join(operands)} -> {', '.join(results)}"
   # Shardy wants the special factors listed in the order they first appear.
   order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
-  replicated = tuple(f for f in order if f in ("i", "j", "d", "mb", "mh", "ab"))
+  replicated = tuple(f for f in order if f in ("i", "j", "d", "mb", "mh", "ab", "z"))
   return rule, {"need_replication_factors": replicated}
 
 
@@ -102,6 +103,7 @@ class _Plan:
   q_segments: NamedSharding
   kv_segments: NamedSharding
   slopes: NamedSharding | None
+  seed: NamedSharding
   kv_partial_over: str | tuple[str, ...] | None
 
 
@@ -138,6 +140,7 @@ def _plan(mesh, q, k, mask, slopes) -> _Plan:
       q_segments=NamedSharding(mesh, P(batch, None)),
       kv_segments=NamedSharding(mesh, P(batch, None)),
       slopes=slopes_sharding,
+      seed=NamedSharding(mesh, P(None)),
       kv_partial_over=partial,
   )
 
@@ -154,19 +157,18 @@ def _local(call: KernelCall, q, k) -> KernelCall:
 # ---------------------------------------------------------------- forward
 
 
-def _segments(q_segments, kv_segments):
-  return None if q_segments is None else (q_segments, kv_segments)
+def _optional_inputs(mask, q_segments, kv_segments, slopes, seed) -> OptionalInputs:
+  segments = None if q_segments is None else (q_segments, kv_segments)
+  return OptionalInputs(mask=mask, segments=segments, slopes=slopes, seed=seed)
 
 
-def _forward_kernels(q, k, v, mask, q_segments, kv_segments, slopes, call: KernelCall):
+def _forward_kernels(q, k, v, mask, q_segments, kv_segments, slopes, seed, call: KernelCall):
   call = _local(call, q, k)
-  return triton_forward.forward(
-      q, k, v, mask, _segments(q_segments, kv_segments), slopes, call.problem, call.block_sizes.fwd,
-      interpret=call.interpret,
-  )
+  optional = _optional_inputs(mask, q_segments, kv_segments, slopes, seed)
+  return triton_forward.forward(q, k, v, optional, call.problem, call.block_sizes.fwd, interpret=call.interpret)
 
 
-_forward_partitioned = custom_partitioning(_forward_kernels, static_argnums=(7,))
+_forward_partitioned = custom_partitioning(_forward_kernels, static_argnums=(8,))
 
 
 def _optional_factors(f: dict[str, str], call: KernelCall) -> list[str]:
@@ -176,13 +178,14 @@ def _optional_factors(f: dict[str, str], call: KernelCall) -> list[str]:
       ([f["mask"]] if problem.has_mask else [])
       + ([f["q_segments"], f["kv_segments"]] if problem.has_segments else [])
       + ([f["slopes"]] if problem.has_alibi else [])
+      + ([f["seed"]] if problem.has_dropout else [])
   )
 
 
 def _optional_shardings(plan: _Plan, call: KernelCall) -> tuple:
-  """Shardings of (mask, q segment ids, kv segment ids, slopes), None where absent."""
+  """Shardings of (mask, q segment ids, kv segment ids, slopes, seed), None where absent."""
   segments = (plan.q_segments, plan.kv_segments) if call.problem.has_segments else (None, None)
-  return (plan.mask, *segments, plan.slopes)
+  return (plan.mask, *segments, plan.slopes, plan.seed if call.problem.has_dropout else None)
 
 
 def _optional_shapes(shapes: list, num_fixed: int, call: KernelCall):
@@ -204,7 +207,7 @@ def _forward_rule(call, mesh, operand_types, result_types):
 
 def _forward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
-  q, k, _, mask, _, _, slopes = arg_shapes
+  q, k, _, mask, _, _, slopes, _ = arg_shapes
   plan = _plan(mesh, q, k, mask, slopes)
   # Every shard is a set of whole (batch, head) problems: the same kernels run
   # it on shard-shaped operands, with no communication.
@@ -219,15 +222,15 @@ _forward_partitioned.def_partition(partition=_forward_partition, sharding_rule=_
 # ---------------------------------------------------------------- backward
 
 
-def _backward_kernels(q, k, v, out, lse, do, dlse, mask, q_segments, kv_segments, slopes, call: KernelCall):
+def _backward_kernels(q, k, v, out, lse, do, dlse, mask, q_segments, kv_segments, slopes, seed, call: KernelCall):
   call = _local(call, q, k)
+  optional = _optional_inputs(mask, q_segments, kv_segments, slopes, seed)
   return triton_backward.backward(
-      q, k, v, out, lse, do, dlse, mask, _segments(q_segments, kv_segments), slopes, call.problem,
-      call.block_sizes, interpret=call.interpret,
+      q, k, v, out, lse, do, dlse, optional, call.problem, call.block_sizes, interpret=call.interpret
   )
 
 
-_backward_partitioned = custom_partitioning(_backward_kernels, static_argnums=(11,))
+_backward_partitioned = custom_partitioning(_backward_kernels, static_argnums=(12,))
 
 
 def _backward_rule(call, mesh, operand_types, result_types):
@@ -240,7 +243,7 @@ def _backward_rule(call, mesh, operand_types, result_types):
 
 def _backward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
-  q, k, *_, mask, _, _, slopes = arg_shapes
+  (q, k), (mask, _, _, slopes, _) = arg_shapes[:2], arg_shapes[7:]
   plan = _plan(mesh, q, k, mask, slopes)
 
   def lower(*args):
@@ -285,9 +288,10 @@ def _unfold(x: jax.Array, axis_size: int) -> jax.Array:
 
 
 def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Callable:
-  """partitioned(*arrays, mask, q_segments, kv_segments, slopes, call) under a
-  custom_vmap that folds the vmapped axis into batch. arrays all carry batch
-  on axis 0; the optional inputs may keep a broadcast batch axis of size 1."""
+  """partitioned(*arrays, mask, q_segments, kv_segments, slopes, seed, call)
+  under a custom_vmap that folds the vmapped axis into batch. arrays all
+  carry batch on axis 0; the optional inputs may keep a broadcast batch axis
+  of size 1; the dropout seed has no batch axis and is shared."""
 
   @jax.custom_batching.custom_vmap
   def fn(*args):
@@ -295,34 +299,40 @@ def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Call
 
   @fn.def_vmap
   def rule(axis_size, in_batched, *args):
-    arrays, optional = args[:num_arrays], args[num_arrays:]
+    arrays, optional, seed = args[:num_arrays], args[num_arrays:-1], args[-1]
+    if in_batched[-1]:
+      raise NotImplementedError(
+          "jax_flash2: vmap over dropout_rng is not supported (one key draws the masks of every batch "
+          "element and head already); pass one key, or fold the mapped axis into batch"
+      )
     # The batch of one vmapped instance, read off q.
     batch = arrays[0].shape[1] if in_batched[0] else arrays[0].shape[0]
     folded = [_fold(x, axis_size, b) for x, b in zip(arrays, in_batched[:num_arrays])]
     # mask, q/kv segment ids, slopes: batch on axis 0, possibly broadcast.
-    optional = [_fold_mask(x, axis_size, b, batch) for x, b in zip(optional, in_batched[num_arrays:])]
+    optional = [_fold_mask(x, axis_size, b, batch) for x, b in zip(optional, in_batched[num_arrays:-1])]
     # fn, not partitioned: under nested vmaps this runs inside the outer one,
     # whose axis is folded in turn.
-    outs = fn(*folded, *optional)
+    outs = fn(*folded, *optional, seed)
     return tuple(_unfold(x, axis_size) for x in outs), (True,) * len(outs)
 
   return fn
 
 
-def forward(q, k, v, mask, q_segments, kv_segments, slopes, call: KernelCall) -> tuple[jax.Array, jax.Array]:
+def forward(q, k, v, mask, q_segments, kv_segments, slopes, seed, call: KernelCall) -> tuple[jax.Array, jax.Array]:
   """(out, lse): out like q, lse float32 [batch, heads, seq_q].
 
   q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim]
   (kv_heads divides heads); mask: None or int8 [batch or 1, heads or 1,
   seq_q, seq_k]; q_segments, kv_segments: None or int32 [batch, seq_q] and
-  [batch, seq_k]; slopes: None or float32 ALiBi slopes [batch or 1, heads].
+  [batch, seq_k]; slopes: None or float32 ALiBi slopes [batch or 1, heads];
+  seed: None or the int32 [2] dropout seed.
   """
-  return _with_vmap(_forward_partitioned, 3, call)(q, k, v, mask, q_segments, kv_segments, slopes)
+  return _with_vmap(_forward_partitioned, 3, call)(q, k, v, mask, q_segments, kv_segments, slopes, seed)
 
 
 def backward(
-    q, k, v, out, lse, do, dlse, mask, q_segments, kv_segments, slopes, call: KernelCall
+    q, k, v, out, lse, do, dlse, mask, q_segments, kv_segments, slopes, seed, call: KernelCall
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(dq, dk, dv), each like its primal; lse, dlse float32 [batch, heads, seq_q]."""
-  optional = (mask, q_segments, kv_segments, slopes)
+  optional = (mask, q_segments, kv_segments, slopes, seed)
   return _with_vmap(_backward_partitioned, 7, call)(q, k, v, out, lse, do, dlse, *optional)

@@ -70,7 +70,7 @@ def _forward(q, k, v, optional, call: KernelCall):
   return checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def flash(
     q: jax.Array,
     k: jax.Array,
@@ -79,6 +79,7 @@ def flash(
     q_segment_ids: jax.Array | None,
     kv_segment_ids: jax.Array | None,
     alibi_slopes: jax.Array | None,
+    dropout_seed: jax.Array | None,
     call: KernelCall,
 ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of attention through the Pallas kernels; see api.flash_attention.
@@ -86,16 +87,17 @@ def flash(
   q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim];
   mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k] (nonzero = visible);
   q_segment_ids, kv_segment_ids: None, or int32 [batch, seq_q] and [batch, seq_k];
-  alibi_slopes: None, or float32 [batch or 1, heads].
+  alibi_slopes: None, or float32 [batch or 1, heads];
+  dropout_seed: None, or int32 [2] (jax_flash2.dropout.seed_words).
   Returns out like q and lse float32 [batch, heads, seq_q].
   """
-  return _forward(q, k, v, (mask, q_segment_ids, kv_segment_ids, alibi_slopes), call)
+  return _forward(q, k, v, (mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed), call)
 
 
-def _flash_fwd(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, call: KernelCall):
+def _flash_fwd(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed, call: KernelCall):
   # The kernels directly, not flash(): a custom_vjp called inside its own fwd
   # would meet a second-order JVP with JAX's generic custom_vjp error.
-  optional = (mask, q_segment_ids, kv_segment_ids, alibi_slopes)
+  optional = (mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed)
   out, lse = _forward(q, k, v, optional, call)
   return (out, lse), (q, k, v, optional, out, lse)
 
@@ -107,8 +109,8 @@ def _flash_bwd(call: KernelCall, residuals, cotangents):
       lambda *args: sharding.backward(*args, call), "backward pass"
   )
   dq, dk, dv = guarded(q, k, v, out, lse, do, dlse, *optional)
-  # The mask, the segment ids and the ALiBi slopes take no gradient.
-  return dq, dk, dv, None, None, None, None
+  # The mask, the segment ids, the ALiBi slopes and the seed take no gradient.
+  return dq, dk, dv, None, None, None, None, None
 
 
 flash.defvjp(_flash_fwd, _flash_bwd)

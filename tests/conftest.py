@@ -69,20 +69,24 @@ def rel_err(x, ref, floor: float = 0.0) -> float:
 
 def reference_with_grads(
     q, k, v, dout, dlse=None, *, mask=None, causal=False, window=(None, None), softcap=None,
-    alibi_slopes=None, segment_ids=None, softmax_scale=None, dtype=jnp.float64,
+    alibi_slopes=None, segment_ids=None, softmax_scale=None, dropout=None, dtype=jnp.float64,
 ):
-  """(out, lse, dq, dk, dv) of the plain-jnp reference, all arithmetic in `dtype`."""
+  """(out, lse, dq, dk, dv) of the plain-jnp reference, all arithmetic in `dtype`.
+
+  dropout: None, or (rate, int32 [2] seed, broadcast)."""
   if dlse is None:
     dlse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+  rate, seed, broadcast = dropout if dropout is not None else (0.0, None, False)
   return _reference_with_grads(
-      q, k, v, dout, dlse, mask, alibi_slopes, segment_ids, causal, tuple(window), softcap, softmax_scale,
-      jnp.dtype(dtype),
+      q, k, v, dout, dlse, mask, alibi_slopes, segment_ids, seed, causal, tuple(window), softcap, softmax_scale,
+      jnp.dtype(dtype), rate, broadcast,
   )
 
 
-@functools.partial(jax.jit, static_argnums=(8, 9, 10, 11, 12))
+@functools.partial(jax.jit, static_argnums=tuple(range(9, 16)))
 def _reference_with_grads(
-    q, k, v, dout, dlse, mask, alibi_slopes, segment_ids, causal, window, softcap, softmax_scale, dtype
+    q, k, v, dout, dlse, mask, alibi_slopes, segment_ids, seed, causal, window, softcap, softmax_scale, dtype,
+    rate, broadcast,
 ):
   q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
   # Jitted: op-by-op dispatch of the reference at GPU test sizes compiled every
@@ -92,7 +96,8 @@ def _reference_with_grads(
       lambda q, k, v: reference.attention(
           q, k, v, mask=mask, causal=causal, window_size=window, softcap=softcap,
           alibi_slopes=alibi_slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-          softmax_scale=softmax_scale, compute_dtype=dtype,
+          softmax_scale=softmax_scale, dropout_rate=rate, dropout_seed=seed, dropout_broadcast=broadcast,
+          compute_dtype=dtype,
       ),
       *args,
   )

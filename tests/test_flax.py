@@ -236,22 +236,32 @@ def test_make_attention_fn_validates(kwargs, error, message):
     make_attention_fn(**kwargs)
 
 
-def test_linen_dropout_raises():
-  x, _ = _inputs()
-  layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.1, attention_fn=FLASH)
-  params = nn.MultiHeadDotProductAttention(num_heads=HEADS).init(jax.random.PRNGKey(0), x)
-  with pytest.raises(ValueError, match="dropout .* not supported yet"):
-    layer.apply(params, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)})
-  # Deterministic calls (evaluation) are fine.
-  assert layer.apply(params, x, deterministic=True).shape == x.shape
+XLA_SAME_HASH = make_attention_fn(backend="xla")  # draws the kernels' dropout mask in plain jnp
 
 
-def test_nnx_dropout_raises():
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_linen_dropout_reaches_the_kernels(broadcast):
+  """Flax's dropout_rate, dropout rng and broadcast_dropout pass through: the
+  kernels' output equals jax_flash2's XLA path with the same key (same hash),
+  and differs from the deterministic call."""
   x, _ = _inputs()
-  layer = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, dropout_rate=0.1, decode=False,
-                                 attention_fn=FLASH, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="dropout .* not supported yet"):
-    layer(x, deterministic=False)
+  layer = lambda fn: nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.3, attention_fn=fn,
+                                                     broadcast_dropout=broadcast)
+  params = layer(FLASH).init(jax.random.PRNGKey(0), x, deterministic=True)
+  rngs = {"dropout": jax.random.PRNGKey(1)}
+  got = layer(FLASH).apply(params, x, deterministic=False, rngs=rngs)
+  want = layer(XLA_SAME_HASH).apply(params, x, deterministic=False, rngs=rngs)
+  assert rel_err(got, want) < TOL
+  assert rel_err(got, layer(FLASH).apply(params, x, deterministic=True)) > 1e-2
+
+
+def test_nnx_dropout_reaches_the_kernels():
+  x, _ = _inputs()
+  layer = lambda fn: nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, dropout_rate=0.3,
+                                            decode=False, attention_fn=fn, rngs=nnx.Rngs(0))
+  got, want = layer(FLASH)(x, deterministic=False), layer(XLA_SAME_HASH)(x, deterministic=False)
+  assert rel_err(got, want) < TOL
+  assert rel_err(got, layer(FLASH)(x, deterministic=True)) > 1e-2
 
 
 def test_linen_sow_weights_raises():

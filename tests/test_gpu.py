@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import random_inputs, reference_with_grads, rel_err
-from jax_flash2 import flash_attention
+from jax_flash2 import dropout, flash_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -40,31 +40,34 @@ def _poison():
   return jnp.full((1 << 28,), jnp.nan, jnp.float32)
 
 
-def _flash(q, k, v, dout, mask, slopes, segment_ids, causal, window=None, softcap=None):
+def _flash(q, k, v, dout, mask, slopes, segment_ids, rng, causal, window=None, softcap=None, rate=0.0):
   q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
 
   def f(q, k, v):
     return flash_attention(q, k, v, mask=mask, causal=causal, window_size=window, softcap=softcap,
                            alibi_slopes=slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                           return_lse=True, backend="triton")
+                           dropout_rate=rate, dropout_rng=rng, return_lse=True, backend="triton")
 
   (out, lse), vjp = jax.vjp(f, q, k, v)
   return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
 
 
-_flash_jit = jax.jit(_flash, static_argnums=(7, 8, 9))
+_flash_jit = jax.jit(_flash, static_argnums=(8, 9, 10, 11))
 
 
 def _check(shape, dtype, causal, mask=None, kv_heads=None, window=None, softcap=None, slopes=None,
-           segment_ids=None):
+           segment_ids=None, dropout_rate=0.0):
   batch, seq_q, seq_k, heads, head_dim = shape
   q, k, v, dout = random_inputs(hash((shape, causal)) % 2**31, batch, seq_q, seq_k, heads, head_dim, dtype)
   if kv_heads is not None:
     k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
   _poison().block_until_ready()
-  got = _flash_jit(q, k, v, dout, mask, slopes, segment_ids, causal, window, softcap)
+  rng = jax.random.PRNGKey(3)
+  got = _flash_jit(q, k, v, dout, mask, slopes, segment_ids, rng, causal, window, softcap, dropout_rate)
   ref = dict(mask=mask, causal=causal, window=window or (None, None), softcap=softcap, alibi_slopes=slopes,
              segment_ids=segment_ids)
+  if dropout_rate:
+    ref["dropout"] = (dropout_rate, dropout.seed_words(rng), False)
   want = reference_with_grads(q, k, v, dout, dtype=jnp.float32, **ref)
   plain = reference_with_grads(q, k, v, dout, dtype=dtype, **ref)
   for name, x, ref, base in zip(("out", "lse", "dq", "dk", "dv"), got, want, plain):
@@ -122,10 +125,16 @@ def test_packed_segments():
   _check((1, 2048, 2048, 4, 128), jnp.bfloat16, True, segment_ids=(ids, ids))
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dropout(causal):
+  """The hash mask compiled by the Triton lowering matches the reference's."""
+  _check((2, 1000, 1000, 4, 64), jnp.bfloat16, causal, kv_heads=2, dropout_rate=0.2)
+
+
 def test_gradients_are_bitwise_deterministic():
   q, k, v, dout = random_inputs(1, 2, 2048, 2048, 4, 128, jnp.bfloat16)
-  first = _flash_jit(q, k, v, dout, None, None, None, True)
-  second = _flash_jit(q, k, v, dout, None, None, None, True)
+  first = _flash_jit(q, k, v, dout, None, None, None, None, True)
+  second = _flash_jit(q, k, v, dout, None, None, None, None, True)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
 
@@ -133,5 +142,5 @@ def test_gradients_are_bitwise_deterministic():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_no_nan_at_16k(causal):
   q, k, v, dout = random_inputs(2, 1, 16384, 16384, 4, 128, jnp.bfloat16)
-  for x in _flash_jit(q, k, v, dout, None, None, None, causal):
+  for x in _flash_jit(q, k, v, dout, None, None, None, None, causal):
     assert bool(jnp.all(jnp.isfinite(x.astype(jnp.float32))))

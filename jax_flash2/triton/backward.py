@@ -68,11 +68,11 @@ def _dkv_kernel(
   # group axis left out when group is 1. opt (tiles.OptionalRefs): the dense
   # mask [(group,) seq_q, seq_k] and tile flags [(group,) Q blocks, K blocks],
   # the group axis there only when the mask has one per head (mask_grouped);
-  # segment ids [seq_q] and [seq_k]; ALiBi slopes [(group,)].
+  # segment ids [seq_q] and [seq_k]; ALiBi slopes [(group,)]; dropout seed [2].
   opt, dk_ref, dv_ref = tiles.split_refs(refs, problem)
   grouped = problem.group > 1
   cols = problem.head_mask()
-  k_block = pl.program_id(0)
+  k_block, batch_index, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   k_start = k_block * block_k
   k_idx = tiles.indices(k_start, block_k)
   k_rows = k_idx < problem.seq_k if problem.seq_k % block_k else None
@@ -84,6 +84,8 @@ def _dkv_kernel(
     """The loop step over Q blocks for query head g of the group."""
     mask_head = g if mask_grouped else None
     slope = None if opt.slopes is None else (opt.slopes[g] if grouped else opt.slopes[...])
+    query_head = kv_head * problem.group + g if grouped else kv_head
+    head = tiles.dropout_head(problem, batch_index, query_head, pl.num_programs(2) * problem.group)
 
     def step(qb, carry, masked: bool):
       dk, dv = carry
@@ -110,8 +112,15 @@ def _dkv_kernel(
         if extra is not None:
           visible_t &= extra.T
         p_t = jnp.where(visible_t, p_t, 0.0)
-      dv += tiles.dot(p_t.astype(do.dtype), do, problem)
+      # Under dropout the output read the thinned Z * P: dV takes Z * P, and
+      # dP (the gradient of P itself) is Z * dO V^T; delta = rowsum(dO * O)
+      # is already the rowsum of P * dP.
+      drop_t = tiles.dropout_multiplier(opt, problem, head, q_idx[None, :], k_idx[:, None])
+      p_v = p_t if drop_t is None else p_t * drop_t
+      dv += tiles.dot(p_v.astype(do.dtype), do, problem)
       dp_t = tiles.dot(v, do, problem, trans_b=True)
+      if drop_t is not None:
+        dp_t *= drop_t
       ds_t = p_t * (dp_t - delta[None, :])
       if dcap_t is not None:
         ds_t *= dcap_t
@@ -150,6 +159,7 @@ def _dq_kernel(
   # opt (tiles.OptionalRefs): as in the forward kernel.
   opt, dq_ref = tiles.split_refs(refs, problem)
   slope = opt.slopes[...] if opt.slopes is not None else None
+  head = tiles.dropout_head(problem, pl.program_id(1), pl.program_id(2), pl.num_programs(2))
   cols = problem.head_mask()
   q_block = tiles.q_block_of_program(pl.program_id(0), problem.seq_q, block_q)
   q_start = q_block * block_q
@@ -177,6 +187,9 @@ def _dq_kernel(
         visible &= extra
       p = jnp.where(visible, p, 0.0)
     dp = tiles.dot(do, v, problem, trans_b=True)
+    drop = tiles.dropout_multiplier(opt, problem, head, q_idx[:, None], k_idx[None, :])
+    if drop is not None:
+      dp *= drop  # see _dkv_kernel
     ds = p * (dp - delta[:, None])
     if dcap is not None:
       ds *= dcap
@@ -208,7 +221,7 @@ def compute_delta(out: jax.Array, do: jax.Array, problem: Problem, *, interpret:
 
 
 def compute_dkv(
-    q, k, v, do, lse, delta, mask, segments, alibi_slopes, problem: Problem, config: KernelConfig, *,
+    q, k, v, do, lse, delta, optional: tiles.OptionalInputs, problem: Problem, config: KernelConfig, *,
     interpret: bool = False,
 ):
   """(dK, dV), each like k; lse and delta are float32 [batch, heads, seq_q].
@@ -228,13 +241,12 @@ def compute_dkv(
           tiles.group_row_vector_spec(seq_q, bq, group),
       ],
       [q, k, v, do, lse, delta],
-      mask,
-      segments,
-      alibi_slopes,
+      optional,
       bq,
       bk,
       heads_per_program=group,
   )
+  mask = optional.mask
   kernel = functools.partial(
       _dkv_kernel, problem=problem, block_q=bq, block_k=bk,
       mask_grouped=mask is not None and tiles.has_group_axis(mask, group),
@@ -252,7 +264,7 @@ def compute_dkv(
 
 
 def compute_dq(
-    q, k, v, do, lse, delta, mask, segments, alibi_slopes, problem: Problem, config: KernelConfig, *,
+    q, k, v, do, lse, delta, optional: tiles.OptionalInputs, problem: Problem, config: KernelConfig, *,
     interpret: bool = False,
 ):
   """dQ, like q; lse and delta are float32 [batch, heads, seq_q]."""
@@ -268,9 +280,7 @@ def compute_dq(
           tiles.row_vector_spec(bq, seq_q),
       ],
       [q, k, v, do, lse, delta],
-      mask,
-      segments,
-      alibi_slopes,
+      optional,
       bq,
       bk,
   )
@@ -294,9 +304,7 @@ def backward(
     lse: jax.Array,
     do: jax.Array,
     dlse: jax.Array,
-    mask: jax.Array | None,
-    segments: tuple[jax.Array, jax.Array] | None,
-    alibi_slopes: jax.Array | None,
+    optional: tiles.OptionalInputs,
     problem: Problem,
     block_sizes: BlockSizes,
     *,
@@ -309,9 +317,8 @@ def backward(
     out, do: like q (the forward output and its cotangent).
     lse, dlse: float32 [batch, heads, seq_q] (the forward's log-sum-exp and its
       cotangent).
-    mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
-    segments: None, or int32 (q segment ids [batch, seq_q], kv segment ids [batch, seq_k]).
-    alibi_slopes: None, or float32 [batch or 1, heads].
+    optional: the mask, segment ids, ALiBi slopes and dropout seed the
+      problem has (see tiles.OptionalInputs).
 
   Returns:
     dq, dk, dv, each like its primal.
@@ -319,7 +326,6 @@ def backward(
   # d lse / d S = P, so a cotangent on lse adds P * dlse to
   # dS = P * (dP - delta): it folds into delta.
   delta = compute_delta(out, do, problem, interpret=interpret) - dlse
-  optional = (mask, segments, alibi_slopes)
-  dk, dv = compute_dkv(q, k, v, do, lse, delta, *optional, problem, block_sizes.dkv, interpret=interpret)
-  dq = compute_dq(q, k, v, do, lse, delta, *optional, problem, block_sizes.dq, interpret=interpret)
+  dk, dv = compute_dkv(q, k, v, do, lse, delta, optional, problem, block_sizes.dkv, interpret=interpret)
+  dq = compute_dq(q, k, v, do, lse, delta, optional, problem, block_sizes.dq, interpret=interpret)
   return dq, dk, dv

@@ -29,7 +29,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   # q_ref, o_ref: [block_q, D]; k_ref, v_ref: [seq_k, D]; lse_ref: [block_q];
   # opt (tiles.OptionalRefs): the dense mask [seq_q, seq_k], the tile flags
   # [Q blocks, K blocks], segment ids [seq_q] and [seq_k], this head's ALiBi
-  # slope [], each where the problem has it.
+  # slope [], the dropout seed [2], each where the problem has it.
   opt, o_ref, lse_ref = tiles.split_refs(refs, problem)
   seq_q, seq_k = problem.seq_q, problem.seq_k
   q_block = tiles.q_block_of_program(pl.program_id(0), seq_q, block_q)
@@ -47,6 +47,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   qk_scale = problem.softmax_scale * LOG2_E
   log2_domain = (lambda s: s) if problem.modifies_scores else (lambda s: s * qk_scale)
   slope = opt.slopes[...] if opt.slopes is not None else None
+  head = tiles.dropout_head(problem, pl.program_id(1), pl.program_id(2), pl.num_programs(2))
 
   def step(kb, carry, masked: bool):
     acc, m_i, l_i = carry
@@ -72,7 +73,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
     p = jnp.exp2(log2_domain(s) - m_new[:, None])
     l_i = l_i * alpha + jnp.sum(p, axis=1)
     v = tiles.load_tile(v_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
-    acc = acc * alpha[:, None] + tiles.dot(p.astype(v.dtype), v, problem)
+    # Dropout thins what reaches the output, not the normaliser: l_i (and the
+    # lse) stay those of the full softmax, as in dropout(softmax(s)) @ v.
+    drop = tiles.dropout_multiplier(opt, problem, head, q_idx[:, None], k_idx[None, :])
+    p_v = p if drop is None else p * drop
+    acc = acc * alpha[:, None] + tiles.dot(p_v.astype(v.dtype), v, problem)
     return acc, m_new, l_i
 
   lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
@@ -99,9 +104,7 @@ def forward(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    mask: jax.Array | None,
-    segments: tuple[jax.Array, jax.Array] | None,
-    alibi_slopes: jax.Array | None,
+    optional: tiles.OptionalInputs,
     problem: Problem,
     config: KernelConfig,
     *,
@@ -111,9 +114,8 @@ def forward(
 
   Args:
     q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads // group, head_dim].
-    mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
-    segments: None, or int32 (q segment ids [batch, seq_q], kv segment ids [batch, seq_k]).
-    alibi_slopes: None, or float32 [batch or 1, heads].
+    optional: the mask, segment ids, ALiBi slopes and dropout seed the
+      problem has (see tiles.OptionalInputs).
 
   Returns:
     out: like q. lse: float32 [batch, heads, seq_q], natural log.
@@ -128,7 +130,7 @@ def forward(
   grid = (pl.cdiv(seq_q, bq), batch, heads)
   kv_spec = tiles.whole_seq_spec(seq_k, bk, d, head_divisor=problem.group)
   in_specs, args = tiles.with_optional_inputs(
-      [tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec], [q, k, v], mask, segments, alibi_slopes, bq, bk
+      [tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec], [q, k, v], optional, bq, bk
   )
   return pl.pallas_call(
       kernel,

@@ -16,6 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_flash2 import dropout
+
 # Scores are kept in the log2 domain inside the kernels: exp2 is a single
 # instruction (ex2.approx) where exp is a multiply plus ex2.
 LOG2_E = math.log2(math.e)
@@ -51,6 +53,14 @@ class Problem:
   # Packed sequences: query i sees key j only if their segment ids (int32
   # [batch, seq_q] and [batch, seq_k]) are equal.
   has_segments: bool = False
+  # Dropout on the probabilities, drawn by jax_flash2.dropout's hash from an
+  # int32 [2] seed input; broadcast: one mask shared by every batch and head.
+  dropout_rate: float = 0.0
+  dropout_broadcast: bool = False
+
+  @property
+  def has_dropout(self) -> bool:
+    return self.dropout_rate > 0.0
 
   @property
   def has_tile_flags(self) -> bool:
@@ -338,20 +348,34 @@ def segment_spec(seq: int, block: int) -> pl.BlockSpec:
   return pl.BlockSpec((None, round_up(seq, block)), lambda i, b, h: (b, 0))
 
 
+class OptionalInputs(NamedTuple):
+  """The optional input arrays of one call, None where the problem has none.
+
+  mask: int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
+  segments: int32 (q segment ids [batch, seq_q], kv segment ids [batch, seq_k]).
+  slopes: float32 ALiBi slopes [batch or 1, heads].
+  seed: int32 [2], the dropout seed (jax_flash2.dropout.seed_words).
+  """
+
+  mask: jax.Array | None = None
+  segments: tuple[jax.Array, jax.Array] | None = None
+  slopes: jax.Array | None = None
+  seed: jax.Array | None = None
+
+
 def with_optional_inputs(
     in_specs: list,
     args: list,
-    mask: jax.Array | None,
-    segments: tuple[jax.Array, jax.Array] | None,
-    alibi_slopes: jax.Array | None,
+    optional: OptionalInputs,
     block_q: int,
     block_k: int,
     heads_per_program: int = 1,
 ) -> tuple[list, list]:
   """Appends the optional inputs a problem has, in the order `split_refs`
   takes them apart: the dense mask, the tile flags (for these tiles), the
-  query and key segment ids, the ALiBi slopes."""
+  query and key segment ids, the ALiBi slopes, the dropout seed."""
   in_specs, args = list(in_specs), list(args)
+  mask, segments, alibi_slopes, seed = optional
   if mask is not None:
     seq_q, seq_k = mask.shape[2:]
     in_specs.append(_slab_spec(mask, (round_up(seq_q, block_q), round_up(seq_k, block_k)), heads_per_program))
@@ -366,6 +390,9 @@ def with_optional_inputs(
   if alibi_slopes is not None:
     in_specs.append(alibi_spec(alibi_slopes, heads_per_program))
     args.append(alibi_slopes)
+  if seed is not None:
+    in_specs.append(pl.BlockSpec((2,), lambda i, b, h: (0,)))
+    args.append(seed)
   return in_specs, args
 
 
@@ -385,6 +412,7 @@ class OptionalRefs(NamedTuple):
   q_segments: Any
   kv_segments: Any
   slopes: Any
+  seed: Any
 
 
 def split_refs(refs, problem: Problem) -> tuple:
@@ -396,7 +424,8 @@ def split_refs(refs, problem: Problem) -> tuple:
   flags = take(problem.has_tile_flags)
   q_segments, kv_segments = take(problem.has_segments), take(problem.has_segments)
   slopes = take(problem.has_alibi)
-  return (OptionalRefs(mask, flags, q_segments, kv_segments, slopes), *refs)
+  seed = take(problem.has_dropout)
+  return (OptionalRefs(mask, flags, q_segments, kv_segments, slopes, seed), *refs)
 
 
 def extra_visible(
@@ -420,6 +449,25 @@ def extra_visible(
     same = q_ids[:, None] == k_ids[None, :]
     visible = same if visible is None else visible & same
   return visible
+
+
+def dropout_head(problem: Problem, batch_index, head_index, heads) -> Any:
+  """The flat (batch, query head) index that dropout's hash takes: every
+  problem draws its own mask, or all share one when broadcast. Indices are
+  those of the kernel's own operands (a shard's, under sharding)."""
+  if problem.dropout_broadcast:
+    return jnp.int32(0)
+  return batch_index * heads + head_index
+
+
+def dropout_multiplier(opt: OptionalRefs, problem: Problem, head, q_idx, k_idx) -> jax.Array | None:
+  """float32 tile, 1 / (1 - rate) where the probability is kept and 0 where
+  it is dropped, or None without dropout. q_idx, k_idx broadcast to the
+  tile ([q, 1] and [1, k], or the transposes)."""
+  if not problem.has_dropout:
+    return None
+  seed = (opt.seed[0], opt.seed[1])
+  return dropout.multiplier(seed, head, q_idx, k_idx, problem.dropout_rate)
 
 
 def floordiv(a: jax.Array, b: int) -> jax.Array:
