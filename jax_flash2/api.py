@@ -34,6 +34,7 @@ def flash_attention(
     v: jax.Array,
     *,
     mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
     causal: bool = False,
     window_size: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
@@ -62,6 +63,12 @@ def flash_attention(
       seq_k]; nonzero means visible (what `flax.linen.make_attention_mask`
       and `make_causal_mask` build). Applied block by block inside the
       kernels; blocks it hides entirely are skipped. Combines with causal.
+    bias: float array broadcastable to [batch, heads, seq_q, seq_k], added
+      to the scores (after softmax_scale, softcap and ALiBi), read block by
+      block (relative-position biases, T5, Swin). Differentiable: dbias is
+      computed by a kernel of its own, only when asked for, and summed over
+      the axes the bias broadcasts over. Its gradient kernel writes a float32
+      [batch, heads, seq_q, seq_k] array, so dbias costs quadratic memory.
     causal: mask future keys. With seq_q != seq_k the mask is aligned
       bottom-right: query i sees key j iff j <= i + seq_k - seq_q. For seq_q=2,
       seq_k=5 (1 = visible)::
@@ -125,6 +132,8 @@ def flash_attention(
   kind = _resolve_backend(backend, interpret)
   if mask is not None:
     mask = _canonical_mask(mask, q, k)
+  if bias is not None:
+    bias = _canonical_bias(bias, q, k)
   if alibi_slopes is not None:
     alibi_slopes = _canonical_slopes(alibi_slopes, q)
   q_segment_ids, kv_segment_ids = _check_segments(q_segment_ids, kv_segment_ids, q, k)
@@ -135,7 +144,7 @@ def flash_attention(
         q, k, v, mask=mask, window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale,
         dropout_rate=dropout_rate, dropout_seed=dropout_seed, dropout_broadcast=bool(dropout_broadcast),
-        compute_dtype=jnp.float32,
+        bias=bias, compute_dtype=jnp.float32,
     )
   else:
     seq_q, seq_k = q.shape[1], k.shape[1]
@@ -155,10 +164,11 @@ def flash_attention(
         has_segments=q_segment_ids is not None,
         dropout_rate=dropout_rate,
         dropout_broadcast=bool(dropout_broadcast) and dropout_rate > 0.0,
+        has_bias=bias is not None,
     )
     blocks = (block_sizes or default_block_sizes(head_dim, causal)).fit(seq_q, seq_k)
     call = KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret))
-    out, lse = flash(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed, call)
+    out, lse = flash(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed, bias, call)
   return (out, lse) if return_lse else out
 
 
@@ -188,29 +198,41 @@ def _check_arrays(q, k, v) -> None:
     raise ValueError(f"head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim} ({shapes})")
 
 
-def _canonical_mask(mask, q, k) -> jax.Array:
-  """The mask as int8 [batch or 1, heads or 1, seq_q, seq_k], 1 = visible;
-  broadcast batch/head axes stay 1. (int8, not bool: the kernels load it.)"""
-  if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
-    raise TypeError(f"mask must be an array, got {type(mask).__name__}")
+def _per_score(name: str, x, q, k) -> jax.Array:
+  """x, broadcastable to [batch, heads, seq_q, seq_k], as [batch or 1, heads
+  or 1, seq_q, seq_k]: the query and key axes materialised (the kernels read
+  tiles of them), batch and heads left broadcast."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
   batch, seq_q, heads, _ = q.shape
   full = (batch, heads, seq_q, k.shape[1])
-  if mask.ndim > 4:
-    raise ValueError(f"mask must be broadcastable to [batch, heads, seq_q, seq_k] = {full}, got {tuple(mask.shape)}")
-  shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+  if x.ndim > 4:
+    raise ValueError(f"{name} must be broadcastable to [batch, heads, seq_q, seq_k] = {full}, got {tuple(x.shape)}")
+  shape = (1,) * (4 - x.ndim) + tuple(x.shape)
   for got, want, what in zip(shape, full, ("batch", "heads", "seq_q", "seq_k")):
     if got not in (1, want):
       raise ValueError(
-          f"mask {what} axis is {got}, expected 1 or {want}: mask {tuple(mask.shape)} is not broadcastable "
+          f"{name} {what} axis is {got}, expected 1 or {want}: {name} {tuple(x.shape)} is not broadcastable "
           f"to [batch, heads, seq_q, seq_k] = {full}"
       )
-  if not (jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.number)):
+  return jnp.broadcast_to(jnp.reshape(x, shape), (shape[0], shape[1], seq_q, k.shape[1]))
+
+
+def _canonical_mask(mask, q, k) -> jax.Array:
+  """The mask as int8 [batch or 1, heads or 1, seq_q, seq_k], 1 = visible.
+  (int8, not bool: the kernels load it.)"""
+  if hasattr(mask, "dtype") and not (jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.number)):
     raise TypeError(f"mask must be boolean or numeric, got dtype {mask.dtype}")
-  # Query and key axes are always materialised (the kernels read tiles of
-  # them); batch and heads stay broadcast.
-  shape = (shape[0], shape[1], seq_q, k.shape[1])
-  visible = jnp.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape)) != 0
-  return jnp.broadcast_to(visible, shape).astype(jnp.int8)
+  return (_per_score("mask", mask, q, k) != 0).astype(jnp.int8)
+
+
+def _canonical_bias(bias, q, k) -> jax.Array:
+  """The bias as [batch or 1, heads or 1, seq_q, seq_k] in its own float
+  dtype; broadcasting it there is differentiable, so its gradient sums back
+  over seq axes it had as 1."""
+  if hasattr(bias, "dtype") and jnp.dtype(bias.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+    raise TypeError(f"bias has dtype {jnp.dtype(bias.dtype).name}; supported: float16, bfloat16, float32")
+  return _per_score("bias", bias, q, k)
 
 
 def _check_segments(q_ids, kv_ids, q, k) -> tuple[jax.Array | None, jax.Array | None]:

@@ -49,6 +49,8 @@ What maps onto what (the keywords the modules pass, as of flax 0.12):
   the kernels share each K/V head across its query group without copying.
 - ``mask`` ``[batch..., heads or 1, q_length, kv_length]`` (or anything
   broadcastable to it), nonzero = visible: passed to the kernels.
+- ``bias``, broadcastable like the mask: added to the scores inside the
+  kernels, with its gradient.
 - ``is_causal`` (NNX): with q_length == kv_length the kernel's causal flag;
   otherwise Flax's top-left ``tril(ones((q_length, kv_length)))`` is applied
   as a mask, as Flax does. (NNX turns it off in decode mode itself.)
@@ -68,7 +70,6 @@ Not supported (each raises a clear error rather than silently differing):
 
 - Sowing the weights (``sow_weights=True``, which passes ``module``):
   ValueError; the attention weights are never materialised.
-- ``bias``: ValueError (an additive bias is not supported by the kernels).
 - Linen's ``qk_attn_weights_einsum``/``attn_weights_value_einsum`` (AQT):
   ValueError when not None.
 - ``input_positions`` (NNX forwards it to attention functions that apply
@@ -168,7 +169,8 @@ class FlashAttentionFn:
       query: [batch..., q_length, heads, head_dim].
       key: [batch..., kv_length, kv_heads, head_dim]; heads % kv_heads == 0.
       value: [batch..., kv_length, kv_heads, head_dim].
-      bias: must be None (not supported).
+      bias: broadcastable to [batch..., heads, q_length, kv_length]; added
+        to the scores.
       mask: broadcastable to [batch..., heads, q_length, kv_length]; nonzero
         = visible.
       broadcast_dropout: one dropout mask for every batch element and head.
@@ -187,7 +189,7 @@ class FlashAttentionFn:
       [batch..., q_length, heads, head_dim] in the compute dtype.
     """
     del precision, force_fp32_for_softmax
-    _check_unsupported(bias, module, input_positions, qk_attn_weights_einsum, attn_weights_value_einsum)
+    _check_unsupported(module, input_positions, qk_attn_weights_einsum, attn_weights_value_einsum)
     if deterministic or dropout_rate == 0.0:
       dropout_rate, dropout_rng = 0.0, None
     query, key, value = _cast(query, key, value, dtype)
@@ -195,6 +197,8 @@ class FlashAttentionFn:
     q, k, v = (_flatten_batch(x, batch_shape) for x in (query, key, value))
     if mask is not None:
       mask = _flatten_mask(mask, batch_shape)
+    if bias is not None:
+      bias = _flatten_mask(bias, batch_shape, "bias")
     causal = self.causal
     if is_causal:
       if q.shape[1] == k.shape[1]:
@@ -202,7 +206,7 @@ class FlashAttentionFn:
       else:
         mask = _and_masks(mask, jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_)))
     out = flash_attention(
-        q, k, v, mask=mask, causal=causal, softmax_scale=self.softmax_scale, dropout_rate=dropout_rate,
+        q, k, v, mask=mask, bias=bias, causal=causal, softmax_scale=self.softmax_scale, dropout_rate=dropout_rate,
         dropout_rng=dropout_rng, dropout_broadcast=broadcast_dropout, backend=self.backend, interpret=self.interpret, block_sizes=self.block_sizes,
     )
     return out.reshape(batch_shape + out.shape[1:])
@@ -227,9 +231,7 @@ def make_attention_fn(
 attention_fn = make_attention_fn()
 
 
-def _check_unsupported(bias, module, input_positions, qk_einsum, v_einsum) -> None:
-  if bias is not None:
-    raise ValueError("jax_flash2.flax: an attention `bias` is not supported yet; pass a boolean `mask` instead")
+def _check_unsupported(module, input_positions, qk_einsum, v_einsum) -> None:
   if module is not None:
     raise ValueError(
         "jax_flash2.flax: cannot sow attention weights (sow_weights=True): the flash kernels never "
@@ -272,13 +274,13 @@ def _flatten_batch(x: jax.Array, batch_shape: tuple[int, ...]) -> jax.Array:
   return x.reshape((math.prod(batch_shape),) + x.shape[-3:])
 
 
-def _flatten_mask(mask, batch_shape: tuple[int, ...]) -> jax.Array:
+def _flatten_mask(mask, batch_shape: tuple[int, ...], name: str = "mask") -> jax.Array:
   """[batch..., heads or 1, q, k] (or broadcastable) -> [prod(batch) or 1, heads or 1, q, k]."""
   mask = jnp.asarray(mask)
   rank = len(batch_shape) + 3
   if mask.ndim > rank:
     raise ValueError(
-        f"mask must be broadcastable to [batch..., heads, q_length, kv_length] with batch dims "
+        f"{name} must be broadcastable to [batch..., heads, q_length, kv_length] with batch dims "
         f"{batch_shape}, got shape {tuple(mask.shape)}"
     )
   mask = mask.reshape((1,) * (rank - mask.ndim) + tuple(mask.shape))
@@ -288,7 +290,7 @@ def _flatten_mask(mask, batch_shape: tuple[int, ...]) -> jax.Array:
   try:
     mask = jnp.broadcast_to(mask, batch_shape + tail)
   except ValueError:
-    raise ValueError(f"mask batch dims {tuple(mask.shape[:len(batch_shape)])} do not broadcast to "
+    raise ValueError(f"{name} batch dims {tuple(mask.shape[:len(batch_shape)])} do not broadcast to "
                      f"{batch_shape}") from None
   return mask.reshape((math.prod(batch_shape),) + tail)
 

@@ -53,6 +53,7 @@ def attention(
     dropout_rate: float = 0.0,
     dropout_seed: jax.Array | None = None,
     dropout_broadcast: bool = False,
+    bias: jax.Array | None = None,
     compute_dtype: jnp.dtype | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Exact softmax attention and its log-sum-exp.
@@ -73,6 +74,8 @@ def attention(
     dropout_rate, dropout_seed: dropout on the probabilities with the mask
       of jax_flash2.dropout (seed: int32 [2]); the lse is not affected.
     dropout_broadcast: one dropout mask for every batch element and head.
+    bias: broadcastable to [batch, heads, seq_q, seq_k]; added to the scores
+      after softcap and ALiBi.
     compute_dtype: dtype of the arithmetic; defaults to q's dtype promoted to
       at least float32 (so float64 inputs give a float64 reference).
 
@@ -96,6 +99,8 @@ def attention(
     slopes = jnp.reshape(alibi_slopes, (-1, q.shape[2])).astype(s.dtype)[:, :, None, None]
     distance = jnp.abs(jnp.arange(q.shape[1])[:, None] + (k.shape[1] - q.shape[1]) - jnp.arange(k.shape[1]))
     s = s - slopes * distance.astype(s.dtype)
+  if bias is not None:
+    s = s + bias.astype(s.dtype)
   left, right = window_size
   if causal:
     right = 0 if right is None else min(right, 0)

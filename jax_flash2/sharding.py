@@ -42,7 +42,7 @@ if TYPE_CHECKING:
   from jax_flash2.vjp import KernelCall
 
 
-def _factors(q_shape, kv_shape, mask_shape, slopes_shape=None) -> dict[str, str]:
+def _factors(q_shape, kv_shape, mask_shape, slopes_shape=None, bias_shape=None) -> dict[str, str]:
   """Shardy factors of each kind of operand.
 
   b batch, i seq_q, j seq_k, d head_dim, h heads. Under GQA the query heads
@@ -52,6 +52,7 @@ def _factors(q_shape, kv_shape, mask_shape, slopes_shape=None) -> dict[str, str]
   _plan keeps them consistent instead. mb / mh are a mask's broadcast (size 1)
   batch / heads axes, which can share no factor with the full-size ones; ab
   the ALiBi slopes' broadcast batch axis; z the dropout seed's two words.
+  The bias (and dS, its gradient) takes the mask's factors.
   """
   if q_shape[2] == kv_shape[2]:
     heads = kv_heads = "h"
@@ -61,10 +62,10 @@ def _factors(q_shape, kv_shape, mask_shape, slopes_shape=None) -> dict[str, str]
       "qo": f"b i {heads} d", "kv": f"b j {kv_heads} d", "rows": f"b {heads} i",
       "q_segments": "b i", "kv_segments": "b j", "seed": "z",
   }
-  if mask_shape is not None:
-    batch = "b" if mask_shape[0] > 1 else "mb"
-    mask_heads = heads if mask_shape[1] > 1 else "mh"
-    names["mask"] = f"{batch} {mask_heads} i j"
+  names["scores"] = f"b {heads} i j"
+  for name, shape in (("mask", mask_shape), ("bias", bias_shape)):
+    if shape is not None:
+      names[name] = f"{'b' if shape[0] > 1 else 'mb'} {heads if shape[1] > 1 else 'mh'} i j"
   if slopes_shape is not None:
     names["slopes"] = f"{'b' if slopes_shape[0] > 1 else 'ab'} {heads}"
   return names
@@ -104,15 +105,17 @@ class _Plan:
   kv_segments: NamedSharding
   slopes: NamedSharding | None
   seed: NamedSharding
+  bias: NamedSharding | None
+  scores: NamedSharding
   kv_partial_over: str | tuple[str, ...] | None
 
 
-def _plan(mesh, q, k, mask, slopes) -> _Plan:
+def _plan(mesh, q, k, mask, slopes, bias) -> _Plan:
   """Every device holds whole (batch, head) problems: q's batch and head
   sharding is kept and everything else is replicated.
 
-  q, k, mask, slopes: ShapeDtypeStructs carrying the partitioner's shardings
-  (mask and slopes may be None). Under GQA the K/V heads are split like the query heads when that
+  q, k, mask, slopes, bias: ShapeDtypeStructs carrying the partitioner's
+  shardings (mask, slopes and bias may be None). Under GQA the K/V heads are split like the query heads when that
   keeps whole groups on a shard; MQA's single K/V head is replicated, and
   each shard's dK/dV is then a partial sum over its query heads; any other
   split of the heads is gathered.
@@ -125,10 +128,11 @@ def _plan(mesh, q, k, mask, slopes) -> _Plan:
       kv_heads, partial = None, heads
     elif k.shape[2] % _axes_size(mesh, heads):
       heads = kv_heads = None
-  mask_sharding = None
-  if mask is not None:
-    mask_spec = P(batch if mask.shape[0] > 1 else None, heads if mask.shape[1] > 1 else None, None, None)
-    mask_sharding = NamedSharding(mesh, mask_spec)
+  def per_score(x):  # mask, bias: [batch or 1, heads or 1, seq_q, seq_k]
+    if x is None:
+      return None
+    return NamedSharding(mesh, P(batch if x.shape[0] > 1 else None, heads if x.shape[1] > 1 else None, None, None))
+
   slopes_sharding = None
   if slopes is not None:
     slopes_sharding = NamedSharding(mesh, P(batch if slopes.shape[0] > 1 else None, heads))
@@ -136,11 +140,13 @@ def _plan(mesh, q, k, mask, slopes) -> _Plan:
       qo=NamedSharding(mesh, P(batch, None, heads, None)),
       kv=NamedSharding(mesh, P(batch, None, kv_heads, None)),
       rows=NamedSharding(mesh, P(batch, heads, None)),
-      mask=mask_sharding,
+      mask=per_score(mask),
       q_segments=NamedSharding(mesh, P(batch, None)),
       kv_segments=NamedSharding(mesh, P(batch, None)),
       slopes=slopes_sharding,
       seed=NamedSharding(mesh, P(None)),
+      bias=per_score(bias),
+      scores=NamedSharding(mesh, P(batch, heads, None, None)),
       kv_partial_over=partial,
   )
 
@@ -157,18 +163,26 @@ def _local(call: KernelCall, q, k) -> KernelCall:
 # ---------------------------------------------------------------- forward
 
 
-def _optional_inputs(mask, q_segments, kv_segments, slopes, seed) -> OptionalInputs:
+# The optional operands, in this order, follow the arrays of every function
+# here: (mask, q_segments, kv_segments, slopes, seed, bias).
+_NUM_OPTIONAL = 6
+_SEED = 4  # its position among them
+
+
+def _optional_inputs(mask, q_segments, kv_segments, slopes, seed, bias) -> OptionalInputs:
   segments = None if q_segments is None else (q_segments, kv_segments)
-  return OptionalInputs(mask=mask, segments=segments, slopes=slopes, seed=seed)
+  return OptionalInputs(mask=mask, segments=segments, slopes=slopes, seed=seed, bias=bias)
 
 
-def _forward_kernels(q, k, v, mask, q_segments, kv_segments, slopes, seed, call: KernelCall):
+def _forward_kernels(q, k, v, *args):
+  *optional, call = args
   call = _local(call, q, k)
-  optional = _optional_inputs(mask, q_segments, kv_segments, slopes, seed)
-  return triton_forward.forward(q, k, v, optional, call.problem, call.block_sizes.fwd, interpret=call.interpret)
+  return triton_forward.forward(
+      q, k, v, _optional_inputs(*optional), call.problem, call.block_sizes.fwd, interpret=call.interpret
+  )
 
 
-_forward_partitioned = custom_partitioning(_forward_kernels, static_argnums=(8,))
+_forward_partitioned = custom_partitioning(_forward_kernels, static_argnums=(3 + _NUM_OPTIONAL,))
 
 
 def _optional_factors(f: dict[str, str], call: KernelCall) -> list[str]:
@@ -179,23 +193,28 @@ def _optional_factors(f: dict[str, str], call: KernelCall) -> list[str]:
       + ([f["q_segments"], f["kv_segments"]] if problem.has_segments else [])
       + ([f["slopes"]] if problem.has_alibi else [])
       + ([f["seed"]] if problem.has_dropout else [])
+      + ([f["bias"]] if problem.has_bias else [])
   )
 
 
 def _optional_shardings(plan: _Plan, call: KernelCall) -> tuple:
-  """Shardings of (mask, q segment ids, kv segment ids, slopes, seed), None where absent."""
+  """Shardings of the optional operands, None where absent."""
   segments = (plan.q_segments, plan.kv_segments) if call.problem.has_segments else (None, None)
-  return (plan.mask, *segments, plan.slopes, plan.seed if call.problem.has_dropout else None)
+  seed = plan.seed if call.problem.has_dropout else None
+  return (plan.mask, *segments, plan.slopes, seed, plan.bias)
 
 
 def _optional_shapes(shapes: list, num_fixed: int, call: KernelCall):
-  """(mask shape, slopes shape) out of the operand shapes, None where absent."""
+  """(mask, slopes, bias) shapes out of the operand shapes, None where absent."""
   rest = list(shapes[num_fixed:])
   mask = rest.pop(0) if call.problem.has_mask else None
   if call.problem.has_segments:
     rest = rest[2:]
   slopes = rest.pop(0) if call.problem.has_alibi else None
-  return mask, slopes
+  if call.problem.has_dropout:
+    rest = rest[1:]
+  bias = rest.pop(0) if call.problem.has_bias else None
+  return mask, slopes, bias
 
 
 def _forward_rule(call, mesh, operand_types, result_types):
@@ -207,8 +226,8 @@ def _forward_rule(call, mesh, operand_types, result_types):
 
 def _forward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
-  q, k, _, mask, _, _, slopes, _ = arg_shapes
-  plan = _plan(mesh, q, k, mask, slopes)
+  q, k, _, mask, _, _, slopes, _, bias = arg_shapes
+  plan = _plan(mesh, q, k, mask, slopes, bias)
   # Every shard is a set of whole (batch, head) problems: the same kernels run
   # it on shard-shaped operands, with no communication.
   lower = lambda *args: _forward_kernels(*args, call)
@@ -222,29 +241,44 @@ _forward_partitioned.def_partition(partition=_forward_partition, sharding_rule=_
 # ---------------------------------------------------------------- backward
 
 
-def _backward_kernels(q, k, v, out, lse, do, dlse, mask, q_segments, kv_segments, slopes, seed, call: KernelCall):
+def _backward_kernels(q, k, v, out, lse, do, dlse, *args):
+  *optional, call = args
   call = _local(call, q, k)
-  optional = _optional_inputs(mask, q_segments, kv_segments, slopes, seed)
   return triton_backward.backward(
-      q, k, v, out, lse, do, dlse, optional, call.problem, call.block_sizes, interpret=call.interpret
+      q, k, v, out, lse, do, dlse, _optional_inputs(*optional), call.problem, call.block_sizes,
+      interpret=call.interpret,
   )
 
 
-_backward_partitioned = custom_partitioning(_backward_kernels, static_argnums=(12,))
+_backward_partitioned = custom_partitioning(_backward_kernels, static_argnums=(7 + _NUM_OPTIONAL,))
+
+
+def _backward_operand_factors(call, operand_types) -> tuple[dict[str, str], list[str]]:
+  shapes = [_shape(t) for t in operand_types]
+  f = _factors(shapes[0], shapes[1], *_optional_shapes(shapes, 7, call))
+  qo, kv, rows = f["qo"], f["kv"], f["rows"]
+  return f, [qo, kv, kv, qo, rows, qo, rows, *_optional_factors(f, call)]
+
+
+def _backward_plan(mesh, arg_shapes) -> _Plan:
+  (q, k), (mask, _, _, slopes, _, bias) = arg_shapes[:2], arg_shapes[7:]
+  return _plan(mesh, q, k, mask, slopes, bias)
+
+
+def _backward_operand_shardings(plan: _Plan, call: KernelCall) -> tuple:
+  qo, kv, rows = plan.qo, plan.kv, plan.rows
+  return (qo, kv, kv, qo, rows, qo, rows, *_optional_shardings(plan, call))
 
 
 def _backward_rule(call, mesh, operand_types, result_types):
   del mesh, result_types
-  shapes = [_shape(t) for t in operand_types]
-  f = _factors(shapes[0], shapes[1], *_optional_shapes(shapes, 7, call))
-  qo, kv, rows = f["qo"], f["kv"], f["rows"]
-  return _rule([qo, kv, kv, qo, rows, qo, rows, *_optional_factors(f, call)], [qo, kv, kv])
+  f, operands = _backward_operand_factors(call, operand_types)
+  return _rule(operands, [f["qo"], f["kv"], f["kv"]])
 
 
 def _backward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
-  (q, k), (mask, _, _, slopes, _) = arg_shapes[:2], arg_shapes[7:]
-  plan = _plan(mesh, q, k, mask, slopes)
+  plan = _backward_plan(mesh, arg_shapes)
 
   def lower(*args):
     dq, dk, dv = _backward_kernels(*args, call)
@@ -254,11 +288,43 @@ def _backward_partition(call, mesh, arg_shapes, result_shape):
       dk, dv = jax.lax.psum((dk, dv), plan.kv_partial_over)
     return dq, dk, dv
 
-  qo, kv, rows = plan.qo, plan.kv, plan.rows
-  return mesh, lower, (qo, kv, kv), (qo, kv, kv, qo, rows, qo, rows, *_optional_shardings(plan, call))
+  return mesh, lower, (plan.qo, plan.kv, plan.kv), _backward_operand_shardings(plan, call)
 
 
 _backward_partitioned.def_partition(partition=_backward_partition, sharding_rule=_backward_rule)
+
+
+# ---------------------------------------------------------------- bias gradient
+
+
+def _bias_gradient_kernels(q, k, v, out, lse, do, dlse, *args):
+  *optional, call = args
+  call = _local(call, q, k)
+  return triton_backward.bias_gradient(
+      q, k, v, out, lse, do, dlse, _optional_inputs(*optional), call.problem, call.block_sizes,
+      interpret=call.interpret,
+  )
+
+
+_bias_gradient_partitioned = custom_partitioning(_bias_gradient_kernels, static_argnums=(7 + _NUM_OPTIONAL,))
+
+
+def _bias_gradient_rule(call, mesh, operand_types, result_types):
+  del mesh, result_types
+  f, operands = _backward_operand_factors(call, operand_types)
+  return _rule(operands, [f["scores"]])
+
+
+def _bias_gradient_partition(call, mesh, arg_shapes, result_shape):
+  del result_shape
+  plan = _backward_plan(mesh, arg_shapes)
+  # dS of each (batch, head) is computed where its problem lives; the sum
+  # over the bias's broadcast axes happens outside, in plain JAX.
+  lower = lambda *args: _bias_gradient_kernels(*args, call)
+  return mesh, lower, plan.scores, _backward_operand_shardings(plan, call)
+
+
+_bias_gradient_partitioned.def_partition(partition=_bias_gradient_partition, sharding_rule=_bias_gradient_rule)
 
 
 # ---------------------------------------------------------------- vmap
@@ -299,8 +365,8 @@ def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Call
 
   @fn.def_vmap
   def rule(axis_size, in_batched, *args):
-    arrays, optional, seed = args[:num_arrays], args[num_arrays:-1], args[-1]
-    if in_batched[-1]:
+    arrays, optional = args[:num_arrays], list(args[num_arrays:])
+    if in_batched[num_arrays + _SEED]:
       raise NotImplementedError(
           "jax_flash2: vmap over dropout_rng is not supported (one key draws the masks of every batch "
           "element and head already); pass one key, or fold the mapped axis into batch"
@@ -308,31 +374,40 @@ def _with_vmap(partitioned: Callable, num_arrays: int, call: KernelCall) -> Call
     # The batch of one vmapped instance, read off q.
     batch = arrays[0].shape[1] if in_batched[0] else arrays[0].shape[0]
     folded = [_fold(x, axis_size, b) for x, b in zip(arrays, in_batched[:num_arrays])]
-    # mask, q/kv segment ids, slopes: batch on axis 0, possibly broadcast.
-    optional = [_fold_mask(x, axis_size, b, batch) for x, b in zip(optional, in_batched[num_arrays:-1])]
+    # mask, segment ids, slopes, bias: batch on axis 0, possibly broadcast;
+    # the seed has no batch axis and is shared.
+    optional = [
+        x if i == _SEED else _fold_mask(x, axis_size, b, batch)
+        for i, (x, b) in enumerate(zip(optional, in_batched[num_arrays:]))
+    ]
     # fn, not partitioned: under nested vmaps this runs inside the outer one,
     # whose axis is folded in turn.
-    outs = fn(*folded, *optional, seed)
+    outs = fn(*folded, *optional)
+    if not isinstance(outs, tuple):
+      return _unfold(outs, axis_size), True
     return tuple(_unfold(x, axis_size) for x in outs), (True,) * len(outs)
 
   return fn
 
 
-def forward(q, k, v, mask, q_segments, kv_segments, slopes, seed, call: KernelCall) -> tuple[jax.Array, jax.Array]:
+def forward(q, k, v, optional: tuple, call: KernelCall) -> tuple[jax.Array, jax.Array]:
   """(out, lse): out like q, lse float32 [batch, heads, seq_q].
 
   q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim]
-  (kv_heads divides heads); mask: None or int8 [batch or 1, heads or 1,
-  seq_q, seq_k]; q_segments, kv_segments: None or int32 [batch, seq_q] and
-  [batch, seq_k]; slopes: None or float32 ALiBi slopes [batch or 1, heads];
-  seed: None or the int32 [2] dropout seed.
+  (kv_heads divides heads); optional: (mask, q_segments, kv_segments, slopes,
+  seed, bias), None where absent: mask int8 and bias float [batch or 1,
+  heads or 1, seq_q, seq_k]; segment ids int32 [batch, seq_q] and [batch,
+  seq_k]; ALiBi slopes float32 [batch or 1, heads]; the dropout seed int32 [2].
   """
-  return _with_vmap(_forward_partitioned, 3, call)(q, k, v, mask, q_segments, kv_segments, slopes, seed)
+  return _with_vmap(_forward_partitioned, 3, call)(q, k, v, *optional)
 
 
-def backward(
-    q, k, v, out, lse, do, dlse, mask, q_segments, kv_segments, slopes, seed, call: KernelCall
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def backward(q, k, v, out, lse, do, dlse, optional: tuple, call: KernelCall) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(dq, dk, dv), each like its primal; lse, dlse float32 [batch, heads, seq_q]."""
-  optional = (mask, q_segments, kv_segments, slopes, seed)
   return _with_vmap(_backward_partitioned, 7, call)(q, k, v, out, lse, do, dlse, *optional)
+
+
+def bias_gradient(q, k, v, out, lse, do, dlse, optional: tuple, call: KernelCall) -> jax.Array:
+  """dS, float32 [batch, heads, seq_q, seq_k]: the bias's gradient before the
+  sum over its broadcast axes."""
+  return _with_vmap(_bias_gradient_partitioned, 7, call)(q, k, v, out, lse, do, dlse, *optional)

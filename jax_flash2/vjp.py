@@ -65,12 +65,12 @@ def _first_order_only(fn, what: str):
 
 
 def _forward(q, k, v, optional, call: KernelCall):
-  guarded = _first_order_only(lambda *args: sharding.forward(*args, call), "forward pass")
+  guarded = _first_order_only(lambda *args: sharding.forward(*args[:3], args[3:], call), "forward pass")
   out, lse = guarded(q, k, v, *optional)
   return checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
 def flash(
     q: jax.Array,
     k: jax.Array,
@@ -80,6 +80,7 @@ def flash(
     kv_segment_ids: jax.Array | None,
     alibi_slopes: jax.Array | None,
     dropout_seed: jax.Array | None,
+    bias: jax.Array | None,
     call: KernelCall,
 ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of attention through the Pallas kernels; see api.flash_attention.
@@ -88,16 +89,17 @@ def flash(
   mask: None, or int8 [batch or 1, heads or 1, seq_q, seq_k] (nonzero = visible);
   q_segment_ids, kv_segment_ids: None, or int32 [batch, seq_q] and [batch, seq_k];
   alibi_slopes: None, or float32 [batch or 1, heads];
-  dropout_seed: None, or int32 [2] (jax_flash2.dropout.seed_words).
+  dropout_seed: None, or int32 [2] (jax_flash2.dropout.seed_words);
+  bias: None, or float [batch or 1, heads or 1, seq_q, seq_k].
   Returns out like q and lse float32 [batch, heads, seq_q].
   """
-  return _forward(q, k, v, (mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed), call)
+  return _forward(q, k, v, (mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed, bias), call)
 
 
-def _flash_fwd(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed, call: KernelCall):
+def _flash_fwd(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed, bias, call: KernelCall):
   # The kernels directly, not flash(): a custom_vjp called inside its own fwd
   # would meet a second-order JVP with JAX's generic custom_vjp error.
-  optional = (mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed)
+  optional = (mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed, bias)
   out, lse = _forward(q, k, v, optional, call)
   return (out, lse), (q, k, v, optional, out, lse)
 
@@ -105,12 +107,22 @@ def _flash_fwd(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropo
 def _flash_bwd(call: KernelCall, residuals, cotangents):
   q, k, v, optional, out, lse = residuals
   do, dlse = cotangents
-  guarded = _first_order_only(
-      lambda *args: sharding.backward(*args, call), "backward pass"
-  )
-  dq, dk, dv = guarded(q, k, v, out, lse, do, dlse, *optional)
+  arrays = (q, k, v, out, lse, do, dlse)
+  backward = _first_order_only(lambda *args: sharding.backward(*args[:7], args[7:], call), "backward pass")
+  dq, dk, dv = backward(*arrays, *optional)
+  dbias = None
+  bias = optional[-1]
+  if bias is not None:
+    # A kernel of its own: jit drops it when the bias takes no gradient.
+    bias_gradient = _first_order_only(
+        lambda *args: sharding.bias_gradient(*args[:7], args[7:], call), "backward pass"
+    )
+    ds = bias_gradient(*arrays, *optional)
+    # The bias broadcasts over batch and/or heads where its axis is 1.
+    broadcast = tuple(axis for axis in (0, 1) if bias.shape[axis] == 1 and ds.shape[axis] != 1)
+    dbias = ds.sum(axis=broadcast, keepdims=True).astype(bias.dtype)
   # The mask, the segment ids, the ALiBi slopes and the seed take no gradient.
-  return dq, dk, dv, None, None, None, None, None
+  return dq, dk, dv, None, None, None, None, None, dbias
 
 
 flash.defvjp(_flash_fwd, _flash_bwd)

@@ -284,10 +284,17 @@ def test_nnx_input_positions_raise():
     _nnx_layer(FLASH)(x, input_positions=jnp.broadcast_to(jnp.arange(SEQ), (BATCH, SEQ)))
 
 
-def test_bias_raises():
-  q = jnp.zeros((BATCH, SEQ, HEADS, HEAD_DIM))
-  with pytest.raises(ValueError, match="bias"):
-    FLASH(q, q, q, bias=jnp.zeros((BATCH, HEADS, SEQ, SEQ)))
+def test_bias_matches_flax_with_its_gradient():
+  """Flax's `bias` argument (added to the scaled scores) reaches the kernels,
+  with extra batch dims flattened and the gradient flowing back to it."""
+  keys = jax.random.split(jax.random.PRNGKey(3), 4)
+  q, k, v = (jax.random.normal(key, (2, BATCH, SEQ, HEADS, HEAD_DIM), jnp.float32) for key in keys[:3])
+  bias = jax.random.normal(keys[3], (1, BATCH, HEADS, SEQ, SEQ), jnp.float32)
+  loss = lambda fn: lambda q, bias: jnp.sum(fn(q, k, v, bias=bias) ** 2)
+  got = jax.value_and_grad(loss(FLASH), argnums=(0, 1))(q, bias)
+  want = jax.value_and_grad(loss(nn.dot_product_attention), argnums=(0, 1))(q, bias)
+  for x, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel_err(x, w) < TOL
 
 
 def test_custom_einsum_raises():

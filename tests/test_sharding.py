@@ -256,3 +256,28 @@ def test_pmap_over_a_leading_device_axis(kernel):
   want = jax.jit(per_device)(q, k, v, dout)
   for name, x, w in zip(("out", "dq", "dk", "dv"), got, want):
     assert rel_err(np.asarray(x).reshape(w.shape), w) < 1e-5, name
+
+
+@pytest.mark.parametrize("kernel", MODES)
+@pytest.mark.parametrize("bias_shape", [(4, 4, 16, 16), (1, 4, 16, 16)], ids=["per_problem", "shared_over_batch"])
+def test_bias_and_its_gradient_shard_with_batch_and_heads(bias_shape, kernel):
+  """The bias splits like q's batch and heads; dS is computed per shard and
+  summed over the bias's broadcast batch axis outside the kernels (an
+  all-reduce over "data" when the bias is shared over a sharded batch)."""
+  mesh = _mesh((2, 4))
+  q, k, v, dout = _inputs()
+  bias = jax.random.normal(jax.random.PRNGKey(4), bias_shape, jnp.float32)
+
+  def f(q, k, v, dout, bias):
+    attend = lambda q, k, v, bias: flash_attention(q, k, v, bias=bias, causal=True, **kernel)
+    out, vjp = jax.vjp(attend, q, k, v, bias)
+    return (out, *vjp(dout))
+
+  qkv = NamedSharding(mesh, QKV)
+  bias_spec = P("data" if bias_shape[0] > 1 else None, "model", None, None)
+  got, hlo = _compile(f, (q, k, v, dout, bias), (qkv,) * 4 + (NamedSharding(mesh, bias_spec),))
+  if mesh.size > 1:
+    assert "all-gather" not in hlo
+  want = jax.jit(f)(q, k, v, dout, bias)
+  for name, x, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
+    assert rel_err(x, w) < 1e-5, name

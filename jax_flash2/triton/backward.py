@@ -20,6 +20,7 @@ window band, and tiles a dense mask hides, are skipped as in the forward.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,19 +49,19 @@ def _lse_log2(lse_ref, rows) -> jax.Array:
   return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2_E)
 
 
-def _probabilities(qk: jax.Array, lse_log2: jax.Array, problem: Problem, q_idx, k_idx, slope):
+def _probabilities(qk: jax.Array, lse_log2: jax.Array, problem: Problem, q_idx, k_idx, slope, bias=None):
   """P recomputed from raw scores and the forward's lse (log2 domain), and
   the softcap's derivative (None without a softcap) that dS picks up.
-  q_idx, k_idx broadcast to the tile (see tiles.scores_log2)."""
+  q_idx, k_idx and the bias tile broadcast to the tile (see tiles.scores_log2)."""
   if not problem.modifies_scores:
     return jnp.exp2(qk * (problem.softmax_scale * LOG2_E) - lse_log2), None
-  s, dcap = tiles.scores_log2(qk, problem, q_idx, k_idx, slope)
+  s, dcap = tiles.scores_log2(qk, problem, q_idx, k_idx, slope, bias)
   return jnp.exp2(s - lse_log2), dcap
 
 
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, problem: Problem, block_q: int, block_k: int,
-    mask_grouped: bool = False,
+    mask_grouped: bool = False, bias_grouped: bool = False,
 ):
   # k_ref, v_ref, dk_ref, dv_ref: [block_k, D] of one K/V head. The query
   # heads that read it (its GQA group; one head without GQA) come whole:
@@ -68,7 +69,8 @@ def _dkv_kernel(
   # group axis left out when group is 1. opt (tiles.OptionalRefs): the dense
   # mask [(group,) seq_q, seq_k] and tile flags [(group,) Q blocks, K blocks],
   # the group axis there only when the mask has one per head (mask_grouped);
-  # segment ids [seq_q] and [seq_k]; ALiBi slopes [(group,)]; dropout seed [2].
+  # segment ids [seq_q] and [seq_k]; ALiBi slopes [(group,)]; dropout seed [2];
+  # the bias [(group,) seq_q, seq_k] (bias_grouped as mask_grouped).
   opt, dk_ref, dv_ref = tiles.split_refs(refs, problem)
   grouped = problem.group > 1
   cols = problem.head_mask()
@@ -105,7 +107,9 @@ def _dkv_kernel(
       # only the Q and dO tiles (which pass through shared memory anyway) are
       # transposed, instead of the register-resident P and dS.
       qk_t = tiles.dot(k, q, problem, trans_b=True)
-      p_t, dcap_t = _probabilities(qk_t, lse[None, :], problem, q_idx[None, :], k_idx[:, None], slope)
+      bias = tiles.bias_tile(opt, problem, q_start, k_start, block_q, block_k, g if bias_grouped else None)
+      bias_t = None if bias is None else bias.T
+      p_t, dcap_t = _probabilities(qk_t, lse[None, :], problem, q_idx[None, :], k_idx[:, None], slope, bias_t)
       if masked:
         visible_t = tiles.visible(problem, q_idx[None, :], k_idx[:, None])
         extra = tiles.extra_visible(opt, problem, q_start, k_start, block_q, block_k, mask_head)
@@ -151,6 +155,68 @@ def _dkv_kernel(
   tiles.store_tile(dv_ref, dv.astype(dv_ref.dtype), k_rows, cols)
 
 
+class _QBlock(NamedTuple):
+  """What a Q-outer backward program (dQ, dBias) holds of its Q block."""
+
+  index: Any  # which Q block
+  start: Any
+  idx: jax.Array  # [block_q] query positions
+  rows: jax.Array | None  # [block_q] validity, None when no ragged end cuts the block
+  q: jax.Array
+  do: jax.Array
+  lse: jax.Array  # log2 domain
+  delta: jax.Array
+  slope: Any  # this head's ALiBi slope, or None
+  head: Any  # dropout's flat (batch, head) index
+
+
+def _load_q_block(q_ref, do_ref, lse_ref, delta_ref, opt, problem: Problem, block_q: int) -> _QBlock:
+  index = tiles.q_block_of_program(pl.program_id(0), problem.seq_q, block_q)
+  start = index * block_q
+  idx = tiles.indices(start, block_q)
+  rows = idx < problem.seq_q if problem.seq_q % block_q else None
+  cols = problem.head_mask()
+  return _QBlock(
+      index=index,
+      start=start,
+      idx=idx,
+      rows=rows,
+      q=tiles.load_tile(q_ref, rows, cols),
+      do=tiles.load_tile(do_ref, rows, cols),
+      lse=_lse_log2(lse_ref, rows),
+      delta=tiles.load(delta_ref, rows, other=0.0),
+      slope=opt.slopes[...] if opt.slopes is not None else None,
+      head=tiles.dropout_head(problem, pl.program_id(1), pl.program_id(2), pl.num_programs(2)),
+  )
+
+
+def _score_gradient(blk: _QBlock, k_ref, v_ref, kb, masked: bool, opt, problem: Problem, block_q: int, block_k: int):
+  """(dS, the softcap's derivative or None, the K tile) of K/V block kb: dS
+  is the gradient of the scores after softcap, ALiBi and bias, which is
+  dBias itself; dQ takes dS times the softcap's derivative."""
+  cols = problem.head_mask()
+  k_start = kb * block_k
+  k_idx = tiles.indices(k_start, block_k)
+  k_rows = k_idx < problem.seq_k if (masked and problem.seq_k % block_k) else None
+  k_slice = pl.ds(k_start, block_k)
+  k = tiles.load_tile(k_ref.at[k_slice, :], k_rows, cols)
+  v = tiles.load_tile(v_ref.at[k_slice, :], k_rows, cols)
+  qk = tiles.dot(blk.q, k, problem, trans_b=True)
+  bias = tiles.bias_tile(opt, problem, blk.start, k_start, block_q, block_k)
+  p, dcap = _probabilities(qk, blk.lse[:, None], problem, blk.idx[:, None], k_idx[None, :], blk.slope, bias)
+  if masked:
+    visible = tiles.visible(problem, blk.idx[:, None], k_idx[None, :])
+    extra = tiles.extra_visible(opt, problem, blk.start, k_start, block_q, block_k)
+    if extra is not None:
+      visible &= extra
+    p = jnp.where(visible, p, 0.0)
+  dp = tiles.dot(blk.do, v, problem, trans_b=True)
+  drop = tiles.dropout_multiplier(opt, problem, blk.head, blk.idx[:, None], k_idx[None, :])
+  if drop is not None:
+    dp *= drop  # see _dkv_kernel
+  return p * (dp - blk.delta[:, None]), dcap, k
+
+
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, problem: Problem, block_q: int, block_k: int
 ):
@@ -158,50 +224,55 @@ def _dq_kernel(
   # k_ref, v_ref: [seq_k, D];
   # opt (tiles.OptionalRefs): as in the forward kernel.
   opt, dq_ref = tiles.split_refs(refs, problem)
-  slope = opt.slopes[...] if opt.slopes is not None else None
-  head = tiles.dropout_head(problem, pl.program_id(1), pl.program_id(2), pl.num_programs(2))
-  cols = problem.head_mask()
-  q_block = tiles.q_block_of_program(pl.program_id(0), problem.seq_q, block_q)
-  q_start = q_block * block_q
-  q_idx = tiles.indices(q_start, block_q)
-  rows = q_idx < problem.seq_q if problem.seq_q % block_q else None
-  q = tiles.load_tile(q_ref, rows, cols)
-  do = tiles.load_tile(do_ref, rows, cols)
-  lse = _lse_log2(lse_ref, rows)
-  delta = tiles.load(delta_ref, rows, other=0.0)
-  ragged_k = problem.seq_k % block_k != 0
+  blk = _load_q_block(q_ref, do_ref, lse_ref, delta_ref, opt, problem, block_q)
 
   def step(kb, dq, masked: bool):
-    k_start = kb * block_k
-    k_idx = tiles.indices(k_start, block_k)
-    k_rows = k_idx < problem.seq_k if (masked and ragged_k) else None
-    k_slice = pl.ds(k_start, block_k)
-    k = tiles.load_tile(k_ref.at[k_slice, :], k_rows, cols)
-    v = tiles.load_tile(v_ref.at[k_slice, :], k_rows, cols)
-    qk = tiles.dot(q, k, problem, trans_b=True)
-    p, dcap = _probabilities(qk, lse[:, None], problem, q_idx[:, None], k_idx[None, :], slope)
-    if masked:
-      visible = tiles.visible(problem, q_idx[:, None], k_idx[None, :])
-      extra = tiles.extra_visible(opt, problem, q_start, k_start, block_q, block_k)
-      if extra is not None:
-        visible &= extra
-      p = jnp.where(visible, p, 0.0)
-    dp = tiles.dot(do, v, problem, trans_b=True)
-    drop = tiles.dropout_multiplier(opt, problem, head, q_idx[:, None], k_idx[None, :])
-    if drop is not None:
-      dp *= drop  # see _dkv_kernel
-    ds = p * (dp - delta[:, None])
+    ds, dcap, k = _score_gradient(blk, k_ref, v_ref, kb, masked, opt, problem, block_q, block_k)
     if dcap is not None:
       ds *= dcap
     return dq + tiles.dot(ds.astype(k.dtype), k, problem)
 
-  lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
+  lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, blk.start, block_q, block_k)
   if problem.has_tile_flags:
-    step = tiles.skip_hidden_blocks(step, lambda kb: opt.flags[q_block, kb] != 0)
+    step = tiles.skip_hidden_blocks(step, lambda kb: opt.flags[blk.index, kb] != 0)
     full_lo = full_hi = lo  # every visited tile takes the element mask
   zeros = jnp.zeros((block_q, problem.head_dim_padded), jnp.float32)
   dq = tiles.split_loop(step, zeros, lo, full_lo, full_hi, hi)
-  tiles.store_tile(dq_ref, (dq * problem.softmax_scale).astype(dq_ref.dtype), rows, cols)
+  tiles.store_tile(dq_ref, (dq * problem.softmax_scale).astype(dq_ref.dtype), blk.rows, problem.head_mask())
+
+
+def _dbias_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, problem: Problem, block_q: int, block_k: int
+):
+  # As _dq_kernel, but the program writes dS itself: ds_ref is its
+  # [block_q, K blocks * block_k] float32 row of the padded dBias. Every tile
+  # is written, hidden ones (outside the band, or skipped by the tile
+  # flags) with zeros.
+  opt, ds_ref = tiles.split_refs(refs, problem)
+  blk = _load_q_block(q_ref, do_ref, lse_ref, delta_ref, opt, problem, block_q)
+  zeros = jnp.zeros((block_q, block_k), jnp.float32)
+
+  def write(kb, tile):
+    ds_ref[:, pl.ds(kb * block_k, block_k)] = tile
+
+  def step(kb, carry, masked: bool):
+    write(kb, _score_gradient(blk, k_ref, v_ref, kb, masked, opt, problem, block_q, block_k)[0])
+    return carry
+
+  def clear(kb, carry):
+    write(kb, zeros)
+    return carry
+
+  lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, blk.start, block_q, block_k)
+  if problem.has_tile_flags:
+    visit = step
+    step = lambda kb, carry, masked: lax.cond(
+        opt.flags[blk.index, kb] != 0, lambda c: visit(kb, c, True), lambda c: clear(kb, c), carry
+    )
+    full_lo = full_hi = lo
+  lax.fori_loop(0, lo, clear, 0)
+  tiles.split_loop(step, 0, lo, full_lo, full_hi, hi)
+  lax.fori_loop(hi, pl.cdiv(problem.seq_k, block_k), clear, 0)
 
 
 def compute_delta(out: jax.Array, do: jax.Array, problem: Problem, *, interpret: bool = False) -> jax.Array:
@@ -246,10 +317,10 @@ def compute_dkv(
       bk,
       heads_per_program=group,
   )
-  mask = optional.mask
+  grouped = lambda x: x is not None and tiles.has_group_axis(x, group)
   kernel = functools.partial(
       _dkv_kernel, problem=problem, block_q=bq, block_k=bk,
-      mask_grouped=mask is not None and tiles.has_group_axis(mask, group),
+      mask_grouped=grouped(optional.mask), bias_grouped=grouped(optional.bias),
   )
   return pl.pallas_call(
       kernel,
@@ -263,18 +334,17 @@ def compute_dkv(
   )(*args)
 
 
-def compute_dq(
-    q, k, v, do, lse, delta, optional: tiles.OptionalInputs, problem: Problem, config: KernelConfig, *,
-    interpret: bool = False,
-):
-  """dQ, like q; lse and delta are float32 [batch, heads, seq_q]."""
+def _q_outer_call(kernel, name: str, out_spec, out_shape, q, k, v, do, lse, delta, optional, problem, config,
+                  interpret):
+  """A Q-outer backward kernel (dQ, dBias) over the grid (Q blocks, batch, heads)."""
   batch, seq_q, heads, d = *q.shape[:3], problem.head_dim_padded
   bq, bk = config.block_q, config.block_k
+  kv_spec = tiles.whole_seq_spec(k.shape[1], bk, d, head_divisor=problem.group)
   in_specs, args = tiles.with_optional_inputs(
       [
           tiles.rows_spec(bq, d, seq_q),
-          tiles.whole_seq_spec(k.shape[1], bk, d, head_divisor=problem.group),
-          tiles.whole_seq_spec(k.shape[1], bk, d, head_divisor=problem.group),
+          kv_spec,
+          kv_spec,
           tiles.rows_spec(bq, d, seq_q),
           tiles.row_vector_spec(bq, seq_q),
           tiles.row_vector_spec(bq, seq_q),
@@ -285,15 +355,46 @@ def compute_dq(
       bk,
   )
   return pl.pallas_call(
-      functools.partial(_dq_kernel, problem=problem, block_q=bq, block_k=bk),
+      functools.partial(kernel, problem=problem, block_q=bq, block_k=bk),
       grid=(pl.cdiv(seq_q, bq), batch, heads),
       in_specs=in_specs,
-      out_specs=tiles.rows_spec(bq, d, seq_q),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_specs=out_spec,
+      out_shape=out_shape,
       compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret,
-      name="flash2_bwd_dq",
+      name=name,
   )(*args)
+
+
+def compute_dq(
+    q, k, v, do, lse, delta, optional: tiles.OptionalInputs, problem: Problem, config: KernelConfig, *,
+    interpret: bool = False,
+):
+  """dQ, like q; lse and delta are float32 [batch, heads, seq_q]."""
+  out_spec = tiles.rows_spec(config.block_q, problem.head_dim_padded, q.shape[1])
+  out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  return _q_outer_call(_dq_kernel, "flash2_bwd_dq", out_spec, out_shape, q, k, v, do, lse, delta, optional,
+                       problem, config, interpret)
+
+
+def compute_dbias(
+    q, k, v, do, lse, delta, optional: tiles.OptionalInputs, problem: Problem, config: KernelConfig, *,
+    interpret: bool = False,
+):
+  """dS, float32 [batch, heads, seq_q, seq_k]: the gradient of the biased
+  scores, which is dBias before the sum over the bias's broadcast axes."""
+  batch, seq_q, heads = q.shape[:3]
+  bq, bk = config.block_q, config.block_k
+  padded = (tiles.round_up(seq_q, bq), tiles.round_up(problem.seq_k, bk))
+  # Programs write whole tiles of a padded array (zeros past the ends), so
+  # no store needs a mask; the padding is sliced off here.
+  out_spec = pl.BlockSpec(
+      (None, None, bq, padded[1]), lambda i, b, h: (b, h, tiles.q_block_of_program(i, seq_q, bq), 0)
+  )
+  out_shape = jax.ShapeDtypeStruct((batch, heads, *padded), jnp.float32)
+  ds = _q_outer_call(_dbias_kernel, "flash2_bwd_dbias", out_spec, out_shape, q, k, v, do, lse, delta, optional,
+                     problem, config, interpret)
+  return ds[:, :, :seq_q, : problem.seq_k]
 
 
 def backward(
@@ -317,15 +418,30 @@ def backward(
     out, do: like q (the forward output and its cotangent).
     lse, dlse: float32 [batch, heads, seq_q] (the forward's log-sum-exp and its
       cotangent).
-    optional: the mask, segment ids, ALiBi slopes and dropout seed the
+    optional: the mask, segment ids, ALiBi slopes, dropout seed and bias the
       problem has (see tiles.OptionalInputs).
 
   Returns:
     dq, dk, dv, each like its primal.
   """
-  # d lse / d S = P, so a cotangent on lse adds P * dlse to
-  # dS = P * (dP - delta): it folds into delta.
-  delta = compute_delta(out, do, problem, interpret=interpret) - dlse
+  delta = _delta(out, do, dlse, problem, interpret)
   dk, dv = compute_dkv(q, k, v, do, lse, delta, optional, problem, block_sizes.dkv, interpret=interpret)
   dq = compute_dq(q, k, v, do, lse, delta, optional, problem, block_sizes.dq, interpret=interpret)
   return dq, dk, dv
+
+
+def bias_gradient(
+    q, k, v, out, lse, do, dlse, optional: tiles.OptionalInputs, problem: Problem, block_sizes: BlockSizes, *,
+    interpret: bool = False,
+) -> jax.Array:
+  """dS, float32 [batch, heads, seq_q, seq_k], for the gradient of the bias;
+  arguments as `backward`. A call of its own, so that a caller who takes no
+  gradient of the bias never runs it (jit drops the unused kernel)."""
+  delta = _delta(out, do, dlse, problem, interpret)
+  return compute_dbias(q, k, v, do, lse, delta, optional, problem, block_sizes.dq, interpret=interpret)
+
+
+def _delta(out, do, dlse, problem: Problem, interpret: bool) -> jax.Array:
+  # d lse / d S = P, so a cotangent on lse adds P * dlse to
+  # dS = P * (dP - delta): it folds into delta.
+  return compute_delta(out, do, problem, interpret=interpret) - dlse

@@ -29,7 +29,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   # q_ref, o_ref: [block_q, D]; k_ref, v_ref: [seq_k, D]; lse_ref: [block_q];
   # opt (tiles.OptionalRefs): the dense mask [seq_q, seq_k], the tile flags
   # [Q blocks, K blocks], segment ids [seq_q] and [seq_k], this head's ALiBi
-  # slope [], the dropout seed [2], each where the problem has it.
+  # slope [], the dropout seed [2], the bias [seq_q, seq_k], each where the
+  # problem has it.
   opt, o_ref, lse_ref = tiles.split_refs(refs, problem)
   seq_q, seq_k = problem.seq_q, problem.seq_k
   q_block = tiles.q_block_of_program(pl.program_id(0), seq_q, block_q)
@@ -42,8 +43,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   q = tiles.load_tile(q_ref, q_rows, cols)
   # The softmax scale and the change to base 2 fold into one factor. Scores
   # stay unscaled; m_i is kept scaled, so each score costs a single FMA
-  # (s * qk_scale - m) on its way into exp2. A softcap or ALiBi needs the
-  # scaled score, so there the scores are taken to base 2 up front.
+  # (s * qk_scale - m) on its way into exp2. A softcap, ALiBi or a bias needs
+  # the scaled score, so there the scores are taken to base 2 up front.
   qk_scale = problem.softmax_scale * LOG2_E
   log2_domain = (lambda s: s) if problem.modifies_scores else (lambda s: s * qk_scale)
   slope = opt.slopes[...] if opt.slopes is not None else None
@@ -57,7 +58,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
     k = tiles.load_tile(k_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
     s = tiles.dot(q, k, problem, trans_b=True)  # [block_q, block_k]
     if problem.modifies_scores:
-      s = tiles.scores_log2(s, problem, q_idx[:, None], k_idx[None, :], slope)[0]
+      bias = tiles.bias_tile(opt, problem, q_start, k_start, block_q, block_k)
+      s = tiles.scores_log2(s, problem, q_idx[:, None], k_idx[None, :], slope, bias)[0]
     if masked:
       visible = tiles.visible(problem, q_idx[:, None], k_idx[None, :])
       extra = tiles.extra_visible(opt, problem, q_start, k_start, block_q, block_k)
@@ -65,9 +67,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
         visible &= extra
       s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m_i, log2_domain(jnp.max(s, axis=1)))
-    if masked:
-      # A row that has seen only masked scores so far keeps m = -inf; shift
-      # it by 0 so that exp2 gives 0 instead of exp2(-inf + inf) = NaN.
+    if masked or problem.has_bias:
+      # A row that has seen only masked scores so far (or a bias of -inf)
+      # keeps m = -inf; shift it by 0 so that exp2 gives 0 instead of
+      # exp2(-inf + inf) = NaN.
       m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m_i - m_new)  # rescales what was accumulated under the old max
     p = jnp.exp2(log2_domain(s) - m_new[:, None])

@@ -57,6 +57,10 @@ class Problem:
   # int32 [2] seed input; broadcast: one mask shared by every batch and head.
   dropout_rate: float = 0.0
   dropout_broadcast: bool = False
+  # An additive bias on the scores, read tile by tile from a [batch or 1,
+  # heads or 1, seq_q, seq_k] input (after softcap and ALiBi, before the
+  # masks); its gradient is dS, written by a kernel of its own.
+  has_bias: bool = False
 
   @property
   def has_dropout(self) -> bool:
@@ -72,7 +76,7 @@ class Problem:
   @property
   def modifies_scores(self) -> bool:
     """Whether scores need their scale applied before the softmax's max."""
-    return self.softcap is not None or self.has_alibi
+    return self.softcap is not None or self.has_alibi or self.has_bias
 
   @property
   def offset(self) -> int:
@@ -99,12 +103,15 @@ def dot(a: jax.Array, b: jax.Array, problem: Problem, *, trans_a=False, trans_b=
   )
 
 
-def scores_log2(qk: jax.Array, problem: Problem, q_idx, k_idx, slope) -> tuple[jax.Array, jax.Array | None]:
-  """Scores in the log2 domain with softcap and ALiBi applied, and the
+def scores_log2(
+    qk: jax.Array, problem: Problem, q_idx, k_idx, slope, bias=None
+) -> tuple[jax.Array, jax.Array | None]:
+  """Scores in the log2 domain with softcap, ALiBi and bias applied, and the
   softcap's derivative (None without one) that dS picks up in the backward.
 
   q_idx, k_idx broadcast to the tile's shape ([q, 1] and [1, k], or the
-  transposes); slope is this head's ALiBi slope (a scalar) or None.
+  transposes); slope is this head's ALiBi slope (a scalar) or None; bias is
+  the tile of the additive bias (float32) or None.
   """
   if problem.softcap is not None:
     s, dcap = softcapped_log2(qk, problem)
@@ -113,6 +120,8 @@ def scores_log2(qk: jax.Array, problem: Problem, q_idx, k_idx, slope) -> tuple[j
   if slope is not None:
     distance = jnp.abs(q_idx + problem.offset - k_idx).astype(jnp.float32)
     s = s - (slope * LOG2_E) * distance
+  if bias is not None:
+    s = s + bias * LOG2_E
   return s, dcap
 
 
@@ -355,12 +364,14 @@ class OptionalInputs(NamedTuple):
   segments: int32 (q segment ids [batch, seq_q], kv segment ids [batch, seq_k]).
   slopes: float32 ALiBi slopes [batch or 1, heads].
   seed: int32 [2], the dropout seed (jax_flash2.dropout.seed_words).
+  bias: float [batch or 1, heads or 1, seq_q, seq_k], added to the scores.
   """
 
   mask: jax.Array | None = None
   segments: tuple[jax.Array, jax.Array] | None = None
   slopes: jax.Array | None = None
   seed: jax.Array | None = None
+  bias: jax.Array | None = None
 
 
 def with_optional_inputs(
@@ -373,9 +384,9 @@ def with_optional_inputs(
 ) -> tuple[list, list]:
   """Appends the optional inputs a problem has, in the order `split_refs`
   takes them apart: the dense mask, the tile flags (for these tiles), the
-  query and key segment ids, the ALiBi slopes, the dropout seed."""
+  query and key segment ids, the ALiBi slopes, the dropout seed, the bias."""
   in_specs, args = list(in_specs), list(args)
-  mask, segments, alibi_slopes, seed = optional
+  mask, segments, alibi_slopes, seed, bias = optional
   if mask is not None:
     seq_q, seq_k = mask.shape[2:]
     in_specs.append(_slab_spec(mask, (round_up(seq_q, block_q), round_up(seq_k, block_k)), heads_per_program))
@@ -393,6 +404,10 @@ def with_optional_inputs(
   if seed is not None:
     in_specs.append(pl.BlockSpec((2,), lambda i, b, h: (0,)))
     args.append(seed)
+  if bias is not None:
+    seq_q, seq_k = bias.shape[2:]
+    in_specs.append(_slab_spec(bias, (round_up(seq_q, block_q), round_up(seq_k, block_k)), heads_per_program))
+    args.append(bias)
   return in_specs, args
 
 
@@ -413,6 +428,7 @@ class OptionalRefs(NamedTuple):
   kv_segments: Any
   slopes: Any
   seed: Any
+  bias: Any
 
 
 def split_refs(refs, problem: Problem) -> tuple:
@@ -425,7 +441,8 @@ def split_refs(refs, problem: Problem) -> tuple:
   q_segments, kv_segments = take(problem.has_segments), take(problem.has_segments)
   slopes = take(problem.has_alibi)
   seed = take(problem.has_dropout)
-  return (OptionalRefs(mask, flags, q_segments, kv_segments, slopes, seed), *refs)
+  bias = take(problem.has_bias)
+  return (OptionalRefs(mask, flags, q_segments, kv_segments, slopes, seed, bias), *refs)
 
 
 def extra_visible(
@@ -434,14 +451,10 @@ def extra_visible(
   """[block_q, block_k] bool visibility from the dense mask and the segment
   ids, or None when the problem has neither."""
   # Rows and columns past a ragged end read as hidden (visible() masks them too).
-  rows = indices(q_start, block_q) < problem.seq_q if problem.seq_q % block_q else None
-  cols = indices(k_start, block_k) < problem.seq_k if problem.seq_k % block_k else None
+  rows, cols = _in_bounds(problem, q_start, k_start, block_q, block_k)
   visible = None
   if opt.mask is not None:
-    # mask_head indexes a leading head axis of the mask (the dK/dV kernel's group).
-    tile = (pl.ds(q_start, block_q), pl.ds(k_start, block_k))
-    tile_ref = opt.mask.at[tile] if mask_head is None else opt.mask.at[(mask_head, *tile)]
-    visible = load_tile(tile_ref, rows, cols, other=0) != 0
+    visible = _load_score_tile(opt.mask, problem, q_start, k_start, block_q, block_k, mask_head, other=0) != 0
   if opt.q_segments is not None:
     # Past either end the ids read -1 and -2: never equal.
     q_ids = load(opt.q_segments.at[pl.ds(q_start, block_q)], rows, other=-1)
@@ -468,6 +481,29 @@ def dropout_multiplier(opt: OptionalRefs, problem: Problem, head, q_idx, k_idx) 
     return None
   seed = (opt.seed[0], opt.seed[1])
   return dropout.multiplier(seed, head, q_idx, k_idx, problem.dropout_rate)
+
+
+def _in_bounds(problem: Problem, q_start, k_start, block_q: int, block_k: int):
+  """Row and column validity vectors of a tile, None where no ragged end cuts it."""
+  rows = indices(q_start, block_q) < problem.seq_q if problem.seq_q % block_q else None
+  cols = indices(k_start, block_k) < problem.seq_k if problem.seq_k % block_k else None
+  return rows, cols
+
+
+def _load_score_tile(ref, problem: Problem, q_start, k_start, block_q: int, block_k: int, head=None, other=0.0):
+  """The [block_q, block_k] tile at (q_start, k_start) of a per-score input
+  (the dense mask, the bias); `head` indexes its leading group axis in the
+  dK/dV kernel. Past a ragged end it reads `other`."""
+  rows, cols = _in_bounds(problem, q_start, k_start, block_q, block_k)
+  tile = (pl.ds(q_start, block_q), pl.ds(k_start, block_k))
+  return load_tile(ref.at[tile] if head is None else ref.at[(head, *tile)], rows, cols, other=other)
+
+
+def bias_tile(opt: OptionalRefs, problem: Problem, q_start, k_start, block_q: int, block_k: int, head=None):
+  """float32 [block_q, block_k] tile of the bias, or None without one."""
+  if opt.bias is None:
+    return None
+  return _load_score_tile(opt.bias, problem, q_start, k_start, block_q, block_k, head).astype(jnp.float32)
 
 
 def floordiv(a: jax.Array, b: int) -> jax.Array:
