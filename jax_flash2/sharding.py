@@ -241,15 +241,23 @@ _forward_partitioned.def_partition(partition=_forward_partition, sharding_rule=_
 # ---------------------------------------------------------------- backward
 
 
-def _backward_kernels(q, k, v, out, lse, do, dlse, *args):
-  *optional, call = args
-  call = _local(call, q, k)
-  return triton_backward.backward(
-      q, k, v, out, lse, do, dlse, _optional_inputs(*optional), call.problem, call.block_sizes,
-      interpret=call.interpret,
-  )
+def _on_shard(kernels: Callable) -> Callable:
+  """kernels(q, k, v, out, lse, do, dlse, optional, problem, block_sizes,
+  interpret=) (a backward entry point of triton.backward), called on one
+  shard's operands: (q, k, v, out, lse, do, dlse, *optional, call)."""
+
+  def run(q, k, v, out, lse, do, dlse, *args):
+    *optional, call = args
+    call = _local(call, q, k)
+    return kernels(
+        q, k, v, out, lse, do, dlse, _optional_inputs(*optional), call.problem, call.block_sizes,
+        interpret=call.interpret,
+    )
+
+  return run
 
 
+_backward_kernels = _on_shard(triton_backward.backward)
 _backward_partitioned = custom_partitioning(_backward_kernels, static_argnums=(7 + _NUM_OPTIONAL,))
 
 
@@ -297,15 +305,7 @@ _backward_partitioned.def_partition(partition=_backward_partition, sharding_rule
 # ---------------------------------------------------------------- bias gradient
 
 
-def _bias_gradient_kernels(q, k, v, out, lse, do, dlse, *args):
-  *optional, call = args
-  call = _local(call, q, k)
-  return triton_backward.bias_gradient(
-      q, k, v, out, lse, do, dlse, _optional_inputs(*optional), call.problem, call.block_sizes,
-      interpret=call.interpret,
-  )
-
-
+_bias_gradient_kernels = _on_shard(triton_backward.bias_gradient)
 _bias_gradient_partitioned = custom_partitioning(_bias_gradient_kernels, static_argnums=(7 + _NUM_OPTIONAL,))
 
 
