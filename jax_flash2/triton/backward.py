@@ -284,7 +284,7 @@ def compute_delta(out: jax.Array, do: jax.Array, problem: Problem, *, interpret:
       grid=(pl.cdiv(seq_q, block), batch, heads),
       in_specs=[tiles.rows_spec(block, d), tiles.rows_spec(block, d)],
       out_specs=tiles.row_vector_spec(block),
-      out_shape=jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),
+      out_shape=tiles.out_struct((batch, heads, seq_q), jnp.float32, out, do),
       compiler_params=tiles.compiler_params(num_warps=4, num_stages=1),
       interpret=interpret,
       name="flash2_bwd_delta",
@@ -327,7 +327,7 @@ def compute_dkv(
       grid=(pl.cdiv(k.shape[1], bk), batch, k.shape[2]),
       in_specs=in_specs,
       out_specs=[tiles.rows_spec(bk, d), tiles.rows_spec(bk, d)],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_shape=[tiles.out_struct(k.shape, k.dtype, *args), tiles.out_struct(v.shape, v.dtype, *args)],
       compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name="flash2_bwd_dkv",
@@ -336,6 +336,7 @@ def compute_dkv(
 
 def _q_outer_call(kernel, name: str, out_spec, out_shape, q, k, v, do, lse, delta, optional, problem, config,
                   interpret):
+  # out_shape: (shape, dtype) of the one output.
   """A Q-outer backward kernel (dQ, dBias) over the grid (Q blocks, batch, heads)."""
   batch, seq_q, heads, d = *q.shape[:3], problem.head_dim_padded
   bq, bk = config.block_q, config.block_k
@@ -359,7 +360,7 @@ def _q_outer_call(kernel, name: str, out_spec, out_shape, q, k, v, do, lse, delt
       grid=(pl.cdiv(seq_q, bq), batch, heads),
       in_specs=in_specs,
       out_specs=out_spec,
-      out_shape=out_shape,
+      out_shape=tiles.out_struct(*out_shape, *args),
       compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name=name,
@@ -372,7 +373,7 @@ def compute_dq(
 ):
   """dQ, like q; lse and delta are float32 [batch, heads, seq_q]."""
   out_spec = tiles.rows_spec(config.block_q, problem.head_dim_padded, q.shape[1])
-  out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  out_shape = (q.shape, q.dtype)
   return _q_outer_call(_dq_kernel, "flash2_bwd_dq", out_spec, out_shape, q, k, v, do, lse, delta, optional,
                        problem, config, interpret)
 
@@ -391,7 +392,7 @@ def compute_dbias(
   out_spec = pl.BlockSpec(
       (None, None, bq, padded[1]), lambda i, b, h: (b, h, tiles.q_block_of_program(i, seq_q, bq), 0)
   )
-  out_shape = jax.ShapeDtypeStruct((batch, heads, *padded), jnp.float32)
+  out_shape = ((batch, heads, *padded), jnp.float32)
   ds = _q_outer_call(_dbias_kernel, "flash2_bwd_dbias", out_spec, out_shape, q, k, v, do, lse, delta, optional,
                      problem, config, interpret)
   return ds[:, :, :seq_q, : problem.seq_k]

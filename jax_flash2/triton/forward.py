@@ -141,8 +141,8 @@ def forward(
       in_specs=in_specs,
       out_specs=[tiles.rows_spec(bq, d, seq_q), tiles.row_vector_spec(bq, seq_q)],
       out_shape=[
-          jax.ShapeDtypeStruct(q.shape, q.dtype),
-          jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),
+          tiles.out_struct(q.shape, q.dtype, *args),
+          tiles.out_struct((batch, heads, seq_q), jnp.float32, *args),
       ],
       compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret,

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import ManualAxisType
 
 from jax_flash2 import dropout
 
@@ -585,6 +586,16 @@ def row_vector_spec(block: int, reverse_seq: int | None = None) -> pl.BlockSpec:
   if reverse_seq is None:
     return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
   return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, q_block_of_program(i, reverse_seq, block)))
+
+
+def out_struct(shape: tuple[int, ...], dtype, *inputs) -> jax.ShapeDtypeStruct:
+  """A pallas_call output that varies over every manual mesh axis its inputs
+  vary over. Inside shard_map, check_vma compares each value's varying axes;
+  a plain out_shape would claim the kernels' outputs vary over none."""
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs if x is not None))
+  if not varying:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=ManualAxisType(varying=varying))
 
 
 def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
