@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The next GPU session's work, one stage per device call (each call has 10
+# minutes; a session 30). Run from the repository root on the GPU machine:
+#
+#   bash bench/gpu_session.sh STAGE [STAGE ...]
+#
+# Logs and result files go to $OUT (or ./gpu_out). Stages, in the order they
+# are worth running:
+#   new       GPU tests not yet run there: dropout, bias, shard_map check_vma, Mosaic (~3 min)
+#   features  issue 5's speed checks: window (1024, 0) and 8 segments vs causal at 16k,
+#             GQA 32/8 vs MHA, softcap/ALiBi/bias/dropout cost (~4 min)
+#   tune      forward tiles for the issue-2 targets (d128 8k, causal and not) (~4 min)
+#   train     train_gpt seeds 2 and 3, flash and XLA, bf16, plus flash float32 seed 0 (~6 min)
+#   all_tests the whole GPU suite (~9 min)
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+BENCH="python -m jax_flash2.bench --no-progress --iters 10 --warmup 2"
+
+stage_new() {
+  timeout 280 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests \
+    -k "dropout or bias or check_vma or shard_map or mosaic" 2>&1 | tee "$OUT/new_tests.log"
+}
+
+stage_features() {
+  # Window and segments against plain causal, fwd+bwd at 16k (ms decide the
+  # window target; TFLOP/s over visible pairs the segments target).
+  timeout 150 $BENCH --seqlens 16384 --head-dims 128 --causal true --modes fwd+bwd \
+    --window none 1024,0 --segments 1 8 --impls flash2-triton cudnn --out "$OUT/features_mask" 2>&1 | tail -40
+  # GQA 32 query heads over 8 K/V heads against MHA (per query head: same heads, same TFLOP/s).
+  timeout 100 $BENCH --seqlens 4096 16384 --head-dims 64 --heads 32 --kv-heads 8 --modes fwd fwd+bwd \
+    --impls flash2-triton cudnn --out "$OUT/features_gqa" 2>&1 | tail -30
+}
+
+stage_tune() {
+  # Forward only: the issue-2 gaps are fwd 459 vs 470 (non-causal) and 407 vs 420 (causal) at 8k.
+  timeout 280 python bench/tune.py --head-dim 128 --seq 8192 --kernels fwd 2>&1 | tee "$OUT/tune_fwd.log" | tail -40
+}
+
+stage_train() {
+  local t="python examples/train_gpt.py --steps 600 --seq-len 1024 --d-model 512 --heads 8 --layers 4 --batch 16 --eval-every 100"
+  for seed in 2 3; do
+    for attention in flash xla; do
+      timeout 80 $t --attention "$attention" --seed "$seed" --out "$OUT/train" 2>&1 | grep -E "final|step +(0|300|599) "
+    done
+  done
+  timeout 120 $t --attention flash --dtype f32 --out "$OUT/train" --plot 2>&1 | grep -E "final"
+}
+
+stage_all_tests() {
+  timeout 580 python -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=15 tests 2>&1 | tee "$OUT/gpu_tests.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python -c "import jax; print('jax', jax.__version__, jax.devices())"
+for stage in "$@"; do
+  echo "== $stage"
+  "stage_$stage"
+done
