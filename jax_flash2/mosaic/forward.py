@@ -1,0 +1,456 @@
+"""FlashAttention-2 forward pass for Hopper (sm_90a) in Pallas's Mosaic GPU backend.
+
+Groundwork for the Hopper fast path: the same algorithm as
+jax_flash2/triton/forward.py, written against the Hopper hardware directly.
+
+One CTA owns `block_q` query rows of one (batch, head) and runs three
+warpgroups (128 threads each):
+
+* two consumer warpgroups, each owning `block_q // 2` query rows. Each keeps
+  its Q tile in shared memory and, in registers, the running row max `m_i`,
+  the running row sum `l_i` and the unnormalised output `acc`. S = Q K^T and
+  acc += P V run on the tensor cores as wgmma (A and B of Q K^T from shared
+  memory; P of P V straight from registers);
+* one producer warpgroup that only issues TMA copies of K and V blocks into a
+  ring of `stages` shared-memory slots, and gives its registers to the
+  consumers (setmaxnreg).
+
+Each ring slot has four mbarriers: K ready, V ready (the TMA engine completes
+them), K consumed, V consumed (both consumers arrive). K and V are separate
+so that Q K^T can start while V is still in flight, and so that a K slot can
+be refilled while P V still reads the V slot of the same step.
+
+The softmax is online and in base 2: the softmax scale and log2(e) fold into
+one factor, `m_i` is kept in that scaled domain, and p = exp2(s * scale - m).
+The output is divided by `l_i` once, at the end; the log-sum-exp is written in
+natural log for a backward pass.
+
+Causal attention is bottom-right aligned (query i sees key j iff
+j <= i + seq_k - seq_q, as in FlashAttention-2 and jax_flash2.reference).
+Each consumer visits only the K/V blocks at or left of its diagonal; only the
+blocks crossing the diagonal are masked element-wise.
+
+Supported: bf16 and fp16; head_dim 64, 128 and 256; grouped-query attention
+(heads a multiple of kv_heads); seq_q a multiple of `block_q` and seq_k a
+multiple of `block_kv`. Not supported (NotImplementedError): ragged lengths
+(seq_q % block_q or seq_k % block_kv nonzero), other head dims, float32 and
+other dtypes, and every extra of the Triton path (masks, windows, softcap,
+ALiBi, bias, segment ids, dropout). There is no backward kernel here.
+
+Status: not yet run on a GPU. Checked on CPU: lowering for CUDA, compilation
+to sm_90a SASS through Mosaic's own compiler (tools/mosaic_cpu_compile.py:
+HGMMA, TMA, setmaxnreg, no spills), and the numbers through Mosaic's
+interpreter with its race detector (tests/test_mosaic.py, bench/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+# Consumer warpgroups per CTA; the producer warpgroup comes after them.
+NUM_CONSUMERS = 2
+PRODUCER = NUM_CONSUMERS
+# wgmma works on M = 64 rows per warpgroup instruction.
+WGMMA_M = 64
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Shared memory one CTA may use on H100/H200 (227 KiB), less what Mosaic
+# reserves for itself (reduction scratch, barriers); see `smem_bytes`.
+SMEM_LIMIT = 227 * 1024
+_SMEM_RESERVE = 4 * 1024
+# setmaxnreg budgets: 2 x 240 + 24 (x 128 threads) fits the 64K registers of
+# an SM; the producer only computes addresses.
+CONSUMER_REGISTERS = 240
+PRODUCER_REGISTERS = 24
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tiling of the Mosaic GPU forward kernel.
+
+  Attributes:
+    block_q: query rows per CTA, split evenly between the two consumer
+      warpgroups (128 or 256: 64 or 128 rows each). 256 spills registers
+      with block_kv 128 (ptxas, head_dim 64).
+    block_kv: key/value rows per ring slot (64, 128 or 256).
+    stages: ring slots of K and V in shared memory (>= 2: with one slot the
+      next load could only start once both consumers finished the current
+      block, so copies and tensor cores would take turns).
+  """
+
+  block_q: int = 128
+  block_kv: int = 128
+  stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv", "stages"):
+      if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+        raise ValueError(f"MosaicConfig.{name} must be an int, got {getattr(self, name)!r}")
+    if self.block_q not in (NUM_CONSUMERS * WGMMA_M, 2 * NUM_CONSUMERS * WGMMA_M):
+      raise ValueError(
+          f"MosaicConfig.block_q must be 128 or 256 (64 or 128 rows for each of "
+          f"the {NUM_CONSUMERS} consumer warpgroups), got {self.block_q}"
+      )
+    if self.block_kv not in (64, 128, 256):
+      raise ValueError(f"MosaicConfig.block_kv must be 64, 128 or 256, got {self.block_kv}")
+    if not 2 <= self.stages <= 8:
+      raise ValueError(f"MosaicConfig.stages must be between 2 and 8, got {self.stages}")
+
+  @property
+  def rows_per_consumer(self) -> int:
+    return self.block_q // NUM_CONSUMERS
+
+  def smem_bytes(self, head_dim: int, dtype: jnp.dtype) -> int:
+    """Shared memory of one CTA: the Q tiles (reused for the output), the K
+    and V ring, the lse staging rows and a reserve for Mosaic's own use."""
+    item = jnp.dtype(dtype).itemsize
+    q = self.block_q * head_dim * item
+    kv = 2 * self.stages * self.block_kv * head_dim * item
+    lse = self.block_q * 4
+    return q + kv + lse + _SMEM_RESERVE
+
+
+def default_config(head_dim: int) -> MosaicConfig:
+  """A starting point per head_dim (not yet tuned on a GPU): the deepest ring
+  that fits shared memory with 128-row K/V blocks (64 for head_dim 256)."""
+  if head_dim <= 64:
+    return MosaicConfig(block_q=128, block_kv=128, stages=4)
+  if head_dim <= 128:
+    return MosaicConfig(block_q=128, block_kv=128, stages=2)
+  return MosaicConfig(block_q=128, block_kv=64, stages=2)
+
+
+def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, config: MosaicConfig) -> None:
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have one shape, got {k.shape} and {v.shape}")
+  batch, seq_q, heads, head_dim = q.shape
+  if k.shape[0] != batch or k.shape[3] != head_dim:
+    raise ValueError(f"k's batch and head_dim must match q's: q {q.shape}, k {k.shape}")
+  if heads % k.shape[2]:
+    raise ValueError(f"q's heads ({heads}) must be a multiple of k's ({k.shape[2]})")
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+  if len(dtypes) != 1:
+    raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    raise NotImplementedError(
+        f"the Mosaic GPU forward supports bfloat16 and float16 (wgmma operands), got {q.dtype}"
+    )
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise NotImplementedError(
+        f"the Mosaic GPU forward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}"
+    )
+  seq_k = k.shape[1]
+  if seq_q % config.block_q or seq_k % config.block_kv:
+    raise NotImplementedError(
+        f"ragged sequence lengths are not supported by the Mosaic GPU forward: seq_q ({seq_q}) "
+        f"must be a multiple of block_q ({config.block_q}) and seq_k ({seq_k}) a multiple of "
+        f"block_kv ({config.block_kv})"
+    )
+  smem = config.smem_bytes(head_dim, q.dtype)
+  if smem > SMEM_LIMIT:
+    raise ValueError(
+        f"{config} needs {smem} bytes of shared memory at head_dim {head_dim}, more than the "
+        f"{SMEM_LIMIT} a Hopper CTA has: lower stages or block_kv"
+    )
+
+
+def _kv_block_bounds(q_start: jax.Array, rows: int, seq_q: int, seq_k: int, block_kv: int, causal: bool):
+  """(full_hi, hi): this warpgroup's rows [q_start, q_start + rows) see every
+  key of K/V blocks [0, full_hi), part of blocks [full_hi, hi) (the diagonal)
+  and none from hi on. int32 scalars."""
+  num_kv = seq_k // block_kv
+  if not causal:
+    return jnp.int32(num_kv), jnp.int32(num_kv)
+  offset = seq_k - seq_q  # bottom-right alignment: row i sees keys j <= i + offset
+  # Last key the last row sees is q_start + rows - 1 + offset.
+  hi = jnp.clip(q_start + (rows + offset + block_kv - 1), 0, None) // block_kv
+  hi = jnp.minimum(hi, num_kv)
+  # Block kb is fully visible to the first row iff kb * block_kv + block_kv - 1 <= q_start + offset.
+  full_hi = jnp.clip(q_start + (offset + 1), 0, None) // block_kv
+  full_hi = jnp.minimum(full_hi, hi)
+  return full_hi.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def _forward_kernel(
+    q_ref, k_ref, v_ref, out_ref, lse_ref,
+    q_smem, k_smem, v_smem, lse_smem,
+    q_ready, k_ready, v_ready, k_consumed, v_consumed, *p_staging,
+    seq_q: int, seq_k: int, group: int, num_q_blocks: int, causal: bool,
+    softmax_scale: float, config: MosaicConfig, interpret: bool,
+):
+  # q_ref, out_ref: [batch, seq_q, heads, D] in GMEM; k_ref, v_ref: [batch,
+  # seq_k, heads // group, D] in GMEM; lse_ref: [batch, heads, seq_q] f32.
+  # q_smem: [2, rows, D] (one Q tile per consumer, reused for its output);
+  # k_smem, v_smem: [stages, block_kv, D] (the ring); lse_smem: [2, rows] f32.
+  # q_ready: [2] barriers; k_ready, v_ready: [stages] barriers the TMA engine
+  # completes; k_consumed, v_consumed: [stages] barriers of 2 arrivals.
+  # p_staging (interpret mode only): [2, rows, block_kv], P on its way to wgmma.
+  rows, block_kv, stages = config.rows_per_consumer, config.block_kv, config.stages
+  dtype = q_ref.dtype
+  if interpret:
+    [p_staging] = p_staging
+  batch = lax.axis_index("batch")
+  head = lax.axis_index("heads")
+  kv_head = lax.div(head, jnp.int32(group))
+  wg = lax.axis_index("wg")
+  q_block = lax.axis_index("q")
+  if causal:
+    # Causal CTAs near the end of the sequence visit the most K/V blocks;
+    # launching them first keeps them off the critical path at the tail.
+    q_block = jnp.int32(num_q_blocks - 1) - q_block
+  cta_start = q_block * config.block_q
+
+  # The producer must load every block any consumer needs; the second
+  # consumer's rows are the later ones, so its bound covers both.
+  _, num_steps = _kv_block_bounds(
+      cta_start + (NUM_CONSUMERS - 1) * rows, rows, seq_q, seq_k, block_kv, causal
+  )
+
+  def slot_of(step):
+    return lax.rem(step, jnp.int32(stages))
+
+  @pl.when(wg == PRODUCER)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    @pl.loop(0, num_steps)
+    def _load(step):
+      slot = slot_of(step)
+      kv_rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+
+      # A slot is free once both consumers have arrived on its consumed
+      # barrier for the block loaded `stages` steps earlier; the first round
+      # of slots is free from the start.
+      @pl.when(step >= stages)
+      def _():
+        plgpu.barrier_wait(k_consumed.at[slot])
+
+      plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
+
+      @pl.when(step >= stages)
+      def _():
+        plgpu.barrier_wait(v_consumed.at[slot])
+
+      plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
+
+    # Observe the release of the last blocks too, so that the producer has
+    # seen every phase of the consumed barriers when they are freed. The
+    # hardware does not need it (the CTA ends with its consumers anyway);
+    # Mosaic's interpreter checks it, and a persistent kernel that reuses the
+    # ring for the next tile would need it.
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _last_releases(step):
+      plgpu.barrier_wait(k_consumed.at[slot_of(step)])
+      plgpu.barrier_wait(v_consumed.at[slot_of(step)])
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    q_start = cta_start + wg * rows
+    q_tile = q_smem.at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, rows), head], q_tile, q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+
+    qk_scale = softmax_scale * LOG2_E
+    full_hi, hi = _kv_block_bounds(q_start, rows, seq_q, seq_k, block_kv, causal)
+    # Only causal attention with seq_q > seq_k has rows that see no key at
+    # all: they keep m_i = -inf and l_i = 0, which needs guards (see below).
+    may_see_nothing = causal and seq_q > seq_k
+
+    def step(kb, carry, *, masked: bool):
+      acc, m_i, l_i = carry
+      slot = slot_of(kb)
+
+      plgpu.barrier_wait(k_ready.at[slot])
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+        return s_ref[...]  # waits for the wgmma
+
+      s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))  # [rows, block_kv]
+      # The K slot is no longer read: let the producer refill it while the
+      # softmax runs.
+      plgpu.barrier_arrive(k_consumed.at[slot])
+
+      if masked:
+        row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+        col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+        s = jnp.where(col <= row + (seq_k - seq_q), s, -jnp.inf)
+
+      m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * qk_scale)
+      if masked and may_see_nothing:
+        # A row with only masked scores so far keeps m = -inf; shift it by 0
+        # so that exp2 gives 0 rather than exp2(-inf + inf) = NaN.
+        m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+      p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l_i = l_i * alpha + jnp.sum(p, axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+      plgpu.barrier_wait(v_ready.at[slot])
+
+      if interpret:
+        # Mosaic's interpreter (jax 0.11.2) runs wgmma only from operands in
+        # shared memory and only into a fresh scoped accumulator: P takes a
+        # detour through shared memory and P V is added afterwards. The same
+        # sum; the compiled kernel never takes this branch.
+        p_tile = p_staging.at[wg]
+        p_tile[...] = p.astype(dtype)
+        plgpu.commit_smem()
+
+        def pv_fresh(pv_ref):
+          plgpu.wgmma(pv_ref, p_tile, v_smem.at[slot])
+          return pv_ref[...]
+
+        acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
+      else:
+        # The tensor cores add P V onto the rescaled accumulator in place.
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
+      plgpu.barrier_arrive(v_consumed.at[slot])
+      return acc, m_new, l_i
+
+    def drain(kb, _):
+      # Blocks past this warpgroup's diagonal that the other consumer still
+      # needs: release the slots without computing. Waiting on the ready
+      # barriers first keeps this warpgroup's barrier phases in step and
+      # guarantees that its arrival counts toward this block's phase, not an
+      # earlier one still owed by the other consumer.
+      slot = slot_of(kb)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_arrive(k_consumed.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_arrive(v_consumed.at[slot])
+
+    acc = plgpu.layout_cast(jnp.zeros((rows, q_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    carry = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), (acc, m_i, l_i))
+    if causal:
+      carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+      lax.fori_loop(hi, num_steps, drain, None)
+    acc, m_i, l_i = carry
+
+    # One division per row at the end (a reciprocal, then multiplies).
+    if may_see_nothing:
+      seen = l_i > 0.0
+      l_i = jnp.where(seen, l_i, 1.0)  # rows that saw no key: zeros, lse = -inf
+    out = acc * lax.broadcast_in_dim(1.0 / l_i, acc.shape, [0])
+    lse = (m_i + jnp.log2(l_i)) * LN_2
+    if may_see_nothing:
+      lse = jnp.where(seen, lse, -jnp.inf)
+
+    # Every wgmma reading the Q tile has completed, so it can stage the output.
+    q_tile[...] = out.astype(dtype)
+    lse_smem.at[wg][...] = lse
+    # Ordinary stores must be made visible to the TMA engine (the async proxy)
+    # before it reads shared memory.
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_tile, out_ref.at[batch, pl.ds(q_start, rows), head])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, rows)])
+    # Shared memory must outlive the copies' reads of it.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    config: MosaicConfig | None = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[jax.Array, jax.Array]:
+  """FlashAttention-2 forward on Hopper via Mosaic GPU.
+
+  Args:
+    q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads,
+      head_dim] with heads a multiple of kv_heads; bf16 or fp16.
+    causal: bottom-right aligned causal mask.
+    softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
+    config: tiling; defaults to `default_config(head_dim)`.
+    interpret: run Mosaic GPU's interpreter (CPU) instead of compiling:
+      True, or plgpu.InterpretGPUParams (e.g. detect_races=True).
+
+  Returns:
+    out: like q. lse: float32 [batch, heads, seq_q], natural log (-inf for
+      rows that see no key, which only causal with seq_q > seq_k has).
+
+  Raises:
+    NotImplementedError: ragged lengths, head_dim not in (64, 128, 256),
+      dtypes other than bf16/fp16 (see the module docstring).
+  """
+  if config is None:
+    config = default_config(q.shape[-1])
+  _check_inputs(q, k, v, config)
+  batch, seq_q, heads, head_dim = q.shape
+  seq_k, kv_heads = k.shape[1], k.shape[2]
+  if softmax_scale is None:
+    softmax_scale = head_dim ** -0.5
+  num_q_blocks = seq_q // config.block_q
+  interpret_params = plgpu.InterpretGPUParams() if interpret is True else (interpret or None)
+  interpret = interpret_params is not None
+  rows, dtype = config.rows_per_consumer, q.dtype
+
+  # 128-byte swizzle (64 elements of 16 bits per swizzled row) lets wgmma and
+  # the TMA engine read the tiles without bank conflicts; head_dim is a
+  # multiple of 64, so every supported tile takes it.
+  swizzle = plgpu.find_swizzle(head_dim * jnp.dtype(dtype).itemsize * 8, "head_dim")
+  transforms = (
+      plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+      plgpu.SwizzleTransform(swizzle),
+  )
+  scratch = [
+      plgpu.SMEM((NUM_CONSUMERS, rows, head_dim), dtype, transforms=transforms),
+      plgpu.SMEM((config.stages, config.block_kv, head_dim), dtype, transforms=transforms),
+      plgpu.SMEM((config.stages, config.block_kv, head_dim), dtype, transforms=transforms),
+      plgpu.SMEM((NUM_CONSUMERS, rows), jnp.float32),
+      plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+      plgpu.Barrier(num_barriers=config.stages),
+      plgpu.Barrier(num_barriers=config.stages),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.stages),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.stages),
+  ]
+  if interpret:
+    p_transforms = (
+        plgpu.TilingTransform((8, 64)),
+        plgpu.SwizzleTransform(128),
+    )
+    scratch.append(plgpu.SMEM((NUM_CONSUMERS, rows, config.block_kv), dtype, transforms=p_transforms))
+  kernel = functools.partial(
+      _forward_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
+      causal=causal, softmax_scale=float(softmax_scale), config=config, interpret=interpret,
+  )
+  return plgpu.kernel(
+      kernel,
+      out_type=(
+          jax.ShapeDtypeStruct(q.shape, dtype),
+          jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),
+      ),
+      scratch_types=scratch,
+      # Q blocks are the fastest-varying grid axis, so CTAs running together
+      # share one (batch, head) and hit the same K/V in L2.
+      grid=(num_q_blocks, heads, batch),
+      grid_names=("q", "heads", "batch"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret_params,
+      kernel_name="flash2_fwd_mosaic",
+  )(q, k, v)

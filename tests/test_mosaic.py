@@ -1,0 +1,216 @@
+"""The Mosaic GPU forward (jax_flash2.mosaic.forward).
+
+On CPU: config validation, the NotImplementedError messages, lowering for
+CUDA (Pallas -> Mosaic GPU dialect -> layout inference, all in Python: API
+misuse fails here without a GPU), and Mosaic's interpreter on small shapes
+(its wgmma of P V takes a shared-memory detour; see the kernel).
+
+On a Hopper GPU (`pytest -m gpu tests/test_mosaic.py`): out and lse against the
+float32 reference, relative error under 1e-2. Skipped unless the device's
+compute capability is 9.x (the kernel uses wgmma, TMA and setmaxnreg of sm_90a).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_inputs, rel_err
+from jax_flash2 import reference
+from jax_flash2.mosaic import forward as mosaic
+from jax_flash2.mosaic.forward import MosaicConfig
+
+
+def _structs(batch, seq_q, seq_k, heads, head_dim, dtype=jnp.bfloat16, kv_heads=None):
+  kv_heads = kv_heads or heads
+  q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
+  return q, kv, kv
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_defaults_fit_shared_memory():
+  for head_dim in mosaic.SUPPORTED_HEAD_DIMS:
+    config = mosaic.default_config(head_dim)
+    assert config.smem_bytes(head_dim, jnp.bfloat16) <= mosaic.SMEM_LIMIT, head_dim
+  # head_dim 128: Q tiles (32 KiB) and two slots of K and V (128 KiB) fit; a
+  # third slot (192 KiB of K/V) does not.
+  assert MosaicConfig(stages=3).smem_bytes(128, jnp.float16) > mosaic.SMEM_LIMIT
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block_q=64), "block_q must be 128 or 256"),
+        (dict(block_q=192), "block_q must be 128 or 256"),
+        (dict(block_kv=32), "block_kv must be 64, 128 or 256"),
+        (dict(block_kv=192), "block_kv must be 64, 128 or 256"),
+        (dict(block_kv=512), "block_kv must be 64, 128 or 256"),
+        (dict(stages=1), "stages must be between 2 and 8"),
+        (dict(stages=9), "stages must be between 2 and 8"),
+        (dict(stages=2.0), "stages must be an int"),
+        (dict(block_q=True), "block_q must be an int"),
+    ],
+)
+def test_config_rejects(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    MosaicConfig(**kwargs)
+
+
+def test_config_is_frozen_and_hashable():
+  config = MosaicConfig()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    config.stages = 3  # type: ignore[misc]
+  assert hash(config) == hash(MosaicConfig())
+  assert config.rows_per_consumer == 64
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _bad_inputs():
+  q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _structs(1, 256, 256, 2, 64))
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  yield "float32", f32, {}, NotImplementedError, "bfloat16 and float16"
+  d96 = [jnp.zeros((1, 256, 2, 96), jnp.bfloat16)] * 3
+  yield "head_dim", d96, {}, NotImplementedError, r"head_dim in \(64, 128, 256\), got 96"
+  yield "ragged_q", (q[:, :200], k, v), {}, NotImplementedError, r"ragged .* seq_q \(200\)"
+  yield "ragged_k", (q, k[:, :200], v[:, :200]), {}, NotImplementedError, r"ragged .* seq_k \(200\)"
+  short = MosaicConfig(block_q=256)
+  yield "ragged_block_q", (q[:, :128], k, v), dict(config=short), NotImplementedError, r"block_q \(256\)"
+  yield "rank", (q[0], k, v), {}, ValueError, r"\[batch, seq, heads, head_dim\]"
+  yield "kv_shape", (q, k, v[:, :128]), {}, ValueError, "k and v must have one shape"
+  yield "heads", (q[:, :, :1], k, v), {}, ValueError, r"multiple of k's \(2\)"
+  yield "mixed", (q, k.astype(jnp.float16), v), {}, ValueError, "share a dtype"
+  deep = MosaicConfig(block_kv=256, stages=4)
+  yield "smem", (q, k, v), dict(config=deep), ValueError, "bytes of shared memory"
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [c[1:] for c in _bad_inputs()], ids=[c[0] for c in _bad_inputs()])
+def test_rejects(args, kwargs, error, match):
+  with pytest.raises(error, match=match):
+    mosaic.forward(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- lowering
+
+
+def _lower_for_cuda(q, k, v, causal, config=None) -> str:
+  f = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=config))
+  return f.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_lowers_for_cuda(head_dim, dtype, causal):
+  # Runs the whole Python side of Mosaic GPU for an sm_90 target (layout
+  # inference, wgmma shapes, TMA transforms, barriers); the remaining passes
+  # (to PTX and SASS) run where the custom call is compiled, on the GPU host.
+  text = _lower_for_cuda(*_structs(2, 512, 512, 2, head_dim, dtype), causal)
+  assert "mosaic_gpu_v2" in text
+  out_type = {jnp.bfloat16: "bf16", jnp.float16: "f16"}[dtype]
+  assert f"tensor<2x512x2x{head_dim}x{out_type}>" in text
+  assert "tensor<2x2x512xf32>" in text  # lse
+
+
+@pytest.mark.parametrize(
+    "shape, kv_heads, config",
+    [
+        ((1, 1024, 2048, 8, 128), 2, None),  # grouped-query, seq_q < seq_k
+        ((1, 2048, 1024, 4, 128), None, None),  # seq_q > seq_k: rows that see no key
+        ((1, 1024, 1024, 2, 128), None, MosaicConfig(block_q=128, block_kv=64, stages=4)),
+        ((1, 1024, 1024, 2, 64), None, MosaicConfig(block_q=256, block_kv=64, stages=3)),
+    ],
+)
+def test_lowers_for_cuda_variants(shape, kv_heads, config):
+  text = _lower_for_cuda(*_structs(*shape, kv_heads=kv_heads), True, config)
+  assert "mosaic_gpu_v2" in text
+
+
+# ---------------------------------------------------------------- interpreter
+
+
+def _check_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, causal, *, kv_heads=None,
+                             config=None, interpret=True, tol=1e-2, softmax_scale=None):
+  q, k, v, _ = random_inputs(0, batch, seq_q, seq_k, heads, head_dim, dtype)
+  if kv_heads is not None:
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+  out, lse = mosaic.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, config=config, interpret=interpret)
+  ref_out, ref_lse = reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, compute_dtype=jnp.float32)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert lse.shape == (batch, heads, seq_q) and lse.dtype == jnp.float32
+  # rel_err is inf unless the -inf rows of lse (no visible key) match exactly.
+  assert rel_err(out, ref_out) < tol
+  assert rel_err(lse, ref_lse) < tol
+  return np.asarray(lse)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, causal, kv_heads, config",
+    [
+        ((1, 256, 256, 1, 64), jnp.bfloat16, False, None, None),
+        # Three ring slots over four K/V steps, with the diagonal's drain: the
+        # first consumer stops a block before the second.
+        ((1, 256, 256, 1, 64), jnp.float16, True, None, MosaicConfig(block_q=128, block_kv=64, stages=3)),
+        ((1, 128, 384, 2, 64), jnp.bfloat16, True, 1, MosaicConfig(block_q=128, block_kv=64, stages=2)),
+    ],
+    ids=["full", "causal_drain", "gqa_seq_q_lt_seq_k"],
+)
+def test_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
+  _check_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
+
+
+def test_interpreter_rows_that_see_no_key():
+  # Causal with seq_q > seq_k: the first seq_q - seq_k rows see nothing and
+  # get zeros and lse = -inf, not NaN.
+  lse = _check_against_reference(1, 256, 128, 1, 64, jnp.bfloat16, True,
+                                 config=MosaicConfig(block_q=128, block_kv=64, stages=2), softmax_scale=0.3)
+  assert np.all(np.isneginf(lse[..., :128])) and np.all(np.isfinite(lse[..., 128:]))
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _is_hopper() -> bool:
+  try:
+    device = jax.devices("gpu")[0]
+  except RuntimeError:
+    return False
+  return str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+hopper = pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper GPU (compute capability 9.x)")
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("seq", [1024, 4096])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_matches_reference(seq, head_dim, dtype, causal):
+  _check_against_reference(2, seq, seq, 4, head_dim, dtype, causal, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize(
+    "shape, kv_heads, config",
+    [
+        ((1, 1024, 2048, 8, 128), 2, None),  # grouped-query, seq_q < seq_k
+        ((1, 2048, 1024, 4, 128), None, None),  # seq_q > seq_k: rows that see no key
+        ((1, 2048, 2048, 2, 128), None, MosaicConfig(block_q=128, block_kv=64, stages=4)),  # drain
+        ((1, 2048, 2048, 2, 256), None, None),
+    ],
+    ids=["gqa", "seq_q_gt_seq_k", "block_kv_64", "d256"],
+)
+def test_gpu_variants(shape, kv_heads, config):
+  for dtype in (jnp.bfloat16, jnp.float16):
+    _check_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)

@@ -1,0 +1,77 @@
+"""Times the Mosaic GPU forward against the Triton-lowering forward on a Hopper GPU.
+
+  PYTHONPATH=. python tools/mosaic_bench.py                  # d64 and d128, 1k..16k, causal and not
+  PYTHONPATH=. python tools/mosaic_bench.py --seq 8192 --head-dim 128 --stages 2 --block-kv 128
+
+Same convention as the bench: 16384 tokens per batch (batch = 16384 // seq),
+hidden 2048 (heads = 2048 // head_dim), bf16, TFLOP/s = 4 B H S^2 D / time
+(halved when causal). Each function is compiled ahead, warmed up, then timed
+as rounds of calls launched back to back; the median round is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash2 import flash_attention
+from jax_flash2.bench.flops import forward_flops
+from jax_flash2.mosaic import forward as mosaic
+
+CALLS, ROUNDS, WARMUP = 10, 10, 3
+
+
+def _time_ms(fn, args) -> float:
+  compiled = jax.jit(fn).lower(*args).compile()
+  for _ in range(WARMUP):
+    jax.block_until_ready(compiled(*args))
+  rounds = []
+  for _ in range(ROUNDS):
+    start = time.perf_counter()
+    for _ in range(CALLS):
+      out = compiled(*args)
+    jax.block_until_ready(out)
+    rounds.append((time.perf_counter() - start) * 1e3 / CALLS)
+  return statistics.median(rounds)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seq", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384])
+  parser.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
+  parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+  parser.add_argument("--block-kv", type=int, default=None)
+  parser.add_argument("--stages", type=int, default=None)
+  parser.add_argument("--no-triton", action="store_true", help="time the Mosaic kernel only")
+  args = parser.parse_args()
+  print(jax.devices()[0].device_kind)
+  causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+  print(f"{'d':>4} {'seq':>6} {'causal':>6} {'mosaic ms':>10} {'TFLOP/s':>8} {'triton ms':>10} {'TFLOP/s':>8}")
+  for head_dim in args.head_dim:
+    config = mosaic.default_config(head_dim)
+    if args.block_kv or args.stages:
+      config = mosaic.MosaicConfig(
+          block_q=config.block_q, block_kv=args.block_kv or config.block_kv, stages=args.stages or config.stages
+      )
+    for seq in args.seq:
+      batch, heads = max(16384 // seq, 1), 2048 // head_dim
+      keys = jax.random.split(jax.random.PRNGKey(seq), 3)
+      q, k, v = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16) for key in keys)
+      for causal in causals:
+        flops = forward_flops(batch, heads, seq, seq, head_dim, causal)
+        ms = _time_ms(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=config), (q, k, v))
+        row = f"{head_dim:>4} {seq:>6} {str(causal):>6} {ms:>10.3f} {flops / ms / 1e9:>8.0f}"
+        if not args.no_triton:
+          tms = _time_ms(
+              lambda q, k, v: flash_attention(q, k, v, causal=causal, return_lse=True, backend="triton"), (q, k, v)
+          )
+          row += f" {tms:>10.3f} {flops / tms / 1e9:>8.0f}"
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,132 @@
+"""Compiles the Mosaic GPU forward to sm_90a machine code on a machine without a GPU.
+
+Lowering for CUDA (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`)
+runs only the Python half of Mosaic GPU; the MLIR -> PTX -> ptxas half runs in
+the XLA CUDA plugin when the custom call is compiled. This script calls that
+half directly (MosaicGpuCompile, as Mosaic's torch bridge does) with
+tools/fakecuda.c standing in for the driver, and reports for each case what
+ptxas says (registers, spills) and what the SASS holds (HGMMA, local memory).
+
+Not part of the test suite: it needs the CUDA plugin and ptxas, which the
+project does not install. Set up once, in a venv of its own:
+
+  python3.12 -m venv /tmp/cudavenv
+  /tmp/cudavenv/bin/pip install jax==0.11.2 jaxlib==0.11.2 jax-cuda13-plugin==0.11.2 \\
+      jax-cuda13-pjrt==0.11.2 "nvidia-cuda-nvcc>=13.0,<13.1" "nvidia-nvvm>=13.0,<13.1" \\
+      nvidia-cuda-nvdisasm==13.2.86   # nvdisasm is optional (SASS)
+  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_cpu_compile.py [--dump DIR]
+
+A case that fails to compile prints the compiler's error on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# (batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, config or None)
+CASES = [
+    (2, 1024, 1024, 4, 4, head_dim, dtype, causal, None)
+    for head_dim in (64, 128, 256)
+    for dtype in ("bfloat16", "float16")
+    for causal in (False, True)
+] + [
+    (2, 1024, 2048, 8, 2, 128, "bfloat16", True, None),  # grouped-query, seq_q < seq_k
+    (1, 2048, 1024, 4, 4, 128, "bfloat16", True, None),  # seq_q > seq_k
+    (1, 4096, 4096, 4, 4, 128, "bfloat16", True, (128, 64, 4)),
+    (1, 4096, 4096, 4, 4, 64, "bfloat16", False, (256, 128, 3)),
+]
+
+
+def _cuda_root() -> pathlib.Path:
+  import nvidia.cu13  # from nvidia-cuda-nvcc
+
+  for path in nvidia.cu13.__path__:
+    if (pathlib.Path(path) / "bin" / "ptxas").exists():
+      return pathlib.Path(path)
+  raise SystemExit("ptxas not found: pip install 'nvidia-cuda-nvcc>=13.0,<13.1'")
+
+
+def _load_fake_driver(build_dir: str) -> None:
+  # The plugin dlopens "libcuda.so.1"; a library of that soname already loaded
+  # into the process is the one it gets.
+  lib = os.path.join(build_dir, "libcuda.so.1")
+  subprocess.run(
+      ["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib, str(ROOT / "tools" / "fakecuda.c")],
+      check=True,
+  )
+  ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+
+
+def _summarise(dump: pathlib.Path) -> str:
+  report = " ".join(p.read_text() for p in dump.glob("*.ptxas"))
+  regs = re.search(r"Used (\d+) registers", report)
+  spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+  parts = [f"regs={regs.group(1) if regs else '?'}"]
+  parts.append(f"spill={spills.group(1)}/{spills.group(2)}B" if spills else "spill=?")
+  sass = "".join(p.read_text() for p in dump.glob("*.sass*"))
+  if sass:
+    mma = collections.Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))
+    parts.append("HGMMA " + ",".join(f"{n}x{shape}" for shape, n in sorted(mma.items())))
+    parts.append(f"LDL/STL={len(re.findall(r'\b(?:LDL|STL)\b', sass))}")
+  return " ".join(parts)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--dump", default=None, help="keep Mosaic's dumps (PTX, ptxas, SASS) here")
+  args = parser.parse_args()
+  dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_dump_"))
+  build_dir = tempfile.mkdtemp(prefix="fakecuda_")
+  cuda_root = _cuda_root()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["MOSAIC_GPU_CUDA_ROOT"] = str(cuda_root)
+  os.environ["PATH"] = f"{cuda_root / 'bin'}:{os.environ['PATH']}"
+  for flag in ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS"):
+    os.environ[flag] = "1"
+  _load_fake_driver(build_dir)
+
+  sys.path.insert(0, str(ROOT))
+  import jax
+  import jax_plugins.xla_cuda13 as cuda_plugin
+  from jax.experimental.mosaic.gpu import core as mosaic_core
+
+  from jax_flash2.mosaic import forward as mosaic
+
+  compile_fn = ctypes.CDLL(cuda_plugin._get_library_path()).MosaicGpuCompile
+  compile_fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
+  compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
+
+  failures = 0
+  for i, (batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles) in enumerate(CASES):
+    config = mosaic.MosaicConfig(*tiles) if tiles else None
+    q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
+    name = f"d{head_dim}_{dtype}_{'causal' if causal else 'full'}_{seq_q}x{seq_k}_h{heads}-{kv_heads}"
+    if tiles:
+      name += "_q{}_kv{}_s{}".format(*tiles)
+    dump = dump_root / f"{i:02d}_{name}"
+    dump.mkdir(parents=True, exist_ok=True)
+    os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
+    mosaic_core.KNOWN_KERNELS.clear()
+    f = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=config))
+    f.trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+    [module] = mosaic_core.KNOWN_KERNELS.values()
+    ok = bool(compile_fn(module, len(module)))
+    failures += not ok
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: {_summarise(dump)}", flush=True)
+  print(f"dumps in {dump_root}")
+  return 1 if failures else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
