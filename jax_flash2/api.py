@@ -13,6 +13,7 @@ import numpy as np
 
 from jax_flash2 import dropout, reference
 from jax_flash2.config import BlockSizes, default_block_sizes, padded_head_dim
+from jax_flash2.mosaic import forward as mosaic_forward
 from jax_flash2.triton.tiles import Problem
 from jax_flash2.vjp import KernelCall, flash
 
@@ -25,6 +26,7 @@ _MIN_COMPUTE_CAPABILITY = (8, 0)
 class Backend(enum.Enum):
   AUTO = "auto"
   TRITON = "triton"
+  MOSAIC = "mosaic"
   XLA = "xla"
 
 
@@ -108,7 +110,12 @@ def flash_attention(
     return_lse: also return the log-sum-exp of each row's scaled scores.
     backend: "auto" (Pallas kernels on an NVIDIA GPU of compute capability
       8.0 or newer, else the XLA path with a warning), "triton" (the Pallas
-      Triton-lowering kernels) or "xla" (plain XLA; quadratic memory).
+      Triton-lowering kernels), "mosaic" (the Hopper forward kernel in
+      Pallas Mosaic GPU, with the Triton-lowering backward; problems it
+      cannot serve, such as ragged lengths or any of mask, bias, window,
+      softcap, ALiBi, segment ids and dropout, run the Triton forward
+      instead) or "xla" (plain XLA; quadratic memory). "auto" does not pick
+      "mosaic" yet: it has not been measured on a GPU.
     interpret: run the Pallas kernels in Pallas interpret mode (any platform,
       slow; for tests).
     block_sizes: tile sizes and launch parameters; defaults per head_dim.
@@ -167,7 +174,8 @@ def flash_attention(
         has_bias=bias is not None,
     )
     blocks = (block_sizes or default_block_sizes(head_dim, causal)).fit(seq_q, seq_k)
-    call = KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret))
+    mosaic = _mosaic_config(problem, q, k) if kind is Backend.MOSAIC else None
+    call = KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret), mosaic=mosaic)
     out, lse = flash(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed, bias, call)
   return (out, lse) if return_lse else out
 
@@ -321,6 +329,20 @@ def _check_positive(name: str, value) -> float:
   return number
 
 
+def _mosaic_config(problem: Problem, q, k) -> mosaic_forward.MosaicConfig | None:
+  """The Mosaic forward's tiling when it serves this problem, else None (the
+  Triton forward runs): bf16/fp16, head_dim 64/128/256, lengths that are
+  whole blocks, full or causal attention and no other option."""
+  config = mosaic_forward.default_config(problem.head_dim)
+  extras = (problem.has_mask or problem.has_segments or problem.has_alibi or problem.has_bias
+            or problem.has_dropout or problem.softcap is not None)
+  band = problem.window_left is None and problem.window_right in (None, 0)
+  shapes = (problem.head_dim in mosaic_forward.SUPPORTED_HEAD_DIMS
+            and jnp.dtype(q.dtype) in mosaic_forward.SUPPORTED_DTYPES
+            and q.shape[1] % config.block_q == 0 and k.shape[1] % config.block_kv == 0)
+  return config if band and shapes and not extras else None
+
+
 def _resolve_backend(backend: str, interpret: bool) -> Backend:
   try:
     kind = Backend(backend)
@@ -329,7 +351,11 @@ def _resolve_backend(backend: str, interpret: bool) -> Backend:
   if interpret:
     if kind is Backend.XLA:
       raise ValueError("interpret=True runs the Pallas kernels; it cannot be combined with backend='xla'")
-    return Backend.TRITON
+    return Backend.MOSAIC if kind is Backend.MOSAIC else Backend.TRITON
+  if kind is Backend.MOSAIC and (_gpu_capability() or (0, 0))[0] != 9:
+    # wgmma and setmaxnreg are sm_90a instructions: Hopper only.
+    raise ValueError("backend='mosaic' needs a Hopper GPU (compute capability 9.x, e.g. H100/H200); "
+                     "use backend='triton' or 'auto'")
   if kind is Backend.AUTO:
     if _has_supported_gpu():
       return Backend.TRITON
@@ -339,14 +365,18 @@ def _resolve_backend(backend: str, interpret: bool) -> Backend:
 
 
 def _has_supported_gpu() -> bool:
+  capability = _gpu_capability()
+  return capability is not None and capability >= _MIN_COMPUTE_CAPABILITY
+
+
+def _gpu_capability() -> tuple[int, int] | None:
+  """The default device's compute capability when it is an NVIDIA GPU."""
   device = jax.devices()[0]
-  if device.platform != "gpu":
-    return False
   capability = getattr(device, "compute_capability", None)
-  if capability is None:
-    return False
+  if device.platform != "gpu" or capability is None:
+    return None
   major, minor = (int(x) for x in str(capability).split(".")[:2])
-  return (major, minor) >= _MIN_COMPUTE_CAPABILITY
+  return major, minor
 
 
 @functools.cache

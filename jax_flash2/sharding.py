@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_flash2.triton import backward as triton_backward
+from jax_flash2.mosaic import forward as mosaic_forward
 from jax_flash2.triton import forward as triton_forward
 from jax_flash2.triton.tiles import OptionalInputs
 
@@ -177,6 +178,13 @@ def _optional_inputs(mask, q_segments, kv_segments, slopes, seed, bias) -> Optio
 def _forward_kernels(q, k, v, *args):
   *optional, call = args
   call = _local(call, q, k)
+  if call.mosaic is not None:
+    # Only plain (causal or full) problems get here; see api._mosaic_config.
+    problem = call.problem
+    return mosaic_forward.forward(
+        q, k, v, causal=problem.window_right == 0, softmax_scale=problem.softmax_scale, config=call.mosaic,
+        interpret=call.interpret,
+    )
   return triton_forward.forward(
       q, k, v, _optional_inputs(*optional), call.problem, call.block_sizes.fwd, interpret=call.interpret
   )

@@ -24,6 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_flash2 import sharding
 from jax_flash2.config import BlockSizes
+from jax_flash2.mosaic.forward import MosaicConfig
 from jax_flash2.triton.tiles import Problem
 
 OUT_NAME = "flash2_out"
@@ -44,6 +45,9 @@ class KernelCall:
   problem: Problem
   block_sizes: BlockSizes
   interpret: bool
+  # Set when the forward runs the Hopper (Mosaic GPU) kernel; the backward
+  # is the Triton-lowering kernels' either way (they need only the lse).
+  mosaic: MosaicConfig | None = None
 
 
 def _first_order_only(fn, what: str):

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import random_inputs, rel_err
-from jax_flash2 import reference
+from conftest import random_inputs, reference_with_grads, rel_err
+from jax_flash2 import flash_attention, reference
 from jax_flash2.mosaic import forward as mosaic
 from jax_flash2.mosaic.forward import MosaicConfig
 
@@ -214,3 +214,62 @@ def test_gpu_matches_reference(seq, head_dim, dtype, causal):
 def test_gpu_variants(shape, kv_heads, config):
   for dtype in (jnp.bfloat16, jnp.float16):
     _check_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)
+
+
+# ---------------------------------------------------------------- backend="mosaic"
+
+
+def _mosaic_backend_grads(q, k, v, dout, **kwargs):
+  f = lambda q, k, v: flash_attention(q, k, v, backend="mosaic", return_lse=True, **kwargs)
+  (out, lse), vjp = jax.vjp(f, q, k, v)
+  return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backend_mosaic_forward_with_the_triton_backward(causal):
+  """flash_attention(backend="mosaic"): the Mosaic forward (interpreted here)
+  and the Triton-lowering backward from its lse, against the reference."""
+  q, k, v, dout = (x.astype(jnp.float16) for x in random_inputs(3, 1, 256, 256, 2, 64))
+  got = _mosaic_backend_grads(q, k, v, dout, causal=causal, interpret=True)
+  want = reference_with_grads(q, k, v, dout, causal=causal, dtype=jnp.float32)
+  for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    assert rel_err(x, ref) < 1e-2, name
+
+
+def test_backend_mosaic_uses_the_mosaic_kernel_only_where_it_serves(monkeypatch):
+  """Plain causal bf16 at whole blocks reaches the Mosaic kernel; a mask, a
+  ragged length or float32 fall back to the Triton forward."""
+  from jax_flash2 import api
+
+  seen = []
+  real = mosaic.forward
+  monkeypatch.setattr(mosaic, "forward", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
+  q, k, v, _ = (x.astype(jnp.bfloat16) for x in random_inputs(0, 1, 128, 128, 1, 64))
+  for kwargs, served in (
+      (dict(causal=True), True),
+      (dict(causal=True, mask=jnp.ones((128, 128), bool)), False),
+      (dict(window_size=(16, 0)), False),
+  ):
+    seen.clear()
+    jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, backend="mosaic", interpret=True, **kwargs), q, k, v)
+    assert bool(seen) == served, kwargs
+  assert api._mosaic_config(api.Problem(100, 128, 64, 64, None, 0, 0.1, "bfloat16"), q[:, :100], k) is None
+  assert api._mosaic_config(api.Problem(128, 128, 64, 64, None, 0, 0.1, "float32"), q.astype(jnp.float32), k) is None
+
+
+def test_backend_mosaic_needs_hopper():
+  q, k, v, _ = random_inputs(0, 1, 128, 128, 1, 64)
+  with pytest.raises(ValueError, match="Hopper"):
+    flash_attention(q, k, v, backend="mosaic")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backend_mosaic_on_hopper(causal):
+  if not jax.devices()[0].compute_capability.startswith("9"):
+    pytest.skip("needs a Hopper GPU")
+  q, k, v, dout = random_inputs(4, 2, 2048, 2048, 4, 128, jnp.bfloat16)
+  got = jax.jit(lambda q, k, v, dout: _mosaic_backend_grads(q, k, v, dout, causal=causal))(q, k, v, dout)
+  want = reference_with_grads(q, k, v, dout, causal=causal, dtype=jnp.float32)
+  for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    assert rel_err(x, ref) < 1e-2, name
