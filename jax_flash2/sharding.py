@@ -407,7 +407,13 @@ def forward(q, k, v, optional: tuple, call: KernelCall) -> tuple[jax.Array, jax.
   heads or 1, seq_q, seq_k]; segment ids int32 [batch, seq_q] and [batch,
   seq_k]; ALiBi slopes float32 [batch or 1, heads]; the dropout seed int32 [2].
   """
-  return _with_vmap(_forward_partitioned, 3, call)(q, k, v, *optional)
+  partitioned = _forward_partitioned
+  if call.mosaic is not None and call.interpret:
+    # Mosaic's interpreter steps the kernel through ordered io_callbacks,
+    # which custom_partitioning cannot lower under jit: on CPU, unsharded,
+    # the kernels are called directly.
+    partitioned = _forward_kernels
+  return _with_vmap(partitioned, 3, call)(q, k, v, *optional)
 
 
 def backward(q, k, v, out, lse, do, dlse, optional: tuple, call: KernelCall) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -102,9 +102,28 @@ def _flash2_supports(backend: str) -> Callable[[Shape, Options], str | None]:
       return "head_dim must be a multiple of 8 in [8, 256]"
     if opts.platform != "gpu" and not opts.interpret:
       return "needs a GPU (or --interpret)"
+    if backend == "mosaic":
+      return _mosaic_serves(shape)
     return None
 
   return supports
+
+
+def _mosaic_serves(shape: Shape) -> str | None:
+  """Why backend="mosaic" would run the Triton forward for this shape (so the
+  cell would not measure the Mosaic kernel), or None."""
+  from jax_flash2.mosaic import forward as mosaic_forward
+
+  config = mosaic_forward.default_config(shape.head_dim)
+  if shape.window is not None or shape.segments > 1:
+    return "the Mosaic forward takes no window or segments"
+  if shape.head_dim not in mosaic_forward.SUPPORTED_HEAD_DIMS:
+    return f"the Mosaic forward takes head_dim {mosaic_forward.SUPPORTED_HEAD_DIMS}"
+  if jnp.dtype(shape.dtype) not in mosaic_forward.SUPPORTED_DTYPES:
+    return "the Mosaic forward takes fp16/bf16"
+  if shape.seqlen % config.block_q or shape.seqlen % config.block_kv:
+    return f"the Mosaic forward needs seq a multiple of {max(config.block_q, config.block_kv)}"
+  return None
 
 
 register(
@@ -115,11 +134,11 @@ register(
         supports=_flash2_supports("triton"),
     )
 )
-# Reserved: becomes runnable as soon as jax_flash2.api.Backend gains "mosaic".
+# The Hopper forward (Mosaic GPU); its backward is the Triton-lowering one.
 register(
     Impl(
         name="flash2-mosaic",
-        description="jax_flash2.flash_attention, Pallas kernels lowered through Mosaic GPU",
+        description="jax_flash2.flash_attention(backend='mosaic'): Mosaic GPU forward, Triton-lowering backward",
         factory=_flash2_factory("mosaic"),
         supports=_flash2_supports("mosaic"),
     )
