@@ -28,6 +28,9 @@ stage_mosaic() {
   # A hang (a barrier phase gone wrong) shows as the timeout.
   timeout 300 python -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_mosaic.py 2>&1 | tee "$OUT/mosaic_tests.log"
   timeout 240 python tools/mosaic_bench.py --seq 1024 4096 16384 --head-dim 64 128 2>&1 | tee "$OUT/mosaic_bench.log"
+  # The same through the bench CLI, against cuDNN (forward: Mosaic; backward: Triton).
+  timeout 200 $BENCH --seqlens 2048 8192 16384 --head-dims 64 128 --modes fwd fwd+bwd \
+    --impls flash2-mosaic flash2-triton cudnn --out "$OUT/mosaic_cli" 2>&1 | tail -50
 }
 
 stage_features() {
