@@ -273,3 +273,128 @@ def test_backend_mosaic_on_hopper(causal):
   want = reference_with_grads(q, k, v, dout, causal=causal, dtype=jnp.float32)
   for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
     assert rel_err(x, ref) < 1e-2, name
+
+
+# ================================================================ backward
+# jax_flash2.mosaic.backward: the dK/dV (K/V-outer) and dQ (Q-outer) kernels,
+# fed the reference's lse and delta = rowsum(dO * O). Not wired into the API.
+
+from jax_flash2.mosaic import backward as mosaic_bwd  # noqa: E402
+from jax_flash2.mosaic.backward import BackwardConfig  # noqa: E402
+
+
+def _bwd_structs(batch, seq_q, seq_k, heads, head_dim, dtype=jnp.bfloat16, kv_heads=None):
+  q, k, v = _structs(batch, seq_q, seq_k, heads, head_dim, dtype, kv_heads)
+  vec = jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)
+  return q, k, v, q, vec, vec
+
+
+def test_bwd_config():
+  for head_dim in mosaic_bwd.SUPPORTED_HEAD_DIMS:
+    config = mosaic_bwd.default_backward_config(head_dim)
+    assert config.dkv_smem_bytes(head_dim, jnp.bfloat16) <= mosaic.SMEM_LIMIT
+    assert config.dq_smem_bytes(head_dim, jnp.bfloat16) <= mosaic.SMEM_LIMIT
+  for kwargs, match in (
+      (dict(block_q=32), "block_q must be 64 or 128"),
+      (dict(block_kv=256), "block_kv must be 64 or 128"),
+      (dict(stages=1), "stages must be between 2 and 8"),
+      (dict(stages=True), "stages must be an int"),
+  ):
+    with pytest.raises(ValueError, match=match):
+      BackwardConfig(**kwargs)
+
+
+def test_bwd_rejects():
+  q, k, v, do, lse, delta = (jnp.zeros(s.shape, s.dtype) for s in _bwd_structs(1, 256, 256, 2, 64))
+  for fn in (mosaic_bwd.dkv, mosaic_bwd.dq):
+    with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
+      fn(*(x.astype(jnp.float32) for x in (q, k, v, do)), lse, delta)
+    d256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"head_dim in \(64, 128\), got 256"):
+      fn(d256, d256, d256, d256, lse, delta)
+    with pytest.raises(NotImplementedError, match="ragged"):
+      fn(q, k[:, :200], v[:, :200], do, lse, delta)
+    with pytest.raises(ValueError, match="lse must be float32"):
+      fn(q, k, v, do, lse[:, :1], delta)
+    with pytest.raises(ValueError, match="do must have q's shape"):
+      fn(q, k, v, do[:, :128], lse, delta)
+    with pytest.raises(ValueError, match="shared memory"):
+      fn(q, k, v, do, lse, delta, config=BackwardConfig(128, 128, 8))
+
+
+@pytest.mark.parametrize("kernel", ["dkv", "dq"])
+@pytest.mark.parametrize(
+    "shape, dtype, causal, kv_heads, config",
+    [
+        ((2, 512, 512, 2, 64), jnp.bfloat16, False, None, None),
+        ((2, 512, 512, 2, 128), jnp.float16, True, None, None),
+        ((1, 512, 1024, 8, 128), jnp.bfloat16, True, 2, None),  # grouped-query, seq_q < seq_k
+        ((1, 1024, 512, 2, 128), jnp.bfloat16, True, None, BackwardConfig(128, 128, 2)),  # seq_q > seq_k
+    ],
+    ids=["d64_full", "d128_causal", "gqa", "seq_q_gt_seq_k"],
+)
+def test_bwd_lowers_for_cuda(kernel, shape, dtype, causal, kv_heads, config):
+  structs = _bwd_structs(*shape, dtype, kv_heads)
+  f = jax.jit(lambda *a: getattr(mosaic_bwd, kernel)(*a, causal=causal, config=config))
+  text = f.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu_v2" in text
+  assert f"flash2_bwd_{kernel}_mosaic" in text
+
+
+def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, causal, *, kv_heads=None,
+                                 config=None, interpret=True, tol=1e-2):
+  q, k, v, do = (x.astype(dtype) for x in random_inputs(5, batch, seq_q, seq_k, heads, head_dim))
+  if kv_heads is not None:
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+  out, lse, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, do, causal=causal, dtype=jnp.float32)
+  # delta from the output as the kernel's caller would have it (rounded to dtype).
+  delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(dtype).astype(jnp.float32))
+  lse = lse.astype(jnp.float32)
+  kwargs = dict(causal=causal, config=config, interpret=interpret)
+  dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kwargs)
+  dq = mosaic_bwd.dq(q, k, v, do, lse, delta, **kwargs)
+  for name, x, ref, like in (("dq", dq, ref_dq, q), ("dk", dk, ref_dk, k), ("dv", dv, ref_dv, v)):
+    assert x.shape == like.shape and x.dtype == like.dtype, name
+    assert rel_err(x, ref) < tol, name
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, causal, kv_heads, config",
+    [
+        ((1, 128, 256, 1, 64), jnp.float16, False, None, None),
+        # Grouped-query (dkv sums two query heads) with three ring slots;
+        # dkv's second consumer drains the first Q block, dq's first consumer
+        # drains the last K/V block.
+        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3)),
+        ((1, 128, 384, 1, 64), jnp.float16, True, None, BackwardConfig(64, 64, 2)),
+        # Rows that see no key (lse = -inf) must give 0, not NaN.
+        ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2)),
+    ],
+    ids=["full_seq_q_lt_seq_k", "causal_gqa_drain", "causal_seq_q_lt_seq_k", "causal_seq_q_gt_seq_k"],
+)
+def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
+  _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("seq", [1024, 4096])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_gpu_matches_reference(seq, head_dim, causal):
+  _check_bwd_against_reference(2, seq, seq, 4, head_dim, jnp.bfloat16, causal, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize(
+    "shape, dtype, kv_heads, config",
+    [
+        ((1, 1024, 2048, 8, 128), jnp.bfloat16, 2, None),  # grouped-query, seq_q < seq_k
+        ((1, 2048, 1024, 4, 128), jnp.float16, None, None),  # seq_q > seq_k
+        ((1, 2048, 2048, 2, 64), jnp.bfloat16, None, BackwardConfig(128, 128, 2)),
+    ],
+    ids=["gqa", "seq_q_gt_seq_k", "blocks_128"],
+)
+def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
+  _check_bwd_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)

@@ -1,0 +1,654 @@
+"""FlashAttention-2 backward pass for Hopper (sm_90a) in Pallas's Mosaic GPU backend.
+
+Draft, not yet run on a GPU and not wired into the API: two kernels that take
+the forward's natural-log `lse` and `delta = rowsum(dO * O)` (float32,
+[batch, heads, seq_q]) and return the gradients.
+
+`dkv` (K/V-outer). One CTA owns `OUTER_ROWS` = 128 key rows of one (batch,
+kv head), split between two consumer warpgroups of 64 rows each; each keeps
+its K and V tiles in shared memory and dK, dV in registers. A producer
+warpgroup streams Q, dO, lse and delta blocks of `block_q` rows through a
+ring of `stages` slots (for every query head of the kv head's group in turn:
+grouped-query attention sums dK and dV in the accumulators). Per Q block each
+consumer computes, transposed so that its own key rows are the wgmma M side:
+
+  S^T  = K Q^T                     (wgmma, both operands in SMEM)
+  P^T  = exp2(S^T * scale*log2e - lse*log2e)
+  dV  += P^T dO                    (wgmma, P^T from registers)
+  dP^T = V dO^T                    (wgmma, issued with dV, one wait for both)
+  dS^T = P^T * (dP^T - delta)
+  dK  += dS^T Q                    (wgmma, dS^T from registers)
+
+and scales dK by softmax_scale once at the end; dK and dV leave through the
+K and V tiles and TMA stores.
+
+`dq` (Q-outer), the forward's structure: one CTA owns 128 query rows of one
+(batch, head), two consumers of 64 rows (Q, dO, lse and delta of their rows
+loaded once), a producer streams K and V blocks of `block_kv` rows:
+
+  S  = Q K^T,  P = exp2(S * scale*log2e - lse*log2e),  dP = dO V^T,
+  dS = P * (dP - delta),  dQ += dS K,  dQ *= softmax_scale at the end.
+
+Causal attention is bottom-right aligned (query i sees key j iff
+j <= i + seq_k - seq_q): blocks entirely outside are skipped, only blocks
+crossing the diagonal are masked (P set to 0 after the exponential, so that
+rows that see no key at all, lse = -inf, give 0 and not NaN). A consumer
+whose range starts (dkv) or ends (dq) a block away from its neighbour's
+drains those ring slots (waits ready, arrives consumed) so that barrier
+phases stay in step.
+
+Per ring slot there are ready barriers (completed by the TMA engine) for each
+streamed array and two consumed barriers (two arrivals): dkv releases dO and
+delta after dV / dP^T, Q and lse after dK; dq releases V after dP = dO V^T
+and K after dQ += dS K (K is read twice).
+
+Supported: bf16 and fp16; head_dim 64 and 128; grouped-query attention;
+seq_q and seq_k multiples of the block sizes. Otherwise NotImplementedError.
+
+In Mosaic's interpreter (interpret=True; jax 0.11.2 runs wgmma only from
+shared-memory operands into fresh accumulators), P^T / dS^T (dS for dq) take
+a detour through shared memory and the products are added afterwards, as in
+forward.py; the compiled kernel never takes that branch.
+
+Status: not yet run on a GPU. Checked on CPU: lowering for CUDA, compilation
+to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no spills except a
+few scalars in the causal dkv at head_dim 128), and dq, dk, dv against the
+reference's gradients in Mosaic's interpreter (tests/test_mosaic.py; its race
+detector finds no race here and does find one when the producer skips the
+Q-consumed wait).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_flash2.mosaic.forward import (
+    CONSUMER_REGISTERS,
+    LOG2_E,
+    NUM_CONSUMERS,
+    PRODUCER,
+    PRODUCER_REGISTERS,
+    SMEM_LIMIT,
+    SUPPORTED_DTYPES,
+    WGMMA_M,
+    _SMEM_RESERVE,
+    _kv_block_bounds,
+)
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+# Rows of the outer operand per CTA: 64 per consumer warpgroup (K/V rows for
+# dkv, Q rows for dq).
+OUTER_ROWS = NUM_CONSUMERS * WGMMA_M
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+  """Tiling of the Mosaic GPU backward kernels.
+
+  Attributes:
+    block_q: query rows per ring slot of `dkv` (64 or 128).
+    block_kv: key/value rows per ring slot of `dq` (64 or 128).
+    stages: ring slots (>= 2).
+  The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
+  """
+
+  block_q: int = 64
+  block_kv: int = 64
+  stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv", "stages"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"BackwardConfig.{name} must be an int, got {value!r}")
+    for name in ("block_q", "block_kv"):
+      if getattr(self, name) not in (64, 128):
+        raise ValueError(f"BackwardConfig.{name} must be 64 or 128, got {getattr(self, name)}")
+    if not 2 <= self.stages <= 8:
+      raise ValueError(f"BackwardConfig.stages must be between 2 and 8, got {self.stages}")
+
+  def dkv_smem_bytes(self, head_dim: int, dtype) -> int:
+    item = jnp.dtype(dtype).itemsize
+    kv = 2 * OUTER_ROWS * head_dim * item
+    ring = self.stages * (2 * self.block_q * head_dim * item + 2 * self.block_q * 4)
+    return kv + ring + _SMEM_RESERVE
+
+  def dq_smem_bytes(self, head_dim: int, dtype) -> int:
+    item = jnp.dtype(dtype).itemsize
+    q = 2 * OUTER_ROWS * head_dim * item + 2 * OUTER_ROWS * 4
+    ring = self.stages * 2 * self.block_kv * head_dim * item
+    return q + ring + _SMEM_RESERVE
+
+
+def default_backward_config(head_dim: int) -> BackwardConfig:
+  """A starting point (not tuned on a GPU). dkv keeps dK and dV in registers
+  (128 per thread at head_dim 128), so its Q blocks stay at 64 rows: ptxas
+  spills the causal dkv at block_q 128 even at head_dim 64. dq holds only dQ
+  and takes 128-row K/V blocks at head_dim 64."""
+  if head_dim <= 64:
+    return BackwardConfig(block_q=64, block_kv=128, stages=4)
+  return BackwardConfig(block_q=64, block_kv=64, stages=3)
+
+
+def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernel: str) -> None:
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have one shape, got {k.shape} and {v.shape}")
+  if do.shape != q.shape:
+    raise ValueError(f"do must have q's shape {q.shape}, got {do.shape}")
+  batch, seq_q, heads, head_dim = q.shape
+  if k.shape[0] != batch or k.shape[3] != head_dim:
+    raise ValueError(f"k's batch and head_dim must match q's: q {q.shape}, k {k.shape}")
+  if heads % k.shape[2]:
+    raise ValueError(f"q's heads ({heads}) must be a multiple of k's ({k.shape[2]})")
+  for name, x in (("lse", lse), ("delta", delta)):
+    if x.shape != (batch, heads, seq_q) or x.dtype != jnp.float32:
+      raise ValueError(f"{name} must be float32 [batch, heads, seq_q] = {(batch, heads, seq_q)}, got {x.dtype} {x.shape}")
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v, do)}
+  if len(dtypes) != 1:
+    raise ValueError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {do.dtype}")
+  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    raise NotImplementedError(f"the Mosaic GPU backward supports bfloat16 and float16, got {q.dtype}")
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  seq_k = k.shape[1]
+  if kernel == "dkv":
+    outer_q, outer_k, smem = config.block_q, OUTER_ROWS, config.dkv_smem_bytes(head_dim, q.dtype)
+  else:
+    outer_q, outer_k, smem = OUTER_ROWS, config.block_kv, config.dq_smem_bytes(head_dim, q.dtype)
+  if seq_q % outer_q or seq_k % outer_k:
+    raise NotImplementedError(
+        f"ragged sequence lengths are not supported by the Mosaic GPU backward ({kernel}): seq_q "
+        f"({seq_q}) must be a multiple of {outer_q} and seq_k ({seq_k}) a multiple of {outer_k}"
+    )
+  if smem > SMEM_LIMIT:
+    raise ValueError(
+        f"{config} needs {smem} bytes of shared memory for {kernel} at head_dim {head_dim}, more "
+        f"than the {SMEM_LIMIT} a Hopper CTA has: lower stages or the block sizes"
+    )
+
+
+def _q_block_bounds(k_start, rows: int, seq_q: int, seq_k: int, block_q: int, causal: bool):
+  """(lo, full_lo): key rows [k_start, k_start + rows) are seen by no query of
+  Q blocks [0, lo), by some of blocks [lo, full_lo) (the diagonal) and by
+  every query of blocks [full_lo, num_q). int32 scalars."""
+  num_q = seq_q // block_q
+  if not causal:
+    return jnp.int32(0), jnp.int32(0)
+  offset = seq_k - seq_q  # query i sees key j iff j <= i + offset
+  # Block b holds a query that sees key k_start iff (b + 1) * block_q - 1 + offset >= k_start.
+  lo = jnp.minimum(jnp.clip(k_start - offset, 0, None) // block_q, num_q)
+  # Block b is fully visible iff b * block_q + offset >= k_start + rows - 1.
+  full_lo = jnp.clip(k_start + (rows - 1 - offset + block_q - 1), 0, None) // block_q
+  full_lo = jnp.clip(full_lo, lo, num_q)
+  return lo.astype(jnp.int32), full_lo.astype(jnp.int32)
+
+
+def _swizzled(head_or_cols: int, dtype):
+  swizzle = plgpu.find_swizzle(head_or_cols * jnp.dtype(dtype).itemsize * 8, "tile")
+  return (
+      plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+      plgpu.SwizzleTransform(swizzle),
+  )
+
+
+# ---------------------------------------------------------------- dK, dV
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+    kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_consumed, do_consumed, *staging,
+    seq_q: int, seq_k: int, group: int, causal: bool, softmax_scale: float,
+    config: BackwardConfig, interpret: bool,
+):
+  # q_ref, do_ref: [batch, seq_q, heads, D]; k_ref, v_ref, dk_ref, dv_ref:
+  # [batch, seq_k, kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q].
+  # k_smem, v_smem: [2, 64, D] (one tile per consumer, reused for dK, dV);
+  # q_smem, do_smem: [stages, block_q, D]; lse_smem, delta_smem: [stages, block_q].
+  # kv_ready: [2] barriers of 2 arrivals (K and V copies); *_ready: [stages]
+  # (TMA); q_consumed (Q, lse), do_consumed (dO, delta): [stages], 2 arrivals.
+  # staging (interpret mode only): [2, 64, block_q], P^T and dS^T for wgmma.
+  rows, block_q, stages = WGMMA_M, config.block_q, config.stages
+  dtype = q_ref.dtype
+  head_dim = q_ref.shape[-1]
+  if interpret:
+    [staging] = staging
+  batch = lax.axis_index("batch")
+  kv_head = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  cta_start = lax.axis_index("kv") * OUTER_ROWS
+  num_q = seq_q // block_q
+  # The first consumer's keys come first, so it sees the most Q blocks.
+  lo_cta, _ = _q_block_bounds(cta_start, rows, seq_q, seq_k, block_q, causal)
+  steps_per_head = jnp.int32(num_q) - lo_cta
+
+  def step_of(g, qb):
+    return g * steps_per_head + (qb - lo_cta)
+
+  def slot_of(step):
+    return lax.rem(step, jnp.int32(stages))
+
+  @pl.when(wg == PRODUCER)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    num_steps = group * steps_per_head
+
+    @pl.loop(0, num_steps)
+    def _load(step):
+      slot = slot_of(step)
+      g = lax.div(step, steps_per_head)
+      head = kv_head * group + g
+      q0 = (lo_cta + lax.rem(step, steps_per_head)) * block_q
+      q_rows = (batch, pl.ds(q0, block_q), head)
+      vec = (batch, head, pl.ds(q0, block_q))
+
+      @pl.when(step >= stages)
+      def _():
+        plgpu.barrier_wait(q_consumed.at[slot])
+
+      plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[slot], q_ready.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], lse_ready.at[slot])
+
+      @pl.when(step >= stages)
+      def _():
+        plgpu.barrier_wait(do_consumed.at[slot])
+
+      plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[slot], do_ready.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], delta_ready.at[slot])
+
+    # Observe the last releases as well (Mosaic's interpreter checks that
+    # every waiting thread sees every barrier phase; see forward.py).
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _last_releases(step):
+      plgpu.barrier_wait(q_consumed.at[slot_of(step)])
+      plgpu.barrier_wait(do_consumed.at[slot_of(step)])
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    k_start = cta_start + wg * rows
+    k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+    kv_rows = (batch, pl.ds(k_start, rows), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_tile, kv_ready.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_tile, kv_ready.at[wg])
+    plgpu.barrier_wait(kv_ready.at[wg])
+
+    qk_scale = softmax_scale * LOG2_E
+    lo, full_lo = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
+    vec_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
+
+    def step(qb, carry, *, g, masked: bool):
+      dk, dv = carry
+      slot = slot_of(step_of(g, qb))
+      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+
+      plgpu.barrier_wait(q_ready.at[slot])
+
+      def kq(s_ref):
+        plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
+        return s_ref[...]
+
+      s_t = pl.run_scoped(kq, plgpu.ACC((rows, block_q), jnp.float32))  # [keys, queries]
+      plgpu.barrier_wait(lse_ready.at[slot])
+      lse = plgpu.load(lse_smem.at[slot], layout=vec_layout) * LOG2_E
+      p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      if masked:
+        key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
+        query = qb * block_q + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
+        # After the exponential: queries with lse = -inf (no visible key)
+        # give 0, not NaN.
+        p_t = jnp.where(key <= query + (seq_k - seq_q), p_t, 0.0)
+
+      plgpu.barrier_wait(do_ready.at[slot])
+      zeros = plgpu.layout_cast(jnp.zeros((rows, block_q), jnp.float32), plgpu.Layout.WGMMA)
+      if interpret:
+        p_stage = staging.at[wg]
+        p_stage[...] = p_t.astype(dtype)
+        plgpu.commit_smem()
+
+        def dv_fresh(acc_ref):
+          plgpu.wgmma(acc_ref, p_stage, do_tile)
+          return acc_ref[...]
+
+        def dp_fresh(acc_ref):
+          plgpu.wgmma(acc_ref, v_tile, do_tile.transpose((1, 0)))
+          return acc_ref[...]
+
+        dv = dv + pl.run_scoped(dv_fresh, plgpu.ACC(dv.shape, jnp.float32))
+        dp_t = pl.run_scoped(dp_fresh, plgpu.ACC((rows, block_q), jnp.float32))
+      else:
+        # Both products in one run_state: one wgmma wait for the pair.
+        def dv_dp(refs):
+          dv_ref, dp_ref = refs
+          plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
+          plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
+
+        dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+      plgpu.barrier_wait(delta_ready.at[slot])
+      delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
+      plgpu.barrier_arrive(do_consumed.at[slot])  # dO and delta are no longer read
+
+      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+      if interpret:
+        ds_stage = staging.at[wg]  # the dV product above is complete
+        ds_stage[...] = ds_t.astype(dtype)
+        plgpu.commit_smem()
+
+        def dk_fresh(acc_ref):
+          plgpu.wgmma(acc_ref, ds_stage, q_tile)
+          return acc_ref[...]
+
+        dk = dk + pl.run_scoped(dk_fresh, plgpu.ACC(dk.shape, jnp.float32))
+      else:
+        def dk_step(dk_ref):
+          plgpu.wgmma(dk_ref, ds_t.astype(dtype), q_tile)
+
+        dk = pl.run_state(dk_step)(plgpu.ACC.init(dk))
+      plgpu.barrier_arrive(q_consumed.at[slot])  # Q and lse are no longer read
+      return dk, dv
+
+    def drain(qb, _, *, g):
+      # Q blocks before this warpgroup's diagonal that the other consumer
+      # needs: release their slots without computing (see forward.py).
+      slot = slot_of(step_of(g, qb))
+      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(lse_ready.at[slot])
+      plgpu.barrier_wait(do_ready.at[slot])
+      plgpu.barrier_wait(delta_ready.at[slot])
+      plgpu.barrier_arrive(do_consumed.at[slot])
+      plgpu.barrier_arrive(q_consumed.at[slot])
+
+    acc = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+
+    def one_head(g, carry):
+      # Query head kv_head * group + g: its Q blocks, in the producer's order.
+      if causal:
+        lax.fori_loop(lo_cta, lo, functools.partial(drain, g=g), None)
+        carry = lax.fori_loop(lo, full_lo, functools.partial(step, g=g, masked=True), carry)
+      return lax.fori_loop(full_lo, num_q, functools.partial(step, g=g, masked=False), carry)
+
+    if group == 1:
+      dk, dv = one_head(jnp.int32(0), (acc, acc))
+    else:
+      dk, dv = lax.fori_loop(0, group, one_head, (acc, acc))
+
+    # Every wgmma reading the K and V tiles has completed: they stage dK, dV.
+    k_tile[...] = (dk * softmax_scale).astype(dtype)
+    v_tile[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv_rows])
+    plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _interpret_params(interpret):
+  params = plgpu.InterpretGPUParams() if interpret is True else (interpret or None)
+  return params, params is not None
+
+
+def dkv(
+    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
+    causal: bool = False, softmax_scale: float | None = None, config: BackwardConfig | None = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[jax.Array, jax.Array]:
+  """dK and dV of FlashAttention-2 on Hopper via Mosaic GPU.
+
+  Args:
+    q, do: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads,
+      head_dim] (heads a multiple of kv_heads); bf16 or fp16, one dtype.
+    lse: float32 [batch, heads, seq_q], natural log, as the forward writes it.
+    delta: float32 [batch, heads, seq_q], rowsum(dO * O).
+    causal, softmax_scale: as in the forward.
+    config: tiling; defaults to `default_backward_config(head_dim)`.
+    interpret: run Mosaic GPU's interpreter (CPU) instead of compiling.
+
+  Returns:
+    (dk, dv), like k.
+  """
+  if config is None:
+    config = default_backward_config(q.shape[-1])
+  _check_inputs(q, k, v, do, lse, delta, config, "dkv")
+  batch, seq_q, heads, head_dim = q.shape
+  seq_k, kv_heads = k.shape[1], k.shape[2]
+  if softmax_scale is None:
+    softmax_scale = head_dim ** -0.5
+  interpret_params, interpret = _interpret_params(interpret)
+  dtype, stages, block_q = q.dtype, config.stages, config.block_q
+  transforms = _swizzled(head_dim, dtype)
+  scratch = [
+      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # K
+      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # V
+      plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),  # Q
+      plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),  # dO
+      plgpu.SMEM((stages, block_q), jnp.float32),  # lse
+      plgpu.SMEM((stages, block_q), jnp.float32),  # delta
+      plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS),  # K and V tiles
+      *[plgpu.Barrier(num_barriers=stages) for _ in range(4)],  # Q, dO, lse, delta ready
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # Q, lse consumed
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # dO, delta consumed
+  ]
+  if interpret:
+    scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)))
+  kernel = functools.partial(
+      _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, causal=causal,
+      softmax_scale=float(softmax_scale), config=config, interpret=interpret,
+  )
+  return plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+      scratch_types=scratch,
+      # K/V blocks fastest: CTAs running together share one (batch, kv head)
+      # and read the same Q and dO from L2. Block 0 (causal: the most Q
+      # blocks) launches first.
+      grid=(seq_k // OUTER_ROWS, kv_heads, batch),
+      grid_names=("kv", "heads", "batch"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret_params,
+      kernel_name="flash2_bwd_dkv_mosaic",
+  )(q, k, v, do, lse, delta)
+
+
+# ---------------------------------------------------------------- dQ
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+    q_ready, k_ready, v_ready, k_consumed, v_consumed, *staging,
+    seq_q: int, seq_k: int, group: int, num_q_blocks: int, causal: bool, softmax_scale: float,
+    config: BackwardConfig, interpret: bool,
+):
+  # q_smem, do_smem: [2, 64, D] (per consumer; Q's tile stages dQ at the end);
+  # lse_smem, delta_smem: [2, 64]; k_smem, v_smem: [stages, block_kv, D].
+  # q_ready: [2] barriers of 4 arrivals (Q, dO, lse, delta); k_ready,
+  # v_ready: [stages] (TMA); k_consumed, v_consumed: [stages], 2 arrivals.
+  # staging (interpret mode only): [2, 64, block_kv], dS for wgmma.
+  rows, block_kv, stages = WGMMA_M, config.block_kv, config.stages
+  dtype = q_ref.dtype
+  head_dim = q_ref.shape[-1]
+  if interpret:
+    [staging] = staging
+  batch = lax.axis_index("batch")
+  head = lax.axis_index("heads")
+  kv_head = lax.div(head, jnp.int32(group))
+  wg = lax.axis_index("wg")
+  q_block = lax.axis_index("q")
+  if causal:
+    q_block = jnp.int32(num_q_blocks - 1) - q_block  # the heaviest CTAs first
+  cta_start = q_block * OUTER_ROWS
+  _, num_steps = _kv_block_bounds(cta_start + (NUM_CONSUMERS - 1) * rows, rows, seq_q, seq_k, block_kv, causal)
+
+  def slot_of(step):
+    return lax.rem(step, jnp.int32(stages))
+
+  @pl.when(wg == PRODUCER)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    @pl.loop(0, num_steps)
+    def _load(step):
+      slot = slot_of(step)
+      kv_rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+
+      @pl.when(step >= stages)
+      def _():
+        plgpu.barrier_wait(k_consumed.at[slot])
+
+      plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
+
+      @pl.when(step >= stages)
+      def _():
+        plgpu.barrier_wait(v_consumed.at[slot])
+
+      plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
+
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _last_releases(step):
+      plgpu.barrier_wait(k_consumed.at[slot_of(step)])
+      plgpu.barrier_wait(v_consumed.at[slot_of(step)])
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    q_start = cta_start + wg * rows
+    q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+    q_rows = (batch, pl.ds(q_start, rows), head)
+    vec = (batch, head, pl.ds(q_start, rows))
+    plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_tile, q_ready.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_tile, q_ready.at[wg])
+    plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[wg], q_ready.at[wg])
+    plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[wg], q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+    row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
+    lse = plgpu.load(lse_smem.at[wg], layout=row_layout) * LOG2_E
+    delta = plgpu.load(delta_smem.at[wg], layout=row_layout)
+
+    qk_scale = softmax_scale * LOG2_E
+    full_hi, hi = _kv_block_bounds(q_start, rows, seq_q, seq_k, block_kv, causal)
+
+    def step(kb, dq, *, masked: bool):
+      slot = slot_of(kb)
+      k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+      plgpu.barrier_wait(k_ready.at[slot])
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
+        return s_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
+      p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+      if masked:
+        row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+        col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+        p = jnp.where(col <= row + (seq_k - seq_q), p, 0.0)
+
+      plgpu.barrier_wait(v_ready.at[slot])
+
+      def dov(dp_ref):
+        plgpu.wgmma(dp_ref, do_tile, v_tile.transpose((1, 0)))
+        return dp_ref[...]
+
+      dp = pl.run_scoped(dov, plgpu.ACC((rows, block_kv), jnp.float32))
+      plgpu.barrier_arrive(v_consumed.at[slot])
+      ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+      if interpret:
+        ds_stage = staging.at[wg]
+        ds_stage[...] = ds.astype(dtype)
+        plgpu.commit_smem()
+
+        def dq_fresh(acc_ref):
+          plgpu.wgmma(acc_ref, ds_stage, k_tile)
+          return acc_ref[...]
+
+        dq = dq + pl.run_scoped(dq_fresh, plgpu.ACC(dq.shape, jnp.float32))
+      else:
+        def dq_step(dq_ref):
+          plgpu.wgmma(dq_ref, ds.astype(dtype), k_tile)
+
+        dq = pl.run_state(dq_step)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(k_consumed.at[slot])
+      return dq
+
+    def drain(kb, _):
+      slot = slot_of(kb)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_arrive(v_consumed.at[slot])
+      plgpu.barrier_arrive(k_consumed.at[slot])
+
+    dq = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    dq = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), dq)
+    if causal:
+      dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
+      lax.fori_loop(hi, num_steps, drain, None)
+
+    q_tile[...] = (dq * softmax_scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[q_rows])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def dq(
+    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
+    causal: bool = False, softmax_scale: float | None = None, config: BackwardConfig | None = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> jax.Array:
+  """dQ of FlashAttention-2 on Hopper via Mosaic GPU; arguments as `dkv`.
+
+  Returns:
+    dq, like q.
+  """
+  if config is None:
+    config = default_backward_config(q.shape[-1])
+  _check_inputs(q, k, v, do, lse, delta, config, "dq")
+  batch, seq_q, heads, head_dim = q.shape
+  seq_k, kv_heads = k.shape[1], k.shape[2]
+  if softmax_scale is None:
+    softmax_scale = head_dim ** -0.5
+  interpret_params, interpret = _interpret_params(interpret)
+  dtype, stages, block_kv = q.dtype, config.stages, config.block_kv
+  transforms = _swizzled(head_dim, dtype)
+  scratch = [
+      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # Q
+      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # dO
+      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M), jnp.float32),  # lse
+      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M), jnp.float32),  # delta
+      plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),  # K
+      plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),  # V
+      plgpu.Barrier(num_arrivals=4, num_barriers=NUM_CONSUMERS),  # Q, dO, lse, delta
+      plgpu.Barrier(num_barriers=stages),  # K ready
+      plgpu.Barrier(num_barriers=stages),  # V ready
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # K consumed
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # V consumed
+  ]
+  if interpret:
+    scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_kv), dtype, transforms=_swizzled(block_kv, dtype)))
+  num_q_blocks = seq_q // OUTER_ROWS
+  kernel = functools.partial(
+      _dq_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
+      causal=causal, softmax_scale=float(softmax_scale), config=config, interpret=interpret,
+  )
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      scratch_types=scratch,
+      grid=(num_q_blocks, heads, batch),
+      grid_names=("q", "heads", "batch"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret_params,
+      kernel_name="flash2_bwd_dq_mosaic",
+  )(q, k, v, do, lse, delta)

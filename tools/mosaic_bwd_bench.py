@@ -1,0 +1,88 @@
+"""Times the Mosaic GPU backward kernels (dkv, dq) against the Triton-lowering backward on a Hopper GPU.
+
+  PYTHONPATH=. python tools/mosaic_bwd_bench.py                      # d64 and d128, 1k..16k, causal and not
+  PYTHONPATH=. python tools/mosaic_bwd_bench.py --seq 8192 --head-dim 128 --block-q 64 --stages 3
+
+Bench convention (as tools/mosaic_bench.py): 16384 tokens per batch, hidden
+2048, bf16; backward TFLOP/s = 2.5 x forward FLOPs / time (5 matmuls; the
+Mosaic pair recomputes S and dP in both kernels, 7 matmuls, not counted).
+Mosaic: delta = rowsum(dO * O) (XLA) + dkv + dq, from the Triton forward's
+out and lse. Triton: the vjp's backward, timed as (forward + backward) -
+forward. Also prints each Mosaic kernel alone and the largest relative
+difference of its gradients to Triton's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash2 import flash_attention
+from jax_flash2.bench.flops import forward_flops
+from jax_flash2.mosaic import backward as mosaic_bwd
+
+import mosaic_bench  # tools/, for its timer
+
+_time_ms = mosaic_bench._time_ms
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seq", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384])
+  parser.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
+  parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+  parser.add_argument("--block-q", type=int, default=None)
+  parser.add_argument("--block-kv", type=int, default=None)
+  parser.add_argument("--stages", type=int, default=None)
+  args = parser.parse_args()
+  print(jax.devices()[0].device_kind)
+  causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+  print(f"{'d':>4} {'seq':>6} {'causal':>6} {'dkv ms':>8} {'dq ms':>8} {'mosaic ms':>10} {'TFLOP/s':>8}"
+        f" {'triton ms':>10} {'TFLOP/s':>8} {'max rel diff':>12}")
+  for head_dim in args.head_dim:
+    config = mosaic_bwd.default_backward_config(head_dim)
+    config = mosaic_bwd.BackwardConfig(
+        block_q=args.block_q or config.block_q, block_kv=args.block_kv or config.block_kv,
+        stages=args.stages or config.stages,
+    )
+    for seq in args.seq:
+      batch, heads = max(16384 // seq, 1), 2048 // head_dim
+      keys = jax.random.split(jax.random.PRNGKey(seq), 4)
+      q, k, v, do = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16) for key in keys)
+      for causal in causals:
+        flops = 5 * forward_flops(batch, heads, seq, seq, head_dim, causal) // 2
+        fwd = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=causal, return_lse=True, backend="triton"))
+        out, lse = fwd(q, k, v)
+        kw = dict(causal=causal, config=config)
+
+        def mosaic_grads(q, k, v, do, out, lse):
+          delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
+          dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kw)
+          return mosaic_bwd.dq(q, k, v, do, lse, delta, **kw), dk, dv
+
+        delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
+        dkv_ms = _time_ms(lambda *a: mosaic_bwd.dkv(*a, **kw), (q, k, v, do, lse, delta))
+        dq_ms = _time_ms(lambda *a: mosaic_bwd.dq(*a, **kw), (q, k, v, do, lse, delta))
+        ms = _time_ms(mosaic_grads, (q, k, v, do, out, lse))
+
+        def triton_fwd_bwd(q, k, v, do):
+          _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="triton"), q, k, v)
+          return vjp(do)
+
+        tms = _time_ms(triton_fwd_bwd, (q, k, v, do)) - _time_ms(lambda *a: fwd(*a), (q, k, v))
+        got = jax.jit(mosaic_grads)(q, k, v, do, out, lse)
+        want = jax.jit(triton_fwd_bwd)(q, k, v, do)
+        diff = max(
+            float(np.linalg.norm(np.asarray(g, np.float32) - np.asarray(w, np.float32))
+                  / np.linalg.norm(np.asarray(w, np.float32)))
+            for g, w in zip(got, want)
+        )
+        print(f"{head_dim:>4} {seq:>6} {str(causal):>6} {dkv_ms:>8.3f} {dq_ms:>8.3f} {ms:>10.3f}"
+              f" {flops / ms / 1e9:>8.0f} {tms:>10.3f} {flops / tms / 1e9:>8.0f} {diff:>12.2e}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

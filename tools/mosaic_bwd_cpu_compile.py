@@ -1,0 +1,99 @@
+"""Compiles the Mosaic GPU backward kernels (dkv, dq) to sm_90a on a machine without a GPU.
+
+The backward counterpart of tools/mosaic_cpu_compile.py (same setup, same
+/tmp venv with the CUDA plugin and ptxas; see its docstring):
+
+  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_bwd_cpu_compile.py [--dump DIR]
+
+Prints, per kernel and case, ptxas's registers and spills and what the SASS
+holds (HGMMA shapes, local memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import mosaic_cpu_compile as fwd_tool  # noqa: E402
+
+# (batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, (block_q, block_kv, stages) or None)
+CASES_ALL = [
+    (2, 1024, 1024, 4, 4, head_dim, dtype, causal, None)
+    for head_dim in (64, 128)
+    for dtype in ("bfloat16", "float16")
+    for causal in (False, True)
+] + [
+    (2, 1024, 2048, 8, 2, 128, "bfloat16", True, None),  # grouped-query, seq_q < seq_k
+    (1, 2048, 1024, 4, 4, 128, "bfloat16", True, None),  # seq_q > seq_k
+    (1, 4096, 4096, 4, 4, 128, "bfloat16", False, (128, 128, 2)),
+    (1, 4096, 4096, 4, 4, 64, "bfloat16", True, (64, 64, 4)),
+]
+CASES = CASES_ALL
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--dump", default=None, help="keep Mosaic's dumps (PTX, ptxas, SASS) here")
+  parser.add_argument("--only", default="", help="only the cases whose name contains this")
+  args = parser.parse_args()
+  dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_bwd_dump_"))
+  build_dir = tempfile.mkdtemp(prefix="fakecuda_")
+  cuda_root = fwd_tool._cuda_root()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["MOSAIC_GPU_CUDA_ROOT"] = str(cuda_root)
+  os.environ["PATH"] = f"{cuda_root / 'bin'}:{os.environ['PATH']}"
+  for flag in ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS"):
+    os.environ[flag] = "1"
+  fwd_tool._load_fake_driver(build_dir)
+
+  sys.path.insert(0, str(ROOT))
+  import ctypes
+
+  import jax
+  import jax.numpy as jnp
+  import jax_plugins.xla_cuda13 as cuda_plugin
+  from jax.experimental.mosaic.gpu import core as mosaic_core
+
+  from jax_flash2.mosaic import backward
+
+  compile_fn = ctypes.CDLL(cuda_plugin._get_library_path()).MosaicGpuCompile
+  compile_fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
+  compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
+
+  failures = 0
+  i = 0
+  for batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles in CASES:
+    config = backward.BackwardConfig(*tiles) if tiles else None
+    q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
+    vec = jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)
+    for kernel in ("dkv", "dq"):
+      name = f"{kernel}_d{head_dim}_{dtype}_{'causal' if causal else 'full'}_{seq_q}x{seq_k}_h{heads}-{kv_heads}"
+      if tiles:
+        name += "_q{}_kv{}_s{}".format(*tiles)
+      if args.only not in name:
+        continue
+      dump = dump_root / f"{i:02d}_{name}"
+      i += 1
+      dump.mkdir(parents=True, exist_ok=True)
+      os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
+      mosaic_core.KNOWN_KERNELS.clear()
+      fn = getattr(backward, kernel)
+      f = jax.jit(lambda *a, fn=fn: fn(*a, causal=causal, config=config))
+      f.trace(q, kv, kv, q, vec, vec).lower(lowering_platforms=("cuda",))
+      [module] = mosaic_core.KNOWN_KERNELS.values()
+      ok = bool(compile_fn(module, len(module)))
+      failures += not ok
+      print(f"{'ok  ' if ok else 'FAIL'} {name}: {fwd_tool._summarise(dump)}", flush=True)
+  print(f"dumps in {dump_root}")
+  return 1 if failures else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
