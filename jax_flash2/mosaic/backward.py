@@ -12,12 +12,11 @@ ring of `stages` slots (for every query head of the kv head's group in turn:
 grouped-query attention sums dK and dV in the accumulators). Per Q block each
 consumer computes, transposed so that its own key rows are the wgmma M side:
 
-  S^T  = K Q^T                     (wgmma, both operands in SMEM)
+  S^T  = K Q^T,  dP^T = V dO^T     (one wgmma group, SMEM operands, one wait)
   P^T  = exp2(S^T * scale*log2e - lse*log2e)
-  dV  += P^T dO                    (wgmma, P^T from registers)
-  dP^T = V dO^T                    (wgmma, issued with dV, one wait for both)
   dS^T = P^T * (dP^T - delta)
-  dK  += dS^T Q                    (wgmma, dS^T from registers)
+  dV  += P^T dO,  dK += dS^T Q      (one wgmma group, P^T and dS^T from
+                                     registers, one wait)
 
 and scales dK by softmax_scale once at the end; dK and dV leave through the
 K and V tiles and TMA stores.
@@ -26,8 +25,9 @@ K and V tiles and TMA stores.
 (batch, head), two consumers of 64 rows (Q, dO, lse and delta of their rows
 loaded once), a producer streams K and V blocks of `block_kv` rows:
 
-  S  = Q K^T,  P = exp2(S * scale*log2e - lse*log2e),  dP = dO V^T,
-  dS = P * (dP - delta),  dQ += dS K,  dQ *= softmax_scale at the end.
+  S = Q K^T and dP = dO V^T (one wgmma group), P = exp2(S * scale*log2e -
+  lse*log2e), dS = P * (dP - delta), dQ += dS K (wgmma, dS from registers),
+  dQ *= softmax_scale at the end.
 
 Causal attention is bottom-right aligned (query i sees key j iff
 j <= i + seq_k - seq_q): blocks entirely outside are skipped, only blocks
@@ -38,9 +38,9 @@ drains those ring slots (waits ready, arrives consumed) so that barrier
 phases stay in step.
 
 Per ring slot there are ready barriers (completed by the TMA engine) for each
-streamed array and two consumed barriers (two arrivals): dkv releases dO and
-delta after dV / dP^T, Q and lse after dK; dq releases V after dP = dO V^T
-and K after dQ += dS K (K is read twice).
+streamed array and consumed barriers (two arrivals): dkv releases Q, lse, dO
+and delta after its second wgmma group; dq releases V after dP = dO V^T and
+K after dQ += dS K (K is read twice).
 
 Supported: bf16 and fp16; head_dim 64 and 128; grouped-query attention;
 seq_q and seq_k multiples of the block sizes. Otherwise NotImplementedError.
@@ -52,7 +52,8 @@ forward.py; the compiled kernel never takes that branch.
 
 Status: not yet run on a GPU. Checked on CPU: lowering for CUDA, compilation
 to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no spills except a
-few scalars in the causal dkv at head_dim 128), and dq, dk, dv against the
+few scalars in the causal dkv at head_dim 128; dkv at block_q 128 and
+head_dim 128 spills heavily: S^T and dP^T then take 128 registers), and dq, dk, dv against the
 reference's gradients in Mosaic's interpreter (tests/test_mosaic.py; its race
 detector finds no race here and does find one when the producer skips the
 Q-consumed wait).
@@ -292,13 +293,18 @@ def _dkv_kernel(
       slot = slot_of(step_of(g, qb))
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
+      # Two wgmma groups per block, one wait each: (S^T, dP^T) with both
+      # operands in SMEM, then (dV, dK) with P^T and dS^T from registers.
       plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(do_ready.at[slot])
 
-      def kq(s_ref):
+      def scores(s_ref, dp_ref):
         plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
-        return s_ref[...]
+        plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
+        return s_ref[...], dp_ref[...]  # waits for both
 
-      s_t = pl.run_scoped(kq, plgpu.ACC((rows, block_q), jnp.float32))  # [keys, queries]
+      tile = plgpu.ACC((rows, block_q), jnp.float32)
+      s_t, dp_t = pl.run_scoped(scores, tile, tile)  # [keys, queries]
       plgpu.barrier_wait(lse_ready.at[slot])
       lse = plgpu.load(lse_smem.at[slot], layout=vec_layout) * LOG2_E
       p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
@@ -308,53 +314,38 @@ def _dkv_kernel(
         # After the exponential: queries with lse = -inf (no visible key)
         # give 0, not NaN.
         p_t = jnp.where(key <= query + (seq_k - seq_q), p_t, 0.0)
+      plgpu.barrier_wait(delta_ready.at[slot])
+      delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
+      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
 
-      plgpu.barrier_wait(do_ready.at[slot])
-      zeros = plgpu.layout_cast(jnp.zeros((rows, block_q), jnp.float32), plgpu.Layout.WGMMA)
       if interpret:
-        p_stage = staging.at[wg]
-        p_stage[...] = p_t.astype(dtype)
+        stage = staging.at[wg]
+        stage[...] = p_t.astype(dtype)
         plgpu.commit_smem()
 
         def dv_fresh(acc_ref):
-          plgpu.wgmma(acc_ref, p_stage, do_tile)
-          return acc_ref[...]
-
-        def dp_fresh(acc_ref):
-          plgpu.wgmma(acc_ref, v_tile, do_tile.transpose((1, 0)))
+          plgpu.wgmma(acc_ref, stage, do_tile)
           return acc_ref[...]
 
         dv = dv + pl.run_scoped(dv_fresh, plgpu.ACC(dv.shape, jnp.float32))
-        dp_t = pl.run_scoped(dp_fresh, plgpu.ACC((rows, block_q), jnp.float32))
-      else:
-        # Both products in one run_state: one wgmma wait for the pair.
-        def dv_dp(refs):
-          dv_ref, dp_ref = refs
-          plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
-          plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
-
-        dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-      plgpu.barrier_wait(delta_ready.at[slot])
-      delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
-      plgpu.barrier_arrive(do_consumed.at[slot])  # dO and delta are no longer read
-
-      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-      if interpret:
-        ds_stage = staging.at[wg]  # the dV product above is complete
-        ds_stage[...] = ds_t.astype(dtype)
+        stage[...] = ds_t.astype(dtype)  # the dV product above is complete
         plgpu.commit_smem()
 
         def dk_fresh(acc_ref):
-          plgpu.wgmma(acc_ref, ds_stage, q_tile)
+          plgpu.wgmma(acc_ref, stage, q_tile)
           return acc_ref[...]
 
         dk = dk + pl.run_scoped(dk_fresh, plgpu.ACC(dk.shape, jnp.float32))
       else:
-        def dk_step(dk_ref):
+        def grads(refs):
+          dv_ref, dk_ref = refs
+          plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
           plgpu.wgmma(dk_ref, ds_t.astype(dtype), q_tile)
 
-        dk = pl.run_state(dk_step)(plgpu.ACC.init(dk))
-      plgpu.barrier_arrive(q_consumed.at[slot])  # Q and lse are no longer read
+        dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))  # one wait
+      # Neither Q, dO, lse nor delta of this slot is read any more.
+      plgpu.barrier_arrive(do_consumed.at[slot])
+      plgpu.barrier_arrive(q_consumed.at[slot])
       return dk, dv
 
     def drain(qb, _, *, g):
@@ -541,27 +532,24 @@ def _dq_kernel(
     def step(kb, dq, *, masked: bool):
       slot = slot_of(kb)
       k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+      # Two wgmma groups per block, one wait each: (S, dP) with both operands
+      # in SMEM, then dQ with dS from registers.
       plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
 
-      def qk(s_ref):
+      def scores(s_ref, dp_ref):
         plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
-        return s_ref[...]
+        plgpu.wgmma(dp_ref, do_tile, v_tile.transpose((1, 0)))
+        return s_ref[...], dp_ref[...]  # waits for both
 
-      s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
+      tile = plgpu.ACC((rows, block_kv), jnp.float32)
+      s, dp = pl.run_scoped(scores, tile, tile)
+      plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
       p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
       if masked:
         row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
         col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         p = jnp.where(col <= row + (seq_k - seq_q), p, 0.0)
-
-      plgpu.barrier_wait(v_ready.at[slot])
-
-      def dov(dp_ref):
-        plgpu.wgmma(dp_ref, do_tile, v_tile.transpose((1, 0)))
-        return dp_ref[...]
-
-      dp = pl.run_scoped(dov, plgpu.ACC((rows, block_kv), jnp.float32))
-      plgpu.barrier_arrive(v_consumed.at[slot])
       ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
       if interpret:
         ds_stage = staging.at[wg]
@@ -578,7 +566,7 @@ def _dq_kernel(
           plgpu.wgmma(dq_ref, ds.astype(dtype), k_tile)
 
         dq = pl.run_state(dq_step)(plgpu.ACC.init(dq))
-      plgpu.barrier_arrive(k_consumed.at[slot])
+      plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
       return dq
 
     def drain(kb, _):
