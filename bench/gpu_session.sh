@@ -7,7 +7,8 @@
 # Logs and result files go to $OUT (or ./gpu_out). Stages, in the order they
 # are worth running:
 #   new       GPU tests not yet run there: dropout, bias, shard_map check_vma (~3 min)
-#   mosaic    the Mosaic GPU forward: its GPU tests, then its speed against the Triton path (~6 min)
+#   mosaic    the Mosaic GPU kernels (forward; backward dK/dV and dQ): their GPU tests, then
+#             their speed against the Triton path and cuDNN (~9 min; split if it runs long)
 #   features  issue 5's speed checks: window (1024, 0) and 8 segments vs causal at 16k,
 #             GQA 32/8 vs MHA, softcap/ALiBi/bias/dropout cost (~4 min)
 #   tune      forward tiles for the issue-2 targets (d128 8k, causal and not) (~4 min)
@@ -28,6 +29,7 @@ stage_mosaic() {
   # A hang (a barrier phase gone wrong) shows as the timeout.
   timeout 300 python -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_mosaic.py 2>&1 | tee "$OUT/mosaic_tests.log"
   timeout 240 python tools/mosaic_bench.py --seq 1024 4096 16384 --head-dim 64 128 2>&1 | tee "$OUT/mosaic_bench.log"
+  timeout 240 python tools/mosaic_bwd_bench.py --seq 4096 8192 16384 --head-dim 64 128 2>&1 | tee "$OUT/mosaic_bwd_bench.log"
   # The same through the bench CLI, against cuDNN (forward: Mosaic; backward: Triton).
   timeout 200 $BENCH --seqlens 2048 8192 16384 --head-dims 64 128 --modes fwd fwd+bwd \
     --impls flash2-mosaic flash2-triton cudnn --out "$OUT/mosaic_cli" 2>&1 | tail -50
