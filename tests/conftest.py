@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
+import pkgutil
+
+
+def _cuda_plugin_installed() -> bool:
+  """Whether a jax CUDA plugin is installed (found without importing jax)."""
+  if importlib.util.find_spec("jax_plugins") is None:
+    return False
+  import jax_plugins  # a namespace package: importing it imports no plugin
+
+  return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(jax_plugins.__path__))
+
 
 # Eight host devices for the sharding tests' meshes on CPU. Read when jax
 # creates its CPU backend, so it must come before jax is imported; a caller's
 # own XLA_FLAGS win.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import functools
+_XLA_FLAGS = ["--xla_force_host_platform_device_count=8"]
+if not _cuda_plugin_installed():
+  # CPU only: most of the suite's time is XLA compiling the interpret-mode
+  # kernels (big while-loop programs, run once or twice on tiny inputs), and
+  # LLVM's optimisations cost far more compile time than they save in run
+  # time. The tolerances are unchanged: float32 against float64 either way.
+  # Left off where a GPU plugin is installed: the flags are global and would
+  # slow the GPU suite's compiled programs.
+  _XLA_FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+os.environ.setdefault("XLA_FLAGS", " ".join(_XLA_FLAGS))
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +51,36 @@ def has_supported_gpu() -> bool:
   return major >= 8
 
 
+# Tests that share one expensive module-scoped fixture, by node id prefix:
+# under pytest-xdist each group goes to one worker, so its fixture runs once
+# rather than once per worker that gets one of its tests.
+ONE_WORKER_GROUPS = {
+    "tests/test_example.py::": "train_gpt runs",
+    "tests/test_bench.py::test_cli_tiny_cpu_run": "bench tiny run",
+    "tests/test_bench.py::test_cli_runs_gqa": "bench tiny run",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """--dist load (what -n picks by default), except for ONE_WORKER_GROUPS:
+  every other test is a scheduling unit of its own, handed out as workers
+  free up. (xdist's own --dist loadgroup would do this with marks, but does
+  not group anything under pytest 9.)"""
+  if config.getvalue("dist") != "load":
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  class OneWorkerGroups(LoadScopeScheduling):
+    def _split_scope(self, nodeid):
+      for prefix, group in ONE_WORKER_GROUPS.items():
+        if nodeid.startswith(prefix):
+          return group
+      return nodeid
+
+  return OneWorkerGroups(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
   if has_supported_gpu():
     return
@@ -41,13 +91,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 def random_inputs(seed: int, batch, seq_q, seq_k, heads, head_dim, dtype=jnp.float32):
-  """Fresh normal q, k, v and a random output cotangent dout."""
-  kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q = jax.random.normal(kq, (batch, seq_q, heads, head_dim), jnp.float32).astype(dtype)
-  k = jax.random.normal(kk, (batch, seq_k, heads, head_dim), jnp.float32).astype(dtype)
-  v = jax.random.normal(kv, (batch, seq_k, heads, head_dim), jnp.float32).astype(dtype)
-  dout = jax.random.normal(kd, (batch, seq_q, heads, head_dim), jnp.float32).astype(dtype)
-  return q, k, v, dout
+  """Fresh standard normal q, k, v and a random output cotangent dout.
+
+  Drawn by numpy: jax.random compiles its sampler anew for every shape, which
+  cost about half a second per test on CPU."""
+  rng = np.random.default_rng(seed)
+  q_shape, kv_shape = (batch, seq_q, heads, head_dim), (batch, seq_k, heads, head_dim)
+  return tuple(
+      jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+      for shape in (q_shape, kv_shape, kv_shape, q_shape)
+  )
 
 
 def rel_err(x, ref, floor: float = 0.0) -> float:
@@ -103,6 +156,37 @@ def _reference_with_grads(
   )
   dq, dk, dv = vjp((dout.astype(dtype), dlse.astype(lse.dtype)))
   return out, lse, dq, dk, dv
+
+
+def flash_with_grads(q, k, v, dout, dlse=None, *, bias_grad=False, **kwargs):
+  """(out, lse, dq, dk, dv) of flash_attention(q, k, v, return_lse=True,
+  interpret=True, **kwargs) with output cotangents (dout, dlse), plus dbias
+  when bias_grad. One jitted program: array arguments (mask, bias, slopes,
+  segment ids, dropout key) are its operands, the rest static. Much cheaper
+  to compile than the same calls op by op (the eager path keeps its own
+  tests: test_api.test_jit_matches_eager, test_kernels.test_gradients_are_deterministic).
+
+  dlse None means zeros."""
+  if dlse is None:
+    dlse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+  arrays = {name: x for name, x in kwargs.items() if isinstance(x, (jax.Array, np.ndarray))}
+  static = tuple(sorted((name, x) for name, x in kwargs.items() if name not in arrays))
+  return _flash_with_grads(q, k, v, dout, dlse, arrays, static, bias_grad)
+
+
+@functools.partial(jax.jit, static_argnums=(6, 7))
+def _flash_with_grads(q, k, v, dout, dlse, arrays, static, bias_grad):
+  from jax_flash2 import flash_attention
+
+  arrays = dict(arrays)
+  bias = arrays.pop("bias") if bias_grad else None
+
+  def f(q, k, v, *bias_arg):
+    extra = {"bias": bias_arg[0]} if bias_arg else {}
+    return flash_attention(q, k, v, return_lse=True, interpret=True, **arrays, **extra, **dict(static))
+
+  (out, lse), vjp = jax.vjp(f, q, k, v, *(() if bias is None else (bias,)))
+  return (out, lse, *vjp((dout, dlse)))
 
 
 def assert_matches_reference(got, want, dout, tol: float = 1e-5) -> None:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import assert_matches_reference, random_inputs, reference_with_grads, rel_err
+from conftest import assert_matches_reference, flash_with_grads, random_inputs, reference_with_grads, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
 
 MIXED = BlockSizes(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(16, 16))
@@ -23,12 +23,7 @@ def test_matches_reference(per_batch, kv_heads, causal, softcap):
   shape = (2, 4) if per_batch else (4,)
   slopes = jax.random.uniform(jax.random.PRNGKey(1), shape, jnp.float32, 0.05, 0.5)
 
-  def f(q, k, v):
-    return flash_attention(q, k, v, alibi_slopes=slopes, causal=causal, softcap=softcap,
-                           return_lse=True, interpret=True, block_sizes=MIXED)
-
-  (out, lse), vjp = jax.vjp(f, q, k, v)
-  got = (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+  got = flash_with_grads(q, k, v, dout, alibi_slopes=slopes, causal=causal, softcap=softcap, block_sizes=MIXED)
   want = reference_with_grads(q, k, v, dout, alibi_slopes=slopes, causal=causal, softcap=softcap)
   without = reference_with_grads(q, k, v, dout, causal=causal, softcap=softcap)
   assert_matches_reference(got, want, dout)

@@ -123,8 +123,8 @@ def test_checkpoint_inside_grad():
   q, k, v, dout = random_inputs(3, 1, 24, 24, 2, 16)
   attn = lambda q, k, v: flash_attention(q, k, v, causal=True, **KERNEL)
   loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v) * dout))
-  plain = jax.grad(loss(attn), argnums=(0, 1, 2))(q, k, v)
-  remat = jax.grad(loss(jax.checkpoint(attn)), argnums=(0, 1, 2))(q, k, v)
+  plain = jax.jit(jax.grad(loss(attn), argnums=(0, 1, 2)))(q, k, v)
+  remat = jax.jit(jax.grad(loss(jax.checkpoint(attn)), argnums=(0, 1, 2)))(q, k, v)
   want = reference_with_grads(q, k, v, dout, causal=True)[2:]
   for p, r, w in zip(plain, remat, want):
     np.testing.assert_allclose(np.asarray(p), np.asarray(r), rtol=1e-6, atol=1e-6)
@@ -150,9 +150,9 @@ def test_grad_through_a_two_layer_model():
 
   flash = lambda q, k, v: flash_attention(q, k, v, causal=True, **KERNEL)
   ref = lambda q, k, v: reference.attention(q, k, v, causal=True)[0]
-  loss, grads = jax.value_and_grad(model)(params, x, flash)
+  loss, grads = jax.jit(jax.value_and_grad(model), static_argnums=2)(params, x, flash)
   params64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
-  want_loss, want_grads = jax.value_and_grad(model)(params64, x.astype(jnp.float64), ref)
+  want_loss, want_grads = jax.jit(jax.value_and_grad(model), static_argnums=2)(params64, x.astype(jnp.float64), ref)
   assert abs(float(loss) - float(want_loss)) < 1e-5 * abs(float(want_loss))
   for name in grads:
     assert rel_err(grads[name], want_grads[name]) < 1e-5, name

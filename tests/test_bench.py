@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
 
@@ -451,17 +453,28 @@ def test_json_and_csv_schema(tmp_path):
 # ----------------------------------------------------------- end to end
 
 
-def test_cli_tiny_cpu_run(tmp_path, capsys):
-  out = tmp_path / "bench"
-  argv = ["--seqlens", "32", "64", "--causal", "true", "--iters", "2", "--warmup", "0",
-          "--out", str(out), "--plot", "--no-progress", "--memory", "--memory-max-seqlen", "64"]
-  assert cli.main(argv) == 0
-  printed = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  """(output dir, printed text, results.json) of one tiny CPU run of the CLI,
+  shared by the end-to-end tests below: every mode and the default impls at
+  two lengths, checks, --memory and --plot, with 4 query heads over 2 K/V
+  heads (GQA). One run instead of one per test: each run compiles its
+  kernels anew."""
+  out = tmp_path_factory.mktemp("bench")
+  argv = ["--seqlens", "32", "64", "--heads", "4", "--kv-heads", "2", "--causal", "true", "--iters", "2",
+          "--warmup", "0", "--out", str(out), "--plot", "--no-progress", "--memory", "--memory-max-seqlen", "64"]
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    assert cli.main(argv) == 0
+  return out, printed.getvalue(), json.loads((out / "results.json").read_text())
+
+
+def test_cli_tiny_cpu_run(tiny_run):
+  out, printed, doc = tiny_run
   assert "NOT GPU figures" in printed
   assert "Accuracy vs float32 reference" in printed and "Memory probe" in printed
   for name in ("results.json", "results.csv", "tflops_bf16.png"):
     assert (out / name).is_file() and os.path.getsize(out / name) > 0
-  doc = json.loads((out / "results.json").read_text())
   assert doc["metadata"]["backend"] == "cpu"
   cells = doc["cells"]
   assert len(cells) == 2 * 3 * 3  # seqlens x modes x impls
@@ -483,17 +496,18 @@ def test_cli_tiny_cpu_run(tmp_path, capsys):
     assert len(list(csv.DictReader(f))) == len(cells)
 
 
-def test_cli_runs_gqa(tmp_path):
-  argv = ["--seqlens", "32", "--heads", "4", "--kv-heads", "2", "--causal", "false", "--modes", "fwd",
-          "--impls", "flash2-triton", "xla", "--iters", "1", "--warmup", "0", "--no-progress",
-          "--out", str(tmp_path)]
-  assert cli.main(argv) == 0
-  doc = json.loads((tmp_path / "results.json").read_text())
-  status = {r["impl"]: r for r in doc["cells"]}
+def test_cli_runs_gqa(tiny_run):
+  """Grouped-query shapes (4 query heads, 2 K/V heads) through both impls: the
+  shared run's cells and checks."""
+  _, printed, doc = tiny_run
+  assert "heads 4, kv_heads 2" in printed
   for impl in ("flash2-triton", "xla"):
-    assert status[impl]["status"] == "ok" and status[impl]["kv_heads"] == 2
+    cells = [r for r in doc["cells"] if r["impl"] == impl]
+    assert len(cells) == 2 * 3
+    for rec in cells:
+      assert rec["status"] == "ok" and (rec["heads"], rec["kv_heads"]) == (4, 2), rec
     check = [r for r in doc["checks"] if r["impl"] == impl][0]
-    assert check["status"] == "ok" and check["rel_err_out"] < 2e-2
+    assert check["status"] == "ok" and check["kv_heads"] == 2 and check["rel_err_out"] < 2e-2
 
 
 def test_cli_runs_window_and_segments(tmp_path, capsys):

@@ -3,30 +3,38 @@ against the float64 reference."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_matches_reference, random_inputs, rel_err
+from conftest import assert_matches_reference, flash_with_grads, random_inputs, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, dropout, flash_attention, reference
 
 MIXED = BlockSizes(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(16, 16))
 
 
 def _reference(q, k, v, dout, bias, **kwargs):
-  """(out, lse, dq, dk, dv, dbias) in float64."""
-  f = lambda q, k, v, bias: reference.attention(q, k, v, bias=bias, compute_dtype=jnp.float64, **kwargs)
+  """(out, lse, dq, dk, dv, dbias) in float64 (jitted: array kwargs are operands, the rest static)."""
+  arrays = {name: x for name, x in kwargs.items() if isinstance(x, jax.Array)}
+  static = tuple(sorted((name, x) for name, x in kwargs.items() if name not in arrays))
+  return _reference_jit(q, k, v, dout, bias, arrays, static)
+
+
+@functools.partial(jax.jit, static_argnums=6)
+def _reference_jit(q, k, v, dout, bias, arrays, static):
+  f = lambda q, k, v, bias: reference.attention(q, k, v, bias=bias, compute_dtype=jnp.float64, **arrays,
+                                                **dict(static))
   args = [x.astype(jnp.float64) for x in (q, k, v, bias)]
   (out, lse), vjp = jax.vjp(f, *args)
   return (out, lse, *vjp((dout.astype(jnp.float64), jnp.zeros_like(lse))))
 
 
 def _flash(q, k, v, dout, bias, **kwargs):
-  f = lambda q, k, v, bias: flash_attention(q, k, v, bias=bias, return_lse=True, interpret=True,
-                                            block_sizes=MIXED, **kwargs)
-  (out, lse), vjp = jax.vjp(f, q, k, v, bias)
-  return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+  """(out, lse, dq, dk, dv, dbias) of the kernels, one jitted program."""
+  return flash_with_grads(q, k, v, dout, bias=bias, bias_grad=True, block_sizes=MIXED, **kwargs)
 
 
 def _check(got, want, dout):
@@ -112,7 +120,7 @@ def test_vmap_with_a_bias():
   q, k, v, dout = random_inputs(5, 3, 20, 20, 2, 16)
   bias = jax.random.normal(jax.random.PRNGKey(6), (3, 1, 2, 20, 20), jnp.float32)  # mapped with the inputs
   f = lambda q, k, v, b: flash_attention(q, k, v, bias=b, causal=True, interpret=True, block_sizes=MIXED)
-  got = jax.vmap(f)(q[:, None], k[:, None], v[:, None], bias)
-  want = jax.vmap(lambda q, k, v, b: reference.attention(q, k, v, bias=b, causal=True)[0])(
+  got = jax.jit(jax.vmap(f))(q[:, None], k[:, None], v[:, None], bias)
+  want = jax.jit(jax.vmap(lambda q, k, v, b: reference.attention(q, k, v, bias=b, causal=True)[0]))(
       q[:, None], k[:, None], v[:, None], bias)
   assert rel_err(got, want) < 1e-5

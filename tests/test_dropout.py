@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_matches_reference, random_inputs, reference_with_grads, rel_err
+from conftest import assert_matches_reference, flash_with_grads, random_inputs, reference_with_grads, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, dropout, flash_attention
 
 MIXED = BlockSizes(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(16, 16))
@@ -30,9 +30,9 @@ def _flash(q, k, v, rate, rng=RNG, **kwargs):
 def test_matches_reference(rate, causal, kv_heads, window, broadcast):
   q, k, v, dout = random_inputs(3, 2, 35, 41, 4, 16)
   k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
-  f = lambda q, k, v: _flash(q, k, v, rate, causal=causal, window_size=window, dropout_broadcast=broadcast)
-  (out, lse), vjp = jax.vjp(f, q, k, v)
-  got = (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+  got = flash_with_grads(q, k, v, dout, dropout_rate=rate, dropout_rng=RNG, causal=causal, window_size=window,
+                         dropout_broadcast=broadcast, block_sizes=MIXED)
+  out = got[0]
   seed = dropout.seed_words(RNG)
   ref = dict(causal=causal, window=window or (None, None))
   want = reference_with_grads(q, k, v, dout, dropout=(rate, seed, broadcast), **ref)
@@ -47,7 +47,7 @@ def _kernel_keep_mask(rate, broadcast=False):
   batch, seq, heads = 2, 16, 2
   q, k, _, _ = random_inputs(5, batch, seq, seq, heads, 16)
   v = jnp.broadcast_to(jnp.eye(seq, dtype=jnp.float32)[None, :, None, :], (batch, seq, heads, seq))
-  out, _ = _flash(q, k, v, rate, dropout_broadcast=broadcast, block_sizes=SMALL)
+  out = jax.jit(lambda q, k, v: _flash(q, k, v, rate, dropout_broadcast=broadcast, block_sizes=SMALL)[0])(q, k, v)
   return np.asarray(out != 0).transpose(0, 2, 1, 3)  # [batch, heads, seq_q, seq_k]
 
 
@@ -98,7 +98,7 @@ def test_keys_and_the_xla_backend():
 def test_vmap_folds_the_batch_and_refuses_a_mapped_key():
   q, k, v, _ = random_inputs(2, 3, 24, 24, 2, 16)
   f = lambda q, k, v: _flash(q, k, v, 0.3, block_sizes=SMALL)[0]
-  mapped = jax.vmap(f)(q[:, None], k[:, None], v[:, None])
+  mapped = jax.jit(jax.vmap(f))(q[:, None], k[:, None], v[:, None])
   assert mapped.shape == (3, 1, 24, 2, 16) and np.isfinite(np.asarray(mapped)).all()
   keys = jax.random.split(RNG, 3)
   with pytest.raises(NotImplementedError, match="dropout_rng"):

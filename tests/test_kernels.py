@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from conftest import assert_matches_reference, random_inputs, reference_with_grads, rel_err
+from conftest import assert_matches_reference, flash_with_grads, random_inputs, reference_with_grads, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
 
 # Tiles of 16 make even small sequences span several blocks, ragged tails and
@@ -39,7 +39,9 @@ SHAPES = [
 ]
 
 
-def _run(q, k, v, dout, dlse, **kwargs):
+def _run_eager(q, k, v, dout, dlse, **kwargs):
+  """Op by op, outside jit (the other tests use conftest.flash_with_grads: one
+  jitted program, much cheaper to compile)."""
   def f(q, k, v):
     return flash_attention(q, k, v, return_lse=True, interpret=True, **kwargs)
 
@@ -54,10 +56,10 @@ def _check_against_reference(
   q, k, v, dout = random_inputs(seed, batch, seq_q, seq_k, heads, head_dim)
   if kv_heads is not None:  # grouped-query attention: fewer K/V heads
     k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
-  dlse = jax.random.normal(jax.random.PRNGKey(seed + 1), (batch, heads, seq_q), jnp.float32)
-  if not lse_cotangent:
-    dlse = jnp.zeros_like(dlse)
-  got = _run(q, k, v, dout, dlse, causal=causal, block_sizes=block_sizes, softmax_scale=softmax_scale)
+  dlse = jnp.zeros((batch, heads, seq_q), jnp.float32)
+  if lse_cotangent:
+    dlse = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(dlse.shape, np.float32))
+  got = flash_with_grads(q, k, v, dout, dlse, causal=causal, block_sizes=block_sizes, softmax_scale=softmax_scale)
   want = reference_with_grads(q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale)
   assert_matches_reference(got, want, dout, FP32_TOL)
   return got
@@ -106,8 +108,8 @@ def test_fully_masked_rows_are_zero_with_finite_gradients():
 def test_gradients_are_deterministic():
   q, k, v, dout = random_inputs(0, 1, 40, 40, 2, 16)
   dlse = jnp.zeros((1, 2, 40), jnp.float32)
-  first = _run(q, k, v, dout, dlse, causal=True, block_sizes=SMALL)
-  second = _run(q, k, v, dout, dlse, causal=True, block_sizes=SMALL)
+  first = _run_eager(q, k, v, dout, dlse, causal=True, block_sizes=SMALL)
+  second = _run_eager(q, k, v, dout, dlse, causal=True, block_sizes=SMALL)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -116,7 +118,7 @@ def test_gradients_are_deterministic():
 def test_half_precision(dtype):
   q, k, v, dout = random_inputs(2, 1, 48, 40, 2, 32, dtype)
   dlse = jnp.zeros((1, 2, 48), jnp.float32)
-  got = _run(q, k, v, dout, dlse, causal=True, block_sizes=SMALL)
+  got = flash_with_grads(q, k, v, dout, dlse, causal=True, block_sizes=SMALL)
   want = reference_with_grads(q, k, v, dout, causal=True)
   for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
     assert x.dtype == (jnp.float32 if name == "lse" else dtype), name

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_matches_reference, random_inputs, reference_with_grads, rel_err
+from conftest import assert_matches_reference, flash_with_grads, random_inputs, reference_with_grads, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
 
 SMALL = BlockSizes(fwd=KernelConfig(16, 16), dkv=KernelConfig(16, 16), dq=KernelConfig(16, 16))
@@ -20,12 +20,8 @@ def _packed(lengths_per_row: list[list[int]]) -> jax.Array:
 
 
 def _run(q, k, v, dout, ids, block_sizes, **kwargs):
-  def f(q, k, v):
-    return flash_attention(q, k, v, q_segment_ids=ids[0], kv_segment_ids=ids[1], return_lse=True,
-                           interpret=True, block_sizes=block_sizes, **kwargs)
-
-  (out, lse), vjp = jax.vjp(f, q, k, v)
-  return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+  return flash_with_grads(q, k, v, dout, q_segment_ids=ids[0], kv_segment_ids=ids[1], block_sizes=block_sizes,
+                          **kwargs)
 
 
 @pytest.mark.parametrize("causal, kv_heads, block_sizes", [

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import pytest
 
-from conftest import assert_matches_reference, random_inputs, reference_with_grads, rel_err
+from conftest import assert_matches_reference, flash_with_grads, random_inputs, reference_with_grads, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
 
 MIXED = BlockSizes(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(16, 16))
@@ -23,12 +21,7 @@ def test_matches_reference(softcap, causal, window):
   q = q * 3.0
   k, v = k[:, :, :2], v[:, :, :2]  # with GQA too
 
-  def f(q, k, v):
-    return flash_attention(q, k, v, softcap=softcap, causal=causal, window_size=window,
-                           return_lse=True, interpret=True, block_sizes=MIXED)
-
-  (out, lse), vjp = jax.vjp(f, q, k, v)
-  got = (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+  got = flash_with_grads(q, k, v, dout, softcap=softcap, causal=causal, window_size=window, block_sizes=MIXED)
   want = reference_with_grads(q, k, v, dout, softcap=softcap, causal=causal, window=window or (None, None))
   uncapped = reference_with_grads(q, k, v, dout, causal=causal, window=window or (None, None))
   assert_matches_reference(got, want, dout)

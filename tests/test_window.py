@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_matches_reference, random_inputs, reference_with_grads, rel_err
+from conftest import assert_matches_reference, flash_with_grads, random_inputs, reference_with_grads, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
 from jax_flash2.reference import band_visible
 from jax_flash2.triton import tiles
@@ -19,11 +19,7 @@ MIXED = BlockSizes(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=Kernel
 
 
 def _run(q, k, v, dout, **kwargs):
-  def f(q, k, v):
-    return flash_attention(q, k, v, return_lse=True, interpret=True, block_sizes=MIXED, **kwargs)
-
-  (out, lse), vjp = jax.vjp(f, q, k, v)
-  return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+  return flash_with_grads(q, k, v, dout, block_sizes=MIXED, **kwargs)
 
 
 @pytest.mark.parametrize("seqs, window", [
