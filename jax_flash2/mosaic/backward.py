@@ -82,6 +82,7 @@ from jax_flash2.mosaic.forward import (
     WGMMA_M,
     _SMEM_RESERVE,
     _kv_block_bounds,
+    produce_kv_ring,
 )
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -486,29 +487,8 @@ def _dq_kernel(
 
   @pl.when(wg == PRODUCER)
   def _producer():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-    @pl.loop(0, num_steps)
-    def _load(step):
-      slot = slot_of(step)
-      kv_rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
-
-      @pl.when(step >= stages)
-      def _():
-        plgpu.barrier_wait(k_consumed.at[slot])
-
-      plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
-
-      @pl.when(step >= stages)
-      def _():
-        plgpu.barrier_wait(v_consumed.at[slot])
-
-      plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
-
-    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-    def _last_releases(step):
-      plgpu.barrier_wait(k_consumed.at[slot_of(step)])
-      plgpu.barrier_wait(v_consumed.at[slot_of(step)])
+    produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
+                    batch=batch, kv_head=kv_head, num_steps=num_steps, block_kv=block_kv, stages=stages)
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():

@@ -184,6 +184,45 @@ def _kv_block_bounds(q_start: jax.Array, rows: int, seq_q: int, seq_k: int, bloc
   return full_hi.astype(jnp.int32), hi.astype(jnp.int32)
 
 
+def produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, *,
+                    batch, kv_head, num_steps, block_kv: int, stages: int) -> None:
+  """The producer warpgroup's work: TMA copies of K/V blocks 0..num_steps-1
+  of (batch, kv_head) into the ring, each slot reused once both consumers
+  released it. Shared by the forward and the backward dQ kernel."""
+  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+  slot_of = lambda step: lax.rem(step, jnp.int32(stages))
+
+  @pl.loop(0, num_steps)
+  def _load(step):
+    slot = slot_of(step)
+    kv_rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+
+    # A slot is free once both consumers have arrived on its consumed
+    # barrier for the block loaded `stages` steps earlier; the first round
+    # of slots is free from the start.
+    @pl.when(step >= stages)
+    def _():
+      plgpu.barrier_wait(k_consumed.at[slot])
+
+    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
+
+    @pl.when(step >= stages)
+    def _():
+      plgpu.barrier_wait(v_consumed.at[slot])
+
+    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
+
+  # Observe the release of the last blocks too, so that the producer has
+  # seen every phase of the consumed barriers when they are freed. The
+  # hardware does not need it (the CTA ends with its consumers anyway);
+  # Mosaic's interpreter checks it, and a persistent kernel that reuses the
+  # ring for the next tile would need it.
+  @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+  def _last_releases(step):
+    plgpu.barrier_wait(k_consumed.at[slot_of(step)])
+    plgpu.barrier_wait(v_consumed.at[slot_of(step)])
+
+
 def _forward_kernel(
     q_ref, k_ref, v_ref, out_ref, lse_ref,
     q_smem, k_smem, v_smem, lse_smem,
@@ -224,37 +263,8 @@ def _forward_kernel(
 
   @pl.when(wg == PRODUCER)
   def _producer():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-    @pl.loop(0, num_steps)
-    def _load(step):
-      slot = slot_of(step)
-      kv_rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
-
-      # A slot is free once both consumers have arrived on its consumed
-      # barrier for the block loaded `stages` steps earlier; the first round
-      # of slots is free from the start.
-      @pl.when(step >= stages)
-      def _():
-        plgpu.barrier_wait(k_consumed.at[slot])
-
-      plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
-
-      @pl.when(step >= stages)
-      def _():
-        plgpu.barrier_wait(v_consumed.at[slot])
-
-      plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
-
-    # Observe the release of the last blocks too, so that the producer has
-    # seen every phase of the consumed barriers when they are freed. The
-    # hardware does not need it (the CTA ends with its consumers anyway);
-    # Mosaic's interpreter checks it, and a persistent kernel that reuses the
-    # ring for the next tile would need it.
-    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-    def _last_releases(step):
-      plgpu.barrier_wait(k_consumed.at[slot_of(step)])
-      plgpu.barrier_wait(v_consumed.at[slot_of(step)])
+    produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
+                    batch=batch, kv_head=kv_head, num_steps=num_steps, block_kv=block_kv, stages=stages)
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
