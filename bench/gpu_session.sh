@@ -81,6 +81,46 @@ stage_train() {
   done
 }
 
+stage_mosaic_tests() {
+  timeout 400 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_mosaic.py 2>&1 | tee "$OUT/mosaic_tests.log" | tail -30
+}
+
+stage_mosaic_api() {
+  # flash_attention(backend="mosaic" / "auto") against the float32 reference, the Triton path's bar.
+  timeout 420 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_gpu.py -k mosaic 2>&1 | tee "$OUT/mosaic_api_tests.log" | tail -30
+}
+
+stage_train_long() {
+  # 2000 steps: past the plateau that 600-step runs leave at seed-dependent times.
+  local t="python examples/train_gpt.py --steps 2000 --seq-len 1024 --d-model 512 --heads 8 --layers 4 --batch 16 --eval-every 250"
+  for seed in 0 1 2 3 4; do
+    for attention in flash xla; do
+      timeout 75 $t --attention "$attention" --seed "$seed" --out "$OUT/train2k" 2>&1 | grep -E "final"
+    done
+  done
+}
+
+stage_bench128() {
+  # The README table: jax_flash2 as users get it (auto), its Triton path, cuDNN and XLA, one run per mask.
+  for causal in false true; do
+    timeout 270 $BENCH --seqlens 1024 2048 4096 8192 16384 --head-dims 128 --causal $causal \
+      --impls flash2 flash2-triton cudnn xla --out "$OUT/bench_d128_causal_$causal" 2>&1 | grep -v "^$" | tail -30
+  done
+}
+
+stage_bench64() {
+  timeout 200 $BENCH --seqlens 2048 8192 16384 --head-dims 64 --modes fwd fwd+bwd \
+    --impls flash2 flash2-triton cudnn --out "$OUT/bench_d64" 2>&1 | grep -v "^$" | tail -30
+}
+
+stage_gqa_vs_mha() {
+  # The issue-5 target compares per query head: MHA and GQA 32/8 in one run.
+  for kv in 32 8; do
+    timeout 80 $BENCH --seqlens 4096 16384 --head-dims 64 --heads 32 --kv-heads $kv --modes fwd fwd+bwd \
+      --impls flash2-triton --no-check --out "$OUT/gqa_kv$kv" 2>&1 | grep -E "^ +[0-9]+ " 
+  done
+}
+
 stage_all_tests() {
   # The Mosaic and sharding tests have their own stages.
   timeout 480 python -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=15 tests \
@@ -96,6 +136,10 @@ run_stages() {  # run_stages STAGE+STAGE...
   echo "== done $(date +%T)"
 }
 
+if [[ -n ${GPU_SESSION_STREAM:-} ]]; then
+  run_stages "$1"  # one stream, started below by its parent
+  exit
+fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c "import jax; print('jax', jax.__version__, jax.devices())"
 [[ "$*" == *:* ]] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -103,7 +147,9 @@ for arg in "$@"; do
   if [[ $arg == all:* ]]; then
     run_stages "${arg#*:}" >"$OUT/gpuall.log" 2>&1 &
   elif [[ $arg == *:* ]]; then
-    CUDA_VISIBLE_DEVICES=${arg%%:*} run_stages "${arg#*:}" >"$OUT/gpu${arg%%:*}.log" 2>&1 &
+    # A stream stops at STREAM_LIMIT seconds whatever its stages' own limits.
+    GPU_SESSION_STREAM=1 CUDA_VISIBLE_DEVICES=${arg%%:*} timeout "${STREAM_LIMIT:-570}" bash "$0" "${arg#*:}" \
+      >"$OUT/gpu${arg%%:*}.log" 2>&1 &
   else
     run_stages "$arg"
   fi

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash2 import dropout, reference
-from jax_flash2.config import BlockSizes, default_block_sizes, padded_head_dim
+from jax_flash2.config import BlockSizes, HopperChoice, default_block_sizes, hopper_choice, padded_head_dim
+from jax_flash2.mosaic import backward as mosaic_backward
 from jax_flash2.mosaic import forward as mosaic_forward
 from jax_flash2.triton.tiles import Problem
 from jax_flash2.vjp import KernelCall, flash
@@ -109,13 +110,15 @@ def flash_attention(
       (Flax's broadcast_dropout=True).
     return_lse: also return the log-sum-exp of each row's scaled scores.
     backend: "auto" (Pallas kernels on an NVIDIA GPU of compute capability
-      8.0 or newer, else the XLA path with a warning), "triton" (the Pallas
-      Triton-lowering kernels), "mosaic" (the Hopper forward kernel in
-      Pallas Mosaic GPU, with the Triton-lowering backward; problems it
-      cannot serve, such as ragged lengths or any of mask, bias, window,
-      softcap, ALiBi, segment ids and dropout, run the Triton forward
-      instead) or "xla" (plain XLA; quadratic memory). "auto" does not pick
-      "mosaic" yet: it has not been measured on a GPU.
+      8.0 or newer, else the XLA path with a warning; on Hopper, each pass
+      takes the Mosaic kernel where it measured faster, see
+      config.hopper_choice, and the Triton one where block_sizes is given),
+      "triton" (the Pallas Triton-lowering kernels), "mosaic" (the Hopper
+      kernels in Pallas Mosaic GPU for both passes; a pass they cannot
+      serve, such as ragged lengths, head_dim 256 in the backward, float32
+      or any of mask, bias, window, softcap, ALiBi, segment ids and dropout,
+      runs the Triton kernel instead) or "xla" (plain XLA; quadratic
+      memory).
     interpret: run the Pallas kernels in Pallas interpret mode (any platform,
       slow; for tests).
     block_sizes: tile sizes and launch parameters; defaults per head_dim.
@@ -174,8 +177,17 @@ def flash_attention(
         has_bias=bias is not None,
     )
     blocks = (block_sizes or default_block_sizes(head_dim, causal)).fit(seq_q, seq_k)
-    mosaic = _mosaic_config(problem, q, k) if kind is Backend.MOSAIC else None
-    call = KernelCall(problem=problem, block_sizes=blocks, interpret=bool(interpret), mosaic=mosaic)
+    mosaic = mosaic_backward = None
+    if kind is Backend.MOSAIC:
+      # backend="auto" on Hopper: the Mosaic kernels where they measured
+      # faster, unless the caller tuned the Triton kernels' block sizes.
+      auto = Backend(backend) is Backend.AUTO
+      choice = hopper_choice(head_dim, problem.window_right == 0) if auto and block_sizes is None else HopperChoice(not auto, not auto)
+      mosaic = _mosaic_config(problem, q, k) if choice.forward else None
+      mosaic_backward = _mosaic_backward_config(problem, q, k) if choice.backward else None
+    call = KernelCall(
+        problem=problem, block_sizes=blocks, interpret=bool(interpret), mosaic=mosaic, mosaic_backward=mosaic_backward
+    )
     out, lse = flash(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed, bias, call)
   return (out, lse) if return_lse else out
 
@@ -334,13 +346,28 @@ def _mosaic_config(problem: Problem, q, k) -> mosaic_forward.MosaicConfig | None
   Triton forward runs): bf16/fp16, head_dim 64/128/256, lengths that are
   whole blocks, full or causal attention and no other option."""
   config = mosaic_forward.default_config(problem.head_dim)
-  extras = (problem.has_mask or problem.has_segments or problem.has_alibi or problem.has_bias
-            or problem.has_dropout or problem.softcap is not None)
-  band = problem.window_left is None and problem.window_right in (None, 0)
   shapes = (problem.head_dim in mosaic_forward.SUPPORTED_HEAD_DIMS
             and jnp.dtype(q.dtype) in mosaic_forward.SUPPORTED_DTYPES
             and q.shape[1] % config.block_q == 0 and k.shape[1] % config.block_kv == 0)
-  return config if band and shapes and not extras else None
+  return config if shapes and _plain(problem) else None
+
+
+def _mosaic_backward_config(problem: Problem, q, k) -> mosaic_backward.BackwardConfig | None:
+  """The Mosaic backward's tiling when it serves this problem, else None (the
+  Triton backward runs): bf16/fp16, head_dim 64/128, lengths that are whole
+  128-row blocks, full or causal attention and no other option."""
+  config = mosaic_backward.default_backward_config(problem.head_dim)
+  shapes = (problem.head_dim in mosaic_backward.SUPPORTED_HEAD_DIMS
+            and jnp.dtype(q.dtype) in mosaic_forward.SUPPORTED_DTYPES
+            and q.shape[1] % mosaic_backward.OUTER_ROWS == 0 and k.shape[1] % mosaic_backward.OUTER_ROWS == 0)
+  return config if shapes and _plain(problem) else None
+
+
+def _plain(problem: Problem) -> bool:
+  """Full or causal attention with no option the Mosaic kernels lack."""
+  extras = (problem.has_mask or problem.has_segments or problem.has_alibi or problem.has_bias
+            or problem.has_dropout or problem.softcap is not None)
+  return problem.window_left is None and problem.window_right in (None, 0) and not extras
 
 
 def _resolve_backend(backend: str, interpret: bool) -> Backend:
@@ -358,7 +385,8 @@ def _resolve_backend(backend: str, interpret: bool) -> Backend:
                      "use backend='triton' or 'auto'")
   if kind is Backend.AUTO:
     if _has_supported_gpu():
-      return Backend.TRITON
+      # On Hopper, "auto" narrows MOSAIC to where it measured faster.
+      return Backend.MOSAIC if _gpu_capability()[0] == 9 else Backend.TRITON
     _warn_xla_fallback()
     return Backend.XLA
   return kind

@@ -117,3 +117,31 @@ def default_block_sizes(head_dim: int, causal: bool) -> BlockSizes:
   # Head dims under 64 pad to 16 or 32 and run best with the head_dim-64 tiles.
   fwd, dkv, dq = _H200_TABLE[max(64, padded_head_dim(head_dim)), bool(causal)]
   return BlockSizes(fwd=fwd, dkv=dkv, dq=dq)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperChoice:
+  """Which passes backend="auto" runs with the Mosaic GPU (Hopper) kernels
+  instead of the Triton-lowering ones, where the Mosaic kernels serve the
+  problem at all."""
+
+  forward: bool
+  backward: bool
+
+
+# Measured on the H200 (bf16, 16k tokens, hidden 2048, seq 2k-16k; bench/NOTES.md,
+# "Session 3"): the Mosaic forward is 4-25% faster at head_dim 128 and, causal,
+# at 64; non-causal at 64 the two forwards are within 3% either way, so the
+# Triton one stays. The Mosaic backward is 7-16% faster at head_dim 64 and 11%
+# at 128 (2k). head_dim 256 has no Mosaic backward and its forward is unmeasured.
+_HOPPER_TABLE: dict[tuple[int, bool], HopperChoice] = {
+    (64, False): HopperChoice(forward=False, backward=True),
+    (64, True): HopperChoice(forward=True, backward=True),
+    (128, False): HopperChoice(forward=True, backward=True),
+    (128, True): HopperChoice(forward=True, backward=True),
+}
+
+
+def hopper_choice(head_dim: int, causal: bool) -> HopperChoice:
+  """Where backend="auto" uses the Mosaic GPU kernels on a Hopper GPU."""
+  return _HOPPER_TABLE.get((head_dim, bool(causal)), HopperChoice(forward=False, backward=False))

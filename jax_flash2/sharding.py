@@ -34,8 +34,9 @@ from jax.extend.mlir import ir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash2.triton import backward as triton_backward
+from jax_flash2.mosaic import backward as mosaic_backward
 from jax_flash2.mosaic import forward as mosaic_forward
+from jax_flash2.triton import backward as triton_backward
 from jax_flash2.triton import forward as triton_forward
 from jax_flash2.triton.tiles import OptionalInputs
 
@@ -265,7 +266,20 @@ def _on_shard(kernels: Callable) -> Callable:
   return run
 
 
-_backward_kernels = _on_shard(triton_backward.backward)
+def _backward_kernels(q, k, v, out, lse, do, dlse, *args):
+  *optional, call = args
+  if call.mosaic_backward is None:
+    return _triton_backward_kernels(q, k, v, out, lse, do, dlse, *args)
+  # Only plain (causal or full) problems get here; see api._mosaic_backward_config.
+  problem = call.problem
+  delta = triton_backward.backward_delta(out, do, dlse, problem, interpret=call.interpret)
+  kwargs = dict(causal=problem.window_right == 0, softmax_scale=problem.softmax_scale,
+                config=call.mosaic_backward, interpret=call.interpret)
+  dk, dv = mosaic_backward.dkv(q, k, v, do, lse, delta, **kwargs)
+  return mosaic_backward.dq(q, k, v, do, lse, delta, **kwargs), dk, dv
+
+
+_triton_backward_kernels = _on_shard(triton_backward.backward)
 _backward_partitioned = custom_partitioning(_backward_kernels, static_argnums=(7 + _NUM_OPTIONAL,))
 
 
@@ -407,18 +421,18 @@ def forward(q, k, v, optional: tuple, call: KernelCall) -> tuple[jax.Array, jax.
   heads or 1, seq_q, seq_k]; segment ids int32 [batch, seq_q] and [batch,
   seq_k]; ALiBi slopes float32 [batch or 1, heads]; the dropout seed int32 [2].
   """
-  partitioned = _forward_partitioned
-  if call.mosaic is not None and call.interpret:
-    # Mosaic's interpreter steps the kernel through ordered io_callbacks,
-    # which custom_partitioning cannot lower under jit: on CPU, unsharded,
-    # the kernels are called directly.
-    partitioned = _forward_kernels
+  # Mosaic's interpreter steps the kernel through ordered io_callbacks,
+  # which custom_partitioning cannot lower under jit: on CPU, unsharded,
+  # the kernels are called directly.
+  partitioned = _forward_kernels if call.mosaic is not None and call.interpret else _forward_partitioned
   return _with_vmap(partitioned, 3, call)(q, k, v, *optional)
 
 
 def backward(q, k, v, out, lse, do, dlse, optional: tuple, call: KernelCall) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(dq, dk, dv), each like its primal; lse, dlse float32 [batch, heads, seq_q]."""
-  return _with_vmap(_backward_partitioned, 7, call)(q, k, v, out, lse, do, dlse, *optional)
+  # As in forward(): Mosaic's interpreter is called directly.
+  partitioned = _backward_kernels if call.mosaic_backward is not None and call.interpret else _backward_partitioned
+  return _with_vmap(partitioned, 7, call)(q, k, v, out, lse, do, dlse, *optional)
 
 
 def bias_gradient(q, k, v, out, lse, do, dlse, optional: tuple, call: KernelCall) -> jax.Array:

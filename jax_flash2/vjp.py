@@ -24,6 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_flash2 import sharding
 from jax_flash2.config import BlockSizes
+from jax_flash2.mosaic.backward import BackwardConfig
 from jax_flash2.mosaic.forward import MosaicConfig
 from jax_flash2.triton.tiles import Problem
 
@@ -45,9 +46,11 @@ class KernelCall:
   problem: Problem
   block_sizes: BlockSizes
   interpret: bool
-  # Set when the forward runs the Hopper (Mosaic GPU) kernel; the backward
-  # is the Triton-lowering kernels' either way (they need only the lse).
+  # Set when the forward, or the backward, runs the Hopper (Mosaic GPU)
+  # kernels; None: the Triton-lowering ones. Each pass needs only the other's
+  # lse, so the two choices are independent.
   mosaic: MosaicConfig | None = None
+  mosaic_backward: BackwardConfig | None = None
 
 
 def _first_order_only(fn, what: str):

@@ -32,7 +32,7 @@ def test_gpu_defaults():
   assert cfg.causal == (False, True)
   assert cfg.dtypes == ("bfloat16",)
   assert cfg.modes == ("fwd", "bwd", "fwd+bwd")
-  assert cfg.impls == ("flash2-triton", "cudnn", "xla")
+  assert cfg.impls == ("flash2", "cudnn", "xla")
   assert (cfg.warmup, cfg.iters, cfg.check, cfg.interpret, cfg.tiny) == (3, 20, True, False, False)
   assert (cfg.out, cfg.plot, cfg.memory) == (None, False, False)
   # 16k tokens, hidden 2048.
@@ -480,7 +480,7 @@ def test_cli_tiny_cpu_run(tiny_run):
   assert len(cells) == 2 * 3 * 3  # seqlens x modes x impls
   for rec in cells:
     _check_cell_record(rec)
-    if rec["impl"] in ("flash2-triton", "xla"):
+    if rec["impl"] in ("flash2", "xla"):
       assert rec["status"] == "ok", rec
       assert rec["rel_err_out"] < 2e-2 and rec["rel_err_grad"] < 2e-2
       if rec["mode"] == "fwd+bwd":
@@ -488,10 +488,10 @@ def test_cli_tiny_cpu_run(tiny_run):
     else:
       assert rec["impl"] == "cudnn" and rec["status"] == "unsupported"
   assert {r["impl"]: r["status"] for r in doc["checks"]} == {
-      "flash2-triton": "ok", "cudnn": "unsupported", "xla": "ok"
+      "flash2": "ok", "cudnn": "unsupported", "xla": "ok"
   }
   probe = {(r["impl"], r["seqlen"]): r["status"] for r in doc["memory_probe"]}
-  assert probe[("flash2-triton", 64)] == "ok" and probe[("xla", 64)] == "ok"
+  assert probe[("flash2", 64)] == "ok" and probe[("xla", 64)] == "ok"
   with open(out / "results.csv") as f:
     assert len(list(csv.DictReader(f))) == len(cells)
 
@@ -501,7 +501,7 @@ def test_cli_runs_gqa(tiny_run):
   shared run's cells and checks."""
   _, printed, doc = tiny_run
   assert "heads 4, kv_heads 2" in printed
-  for impl in ("flash2-triton", "xla"):
+  for impl in ("flash2", "xla"):
     cells = [r for r in doc["cells"] if r["impl"] == impl]
     assert len(cells) == 2 * 3
     for rec in cells:
@@ -536,7 +536,7 @@ def test_cli_runs_window_and_segments(tmp_path, capsys):
       assert rec["status"] == "ok", rec
       assert rec["rel_err_out"] < 2e-2 and rec["rel_err_grad"] < 2e-2
   checks = {(r["impl"], r["window_left"]): r for r in doc["checks"]}
-  assert len(checks) == 6 and checks[("xla", 8)]["status"] == "ok" and checks[("flash2-triton", 8)]["segments"] == 2
+  assert len(checks) == 6 and checks[("xla", 8)]["status"] == "ok" and checks[("flash2", 8)]["segments"] == 2
   with open(tmp_path / "results.csv") as f:
     rows = list(csv.DictReader(f))
   assert {(r["window_left"], r["window_right"], r["segments"]) for r in rows} == {("", "", "2"), ("8", "0", "2")}

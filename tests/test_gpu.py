@@ -40,30 +40,31 @@ def _poison():
   return jnp.full((1 << 28,), jnp.nan, jnp.float32)
 
 
-def _flash(q, k, v, dout, mask, slopes, segment_ids, rng, causal, window=None, softcap=None, rate=0.0):
+def _flash(q, k, v, dout, mask, slopes, segment_ids, rng, causal, window=None, softcap=None, rate=0.0,
+           backend="triton"):
   q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
 
   def f(q, k, v):
     return flash_attention(q, k, v, mask=mask, causal=causal, window_size=window, softcap=softcap,
                            alibi_slopes=slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                           dropout_rate=rate, dropout_rng=rng, return_lse=True, backend="triton")
+                           dropout_rate=rate, dropout_rng=rng, return_lse=True, backend=backend)
 
   (out, lse), vjp = jax.vjp(f, q, k, v)
   return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
 
 
-_flash_jit = jax.jit(_flash, static_argnums=(8, 9, 10, 11))
+_flash_jit = jax.jit(_flash, static_argnums=(8, 9, 10, 11, 12))
 
 
 def _check(shape, dtype, causal, mask=None, kv_heads=None, window=None, softcap=None, slopes=None,
-           segment_ids=None, dropout_rate=0.0):
+           segment_ids=None, dropout_rate=0.0, backend="triton"):
   batch, seq_q, seq_k, heads, head_dim = shape
   q, k, v, dout = random_inputs(hash((shape, causal)) % 2**31, batch, seq_q, seq_k, heads, head_dim, dtype)
   if kv_heads is not None:
     k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
   _poison().block_until_ready()
   rng = jax.random.PRNGKey(3)
-  got = _flash_jit(q, k, v, dout, mask, slopes, segment_ids, rng, causal, window, softcap, dropout_rate)
+  got = _flash_jit(q, k, v, dout, mask, slopes, segment_ids, rng, causal, window, softcap, dropout_rate, backend)
   ref = dict(mask=mask, causal=causal, window=window or (None, None), softcap=softcap, alibi_slopes=slopes,
              segment_ids=segment_ids)
   if dropout_rate:
@@ -166,3 +167,53 @@ def test_no_nan_at_16k(causal):
   q, k, v, dout = random_inputs(2, 1, 16384, 16384, 4, 128, jnp.bfloat16)
   for x in _flash_jit(q, k, v, dout, None, None, None, None, causal):
     assert bool(jnp.all(jnp.isfinite(x.astype(jnp.float32))))
+
+
+# ---------------------------------------------------------------- Hopper kernels
+
+hopper = pytest.mark.skipif(
+    not any(str(getattr(d, "compute_capability", "")).startswith("9") for d in jax.devices()),
+    reason="the Mosaic GPU kernels need a Hopper GPU",
+)
+# Shapes the Mosaic kernels serve (whole 128-row blocks), and d256, whose
+# backward falls back to the Triton kernels.
+MOSAIC_SHAPES = [
+    (2, 1024, 1024, 4, 64),
+    (1, 2048, 2048, 4, 128),
+    (1, 1024, 2048, 4, 128),  # seq_q < seq_k: bottom-right causal
+    (1, 2048, 1024, 4, 128),  # seq_q > seq_k: causal leaves rows with no key
+    (1, 8192, 8192, 1, 128),
+    (1, 2048, 2048, 2, 256),
+]
+
+
+@hopper
+@pytest.mark.parametrize("backend", ["mosaic", "auto"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", MOSAIC_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_mosaic_bf16_matches_reference(shape, causal, backend):
+  _check(shape, jnp.bfloat16, causal, backend=backend)
+
+
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [MOSAIC_SHAPES[0], MOSAIC_SHAPES[3]], ids=lambda s: "x".join(map(str, s)))
+def test_mosaic_fp16_matches_reference(shape, causal):
+  _check(shape, jnp.float16, causal, backend="mosaic")
+
+
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_mosaic_grouped_query_attention(causal):
+  _check((2, 2048, 2048, 8, 128), jnp.bfloat16, causal, kv_heads=2, backend="mosaic")
+
+
+@hopper
+def test_mosaic_gradients_are_bitwise_deterministic_and_finite_at_16k():
+  q, k, v, dout = random_inputs(5, 1, 16384, 16384, 4, 128, jnp.bfloat16)
+  first = _flash_jit(q, k, v, dout, None, None, None, None, True, None, None, 0.0, "mosaic")
+  second = _flash_jit(q, k, v, dout, None, None, None, None, True, None, None, 0.0, "mosaic")
+  for a, b in zip(first, second):
+    a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+    np.testing.assert_array_equal(a, b)
+    assert np.isfinite(a).all()

@@ -226,14 +226,77 @@ def _mosaic_backend_grads(q, k, v, dout, **kwargs):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backend_mosaic_forward_with_the_triton_backward(causal):
-  """flash_attention(backend="mosaic"): the Mosaic forward (interpreted here)
-  and the Triton-lowering backward from its lse, against the reference."""
+def test_backend_mosaic_forward_and_backward(causal):
+  """flash_attention(backend="mosaic"): the Mosaic forward and backward
+  (interpreted here) through the custom_vjp, with a cotangent on the lse too,
+  against the reference."""
   q, k, v, dout = (x.astype(jnp.float16) for x in random_inputs(3, 1, 256, 256, 2, 64))
-  got = _mosaic_backend_grads(q, k, v, dout, causal=causal, interpret=True)
-  want = reference_with_grads(q, k, v, dout, causal=causal, dtype=jnp.float32)
+  dlse = jax.random.normal(jax.random.PRNGKey(7), (1, 2, 256), jnp.float32)
+  f = lambda q, k, v: flash_attention(q, k, v, backend="mosaic", return_lse=True, causal=causal, interpret=True)
+  (out, lse), vjp = jax.vjp(f, q, k, v)
+  got = (out, lse, *vjp((dout, dlse)))
+  want = reference_with_grads(q, k, v, dout, dlse, causal=causal, dtype=jnp.float32)
   for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
     assert rel_err(x, ref) < 1e-2, name
+
+
+def _captured_call(monkeypatch, capability=(9, 0)):
+  """Makes flash_attention record its KernelCall instead of running it, on a
+  pretend GPU of this compute capability."""
+  from jax_flash2 import api
+
+  calls = []
+
+  def fake_flash(q, *args):
+    calls.append(args[-1])
+    return q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+
+  monkeypatch.setattr(api, "_gpu_capability", lambda: capability)
+  monkeypatch.setattr(api, "flash", fake_flash)
+  return calls
+
+
+@pytest.mark.parametrize(
+    "head_dim, causal, kwargs, forward, backward",
+    [
+        (64, False, {}, False, True),  # the two forwards tie at 64; the Mosaic backward is faster
+        (64, True, {}, True, True),
+        (128, False, {}, True, True),
+        (128, True, {}, True, True),
+        (256, False, {}, False, False),  # not measured; no Mosaic backward at 256
+        (128, True, dict(block_sizes="tuned"), False, False),  # tuned Triton tiles: Triton
+        (128, True, dict(dtype=jnp.float32), False, False),  # the Mosaic kernels take fp16/bf16
+        (128, True, dict(softcap=30.0), False, False),
+        (128, False, dict(seq=640 + 64), False, False),  # not whole 128-row blocks
+    ],
+)
+def test_auto_on_hopper_picks_the_measured_kernels(monkeypatch, head_dim, causal, kwargs, forward, backward):
+  from jax_flash2.config import default_block_sizes
+
+  calls = _captured_call(monkeypatch)
+  kwargs = dict(kwargs)
+  seq, dtype = kwargs.pop("seq", 256), kwargs.pop("dtype", jnp.bfloat16)
+  if kwargs.get("block_sizes") == "tuned":
+    kwargs["block_sizes"] = default_block_sizes(head_dim, causal)
+  q = jax.ShapeDtypeStruct((1, seq, 2, head_dim), dtype)
+  jax.eval_shape(lambda q: flash_attention(q, q, q, causal=causal, **kwargs), q)
+  (call,) = calls
+  assert (call.mosaic is not None, call.mosaic_backward is not None) == (forward, backward)
+
+
+def test_auto_off_hopper_is_triton(monkeypatch):
+  calls = _captured_call(monkeypatch, capability=(8, 0))
+  q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  jax.eval_shape(lambda q: flash_attention(q, q, q, causal=True), q)
+  assert calls[0].mosaic is None and calls[0].mosaic_backward is None
+
+
+def test_backend_mosaic_uses_both_mosaic_kernels_where_they_serve(monkeypatch):
+  calls = _captured_call(monkeypatch)
+  for head_dim, forward, backward in ((64, True, True), (256, True, False)):
+    q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+    jax.eval_shape(lambda q: flash_attention(q, q, q, backend="mosaic"), q)
+    assert (calls[-1].mosaic is not None, calls[-1].mosaic_backward is not None) == (forward, backward)
 
 
 def test_backend_mosaic_uses_the_mosaic_kernel_only_where_it_serves(monkeypatch):
@@ -277,7 +340,7 @@ def test_backend_mosaic_on_hopper(causal):
 
 # ================================================================ backward
 # jax_flash2.mosaic.backward: the dK/dV (K/V-outer) and dQ (Q-outer) kernels,
-# fed the reference's lse and delta = rowsum(dO * O). Not wired into the API.
+# fed the reference's lse and delta = rowsum(dO * O).
 
 from jax_flash2.mosaic import backward as mosaic_bwd  # noqa: E402
 from jax_flash2.mosaic.backward import BackwardConfig  # noqa: E402

@@ -44,7 +44,7 @@ class Impl:
 
 
 REGISTRY: dict[str, Impl] = {}
-DEFAULT_IMPLS: tuple[str, ...] = ("flash2-triton", "cudnn", "xla")
+DEFAULT_IMPLS: tuple[str, ...] = ("flash2", "cudnn", "xla")
 
 
 def register(impl: Impl) -> Impl:
@@ -128,17 +128,25 @@ def _mosaic_serves(shape: Shape) -> str | None:
 
 register(
     Impl(
+        name="flash2",
+        description="jax_flash2.flash_attention as users call it (backend 'auto': on Hopper, the Mosaic "
+        "kernels where they measured faster)",
+        factory=_flash2_factory("auto"),
+        supports=_flash2_supports("auto"),
+    )
+)
+register(
+    Impl(
         name="flash2-triton",
         description="jax_flash2.flash_attention, Pallas kernels lowered through Triton",
         factory=_flash2_factory("triton"),
         supports=_flash2_supports("triton"),
     )
 )
-# The Hopper forward (Mosaic GPU); its backward is the Triton-lowering one.
 register(
     Impl(
         name="flash2-mosaic",
-        description="jax_flash2.flash_attention(backend='mosaic'): Mosaic GPU forward, Triton-lowering backward",
+        description="jax_flash2.flash_attention(backend='mosaic'): the Mosaic GPU kernels (Hopper)",
         factory=_flash2_factory("mosaic"),
         supports=_flash2_supports("mosaic"),
     )

@@ -425,7 +425,7 @@ def backward(
   Returns:
     dq, dk, dv, each like its primal.
   """
-  delta = _delta(out, do, dlse, problem, interpret)
+  delta = backward_delta(out, do, dlse, problem, interpret=interpret)
   dk, dv = compute_dkv(q, k, v, do, lse, delta, optional, problem, block_sizes.dkv, interpret=interpret)
   dq = compute_dq(q, k, v, do, lse, delta, optional, problem, block_sizes.dq, interpret=interpret)
   return dq, dk, dv
@@ -438,11 +438,13 @@ def bias_gradient(
   """dS, float32 [batch, heads, seq_q, seq_k], for the gradient of the bias;
   arguments as `backward`. A call of its own, so that a caller who takes no
   gradient of the bias never runs it (jit drops the unused kernel)."""
-  delta = _delta(out, do, dlse, problem, interpret)
+  delta = backward_delta(out, do, dlse, problem, interpret=interpret)
   return compute_dbias(q, k, v, do, lse, delta, optional, problem, block_sizes.dq, interpret=interpret)
 
 
-def _delta(out, do, dlse, problem: Problem, interpret: bool) -> jax.Array:
+def backward_delta(out: jax.Array, do: jax.Array, dlse: jax.Array, problem: Problem, *, interpret: bool = False) -> jax.Array:
+  """delta = rowsum(dO * O) - dlse: float32 [batch, heads, seq_q], what both
+  backward kernels (these and the Mosaic ones) take beside the lse."""
   # d lse / d S = P, so a cotangent on lse adds P * dlse to
   # dS = P * (dP - delta): it folds into delta.
   return compute_delta(out, do, problem, interpret=interpret) - dlse
