@@ -253,34 +253,77 @@ def smoothed(values: np.ndarray) -> np.ndarray:
   return out
 
 
+def _load_runs(paths: list[str]) -> list[dict[str, Any]]:
+  runs = []
+  for path in paths:
+    with open(path) as f:
+      runs.append(json.load(f))
+  return runs
+
+
 def plot_runs(paths: list[str], out: str) -> None:
   """One PNG: every run's per-step loss (faint), its moving average and its
-  validation losses (crosses), labelled with the run and its step time."""
+  validation losses (crosses), labelled with the run and its step time; one
+  panel per seed when the runs have several."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(8, 5))
-  for i, path in enumerate(paths):
-    with open(path) as f:
-      run = json.load(f)
-    color, style = f"C{i}", ("-", "--", ":", "-.")[i % 4]  # styles keep identical curves visible
-    losses = np.asarray(run["losses"], np.float64)
-    steps = np.arange(1, len(losses) + 1)
-    median = run["median_step_time_s"]
-    label = f"{run_name(argparse.Namespace(**run['config']))}: {median * 1e3 if median else float('nan'):.1f} ms/step"
-    ax.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
-    ax.plot(steps, smoothed(losses), color=color, linestyle=style, label=label)
-    ax.scatter([e["step"] for e in run["evals"]], [e["val_loss"] for e in run["evals"]], color=color, marker="x")
-  ax.set_xlabel("step")
-  ax.set_ylabel("loss (nats / character); x = validation")
-  ax.set_title("character-level GPT: jax_flash2 vs Flax attention")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  runs = _load_runs(paths)
+  seeds = sorted({run["config"]["seed"] for run in runs})
+  cols = min(len(seeds), 3)
+  rows = -(-len(seeds) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(5 * cols + 3 * (cols == 1), 4 * rows + (rows == 1)),
+                           squeeze=False, sharey=True)
+  for ax, seed in zip(axes.flat, seeds):
+    for i, run in enumerate(r for r in runs if r["config"]["seed"] == seed):
+      color, style = f"C{i}", ("-", "--", ":", "-.")[i % 4]  # styles keep identical curves visible
+      losses = np.asarray(run["losses"], np.float64)
+      steps = np.arange(1, len(losses) + 1)
+      median = run["median_step_time_s"]
+      label = f"{run_name(argparse.Namespace(**run['config']))}: {median * 1e3 if median else float('nan'):.1f} ms/step"
+      ax.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
+      ax.plot(steps, smoothed(losses), color=color, linestyle=style, label=label)
+      ax.scatter([e["step"] for e in run["evals"]], [e["val_loss"] for e in run["evals"]], color=color, marker="x")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  for ax in axes.flat[len(seeds):]:
+    ax.set_visible(False)
+  for ax in axes[:, 0]:
+    ax.set_ylabel("loss (nats / character); x = validation")
+  fig.suptitle("character-level GPT: jax_flash2 vs Flax attention")
   fig.tight_layout()
-  fig.savefig(out, dpi=120)
+  fig.savefig(out, dpi=110)
   plt.close(fig)
+
+
+def summarise_runs(paths: list[str]) -> str:
+  """A Markdown table of final validation losses per seed, flash against
+  XLA, with the mean and spread of their differences: the question is
+  whether the attention changes the loss by more than a change of seed does."""
+  final = {}
+  for run in _load_runs(paths):
+    config = run["config"]
+    final[config["seed"], config["attention"]] = (run["evals"][-1]["val_loss"], run["median_step_time_s"])
+  seeds = sorted({seed for seed, attention in final if (seed, "flash") in final and (seed, "xla") in final})
+  lines = ["| seed | val loss flash | val loss XLA | flash - XLA | ms/step flash / XLA |", "|---|---|---|---|---|"]
+  diffs = []
+  for seed in seeds:
+    (flash, t_flash), (xla, t_xla) = final[seed, "flash"], final[seed, "xla"]
+    diffs.append(flash - xla)
+    lines.append(f"| {seed} | {flash:.4f} | {xla:.4f} | {flash - xla:+.4f} | {t_flash * 1e3:.1f} / {t_xla * 1e3:.1f} |")
+  if len(diffs) > 1:
+    per_attention = {a: np.std([final[s, a][0] for s in seeds], ddof=1) for a in ("flash", "xla")}
+    mean, sd = float(np.mean(diffs)), float(np.std(diffs, ddof=1))
+    lines.append("")
+    lines.append(
+        f"flash - XLA over {len(diffs)} seeds: mean {mean:+.4f}, standard deviation {sd:.4f} "
+        f"(standard error {sd / np.sqrt(len(diffs)):.4f}); spread across seeds: flash {per_attention['flash']:.4f}, "
+        f"XLA {per_attention['xla']:.4f}"
+    )
+  return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- CLI
@@ -334,6 +377,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
   if argv[:1] == ["plot"]:
     args = parse_plot_args(argv[1:])
     plot_runs(args.runs, args.out)
+    print(summarise_runs(args.runs))
     print(f"wrote {args.out}")
     return None
   return train(parse_args(argv))

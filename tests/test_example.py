@@ -61,6 +61,23 @@ def test_plot_subcommand(train_gpt, runs, tmp_path):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_summary_of_seeds(train_gpt, tmp_path):
+  """The flash-vs-XLA table: per-seed final validation losses, their
+  differences' mean and spread, from hand-made records."""
+  paths = []
+  for seed, (flash, xla) in enumerate([(1.0, 1.5), (2.0, 1.5), (1.25, 1.0)]):
+    for attention, loss in (("flash", flash), ("xla", xla)):
+      path = tmp_path / f"{attention}{seed}.json"
+      record = dict(config=dict(seed=seed, attention=attention), evals=[dict(step=9, val_loss=loss)],
+                    median_step_time_s=0.002 if attention == "flash" else 0.003)
+      path.write_text(json.dumps(record))
+      paths.append(str(path))
+  table = train_gpt.summarise_runs(paths)
+  assert "| 1 | 2.0000 | 1.5000 | +0.5000 | 2.0 / 3.0 |" in table
+  # Differences -0.5, +0.5, +0.25: mean 0.0833, sample standard deviation 0.5204.
+  assert "over 3 seeds: mean +0.0833, standard deviation 0.5204" in table
+
+
 def test_corpus_is_deterministic():
   with pytest.MonkeyPatch.context() as mp:
     mp.syspath_prepend(str(EXAMPLES))
