@@ -14,7 +14,8 @@ Three kernels, none with atomics, so gradients are bitwise reproducible:
 The probabilities are recomputed as P = exp2(S * scale * log2(e) - lse *
 log2(e)) (with the softcap and ALiBi applied to S as in the forward), never
 stored: memory stays linear in sequence length. Blocks outside the causal or
-window band, and tiles a dense mask hides, are skipped as in the forward.
+window band or the segments, and tiles a dense mask hides, are skipped as in
+the forward.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def _dkv_kernel(
   # group axis left out when group is 1. opt (tiles.OptionalRefs): the dense
   # mask [(group,) seq_q, seq_k] and tile flags [(group,) Q blocks, K blocks],
   # the group axis there only when the mask has one per head (mask_grouped);
+  # the segment bounds [K blocks, 4] (over Q blocks, one per K/V block);
   # segment ids [seq_q] and [seq_k]; ALiBi slopes [(group,)]; dropout seed [2];
   # the bias [(group,) seq_q, seq_k] (bias_grouped as mask_grouped).
   opt, dk_ref, dv_ref = tiles.split_refs(refs, problem)
@@ -136,7 +138,8 @@ def _dkv_kernel(
       return tiles.skip_hidden_blocks(step, lambda qb: flag(qb) != 0)
     return step
 
-  lo, full_lo, full_hi, hi = tiles.q_block_range(problem, k_start, block_q, block_k)
+  band = tiles.q_block_range(problem, k_start, block_q, block_k)
+  lo, full_lo, full_hi, hi = tiles.within_segments(opt, k_block, band)
   if problem.has_tile_flags:
     full_lo = full_hi = lo  # every visited tile takes the element mask
 
@@ -232,7 +235,8 @@ def _dq_kernel(
       ds *= dcap
     return dq + tiles.dot(ds.astype(k.dtype), k, problem)
 
-  lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, blk.start, block_q, block_k)
+  band = tiles.kv_block_range(problem, blk.start, block_q, block_k)
+  lo, full_lo, full_hi, hi = tiles.within_segments(opt, blk.index, band)
   if problem.has_tile_flags:
     step = tiles.skip_hidden_blocks(step, lambda kb: opt.flags[blk.index, kb] != 0)
     full_lo = full_hi = lo  # every visited tile takes the element mask
@@ -246,8 +250,8 @@ def _dbias_kernel(
 ):
   # As _dq_kernel, but the program writes dS itself: ds_ref is its
   # [block_q, K blocks * block_k] float32 row of the padded dBias. Every tile
-  # is written, hidden ones (outside the band, or skipped by the tile
-  # flags) with zeros.
+  # is written, hidden ones (outside the band or the segments, or skipped by
+  # the tile flags) with zeros.
   opt, ds_ref = tiles.split_refs(refs, problem)
   blk = _load_q_block(q_ref, do_ref, lse_ref, delta_ref, opt, problem, block_q)
   zeros = jnp.zeros((block_q, block_k), jnp.float32)
@@ -263,7 +267,8 @@ def _dbias_kernel(
     write(kb, zeros)
     return carry
 
-  lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, blk.start, block_q, block_k)
+  band = tiles.kv_block_range(problem, blk.start, block_q, block_k)
+  lo, full_lo, full_hi, hi = tiles.within_segments(opt, blk.index, band)
   if problem.has_tile_flags:
     visit = step
     step = lambda kb, carry, masked: lax.cond(
@@ -316,6 +321,7 @@ def compute_dkv(
       bq,
       bk,
       heads_per_program=group,
+      kv_outer=True,
   )
   grouped = lambda x: x is not None and tiles.has_group_axis(x, group)
   kernel = functools.partial(
@@ -426,6 +432,8 @@ def backward(
     dq, dk, dv, each like its primal.
   """
   delta = backward_delta(out, do, dlse, problem, interpret=interpret)
+  # One set of per-block segment ranges for both kernels (see tiles.SegmentRanges).
+  optional = tiles.share_segment_ranges(optional)
   dk, dv = compute_dkv(q, k, v, do, lse, delta, optional, problem, block_sizes.dkv, interpret=interpret)
   dq = compute_dq(q, k, v, do, lse, delta, optional, problem, block_sizes.dq, interpret=interpret)
   return dq, dk, dv

@@ -7,9 +7,10 @@ K/V head) past it. The output is divided by `l_i` once, at the end, and the
 log-sum-exp of each row is written for the backward pass.
 
 The loop visits only the K/V blocks inside the causal or window band
-(`tiles.kv_block_range`); of those, only the blocks crossing an edge of the
-band, a ragged end or a dense mask apply the element mask, and tiles a dense
-mask hides entirely are skipped.
+(`tiles.kv_block_range`) and, with segment ids, inside the Q block's
+segments (`tiles.within_segments`); of those, only the blocks crossing an
+edge of the band, a segment boundary, a ragged end or a dense mask apply the
+element mask, and tiles a dense mask hides entirely are skipped.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from jax_flash2.triton.tiles import LN_2, LOG2_E, Problem
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, block_k: int):
   # q_ref, o_ref: [block_q, D]; k_ref, v_ref: [seq_k, D]; lse_ref: [block_q];
   # opt (tiles.OptionalRefs): the dense mask [seq_q, seq_k], the tile flags
-  # [Q blocks, K blocks], segment ids [seq_q] and [seq_k], this head's ALiBi
-  # slope [], the dropout seed [2], the bias [seq_q, seq_k], each where the
-  # problem has it.
+  # [Q blocks, K blocks], the segment bounds [Q blocks, 4], segment ids
+  # [seq_q] and [seq_k], this head's ALiBi slope [], the dropout seed [2],
+  # the bias [seq_q, seq_k], each where the problem has it.
   opt, o_ref, lse_ref = tiles.split_refs(refs, problem)
   seq_q, seq_k = problem.seq_q, problem.seq_k
   q_block = tiles.q_block_of_program(pl.program_id(0), seq_q, block_q)
@@ -83,7 +84,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
     acc = acc * alpha[:, None] + tiles.dot(p_v.astype(v.dtype), v, problem)
     return acc, m_new, l_i
 
-  lo, full_lo, full_hi, hi = tiles.kv_block_range(problem, q_start, block_q, block_k)
+  band = tiles.kv_block_range(problem, q_start, block_q, block_k)
+  lo, full_lo, full_hi, hi = tiles.within_segments(opt, q_block, band)
   if problem.has_tile_flags:
     step = tiles.skip_hidden_blocks(step, lambda kb: opt.flags[q_block, kb] != 0)
     full_lo = full_hi = lo  # every visible tile takes the element mask

@@ -52,7 +52,9 @@ class Problem:
   # read from a [batch or 1, heads] float32 input.
   has_alibi: bool = False
   # Packed sequences: query i sees key j only if their segment ids (int32
-  # [batch, seq_q] and [batch, seq_k]) are equal.
+  # [batch, seq_q] and [batch, seq_k]) are equal. Without a dense mask they
+  # narrow each program's loop bounds (see segment_block_bounds); with one,
+  # they join its tile flags.
   has_segments: bool = False
   # Dropout on the probabilities, drawn by jax_flash2.dropout's hash from an
   # int32 [2] seed input; broadcast: one mask shared by every batch and head.
@@ -69,10 +71,17 @@ class Problem:
 
   @property
   def has_tile_flags(self) -> bool:
-    """Whether per-tile flags (from the dense mask and/or the segment ids'
-    ranges) say which tiles can be skipped; then every visited tile takes
-    the element mask."""
-    return self.has_mask or self.has_segments
+    """Whether per-tile flags (from the dense mask, and the segment ids'
+    ranges if there are any) say which tiles can be skipped; then every
+    visited tile takes the element mask. A dense mask need not hide a
+    contiguous run of tiles, so it cannot be turned into loop bounds."""
+    return self.has_mask
+
+  @property
+  def has_segment_bounds(self) -> bool:
+    """Whether segment ids alone narrow the loops, through per-block bounds
+    (segment_block_bounds) instead of per-tile flags and conds."""
+    return self.has_segments and not self.has_mask
 
   @property
   def modifies_scores(self) -> bool:
@@ -256,6 +265,26 @@ def q_block_range(problem: Problem, k_start, block_q: int, block_k: int):
   return _ordered(lo, full_lo, full_hi, hi)
 
 
+def within_segments(opt: OptionalRefs, outer_block, bounds: tuple) -> tuple:
+  """A program's band bounds (lo, full_lo, full_hi, hi), from
+  `kv_block_range` or `q_block_range`, narrowed to its outer block's
+  segment bounds (`segment_block_bounds`); unchanged without those.
+
+  A block outside either [lo, hi) holds no visible pair, and one inside both
+  full stretches is wholly visible under the band and the segments alike,
+  so interior blocks of a segment run without the element mask or a cond.
+  """
+  if opt.segment_bounds is None:
+    return bounds
+  lo, full_lo, full_hi, hi = bounds
+  seg_lo, seg_full_lo, seg_full_hi, seg_hi = (opt.segment_bounds[outer_block, j] for j in range(4))
+  # Integer max/min of scalars only (see the jnp.where note in q_block_range).
+  return _ordered(
+      jnp.maximum(lo, seg_lo), jnp.maximum(full_lo, seg_full_lo), jnp.minimum(full_hi, seg_full_hi),
+      jnp.minimum(hi, seg_hi),
+  )
+
+
 def split_loop(
     step: Callable[[Any, Any, bool], Any],
     carry: Any,
@@ -268,10 +297,10 @@ def split_loop(
 
   Blocks in [full_lo, full_hi) are known to be wholly visible and run without
   the element mask; those in [lo, full_lo) and [full_hi, hi) cross an edge
-  of the band (the causal diagonal, a window), a ragged end or a dense mask,
-  and run with it. Requires
-  lo <= full_lo <= full_hi <= hi. A stretch whose two bounds are the same
-  value is left out at trace time.
+  of the band (the causal diagonal, a window), a segment boundary, a ragged
+  end or a dense mask, and run with it. Requires lo <= full_lo <= full_hi
+  <= hi. A stretch whose two bounds are the same value is left out at trace
+  time.
   """
 
   def empty(start, stop) -> bool:
@@ -302,28 +331,95 @@ def skip_hidden_blocks(step: Callable[[Any, Any, bool], Any], block_visible: Cal
 
 
 def block_flags(
-    mask: jax.Array | None, segments: tuple[jax.Array, jax.Array] | None, block_q: int, block_k: int
+    mask: jax.Array, segment_ranges: SegmentRanges | None, block_q: int, block_k: int
 ) -> jax.Array:
   """int32 [batch or 1, heads or 1, Q blocks, K blocks]: 0 where a tile is
   surely hidden (by the dense mask, or because its query and key segment-id
   ranges do not overlap), 1 where it may hold a visible score."""
-  flags = None
-  if mask is not None:
-    bm, hm, seq_q, seq_k = mask.shape
-    nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
-    padded = jnp.pad(mask != 0, ((0, 0), (0, 0), (0, nq * block_q - seq_q), (0, nk * block_k - seq_k)))
-    flags = jnp.any(padded.reshape(bm, hm, nq, block_q, nk, block_k), axis=(3, 5))
-  if segments is not None:
-    (q_lo, q_hi), (k_lo, k_hi) = (_segment_ranges(ids, block) for ids, block in zip(segments, (block_q, block_k)))
+  bm, hm, seq_q, seq_k = mask.shape
+  nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
+  padded = jnp.pad(mask != 0, ((0, 0), (0, 0), (0, nq * block_q - seq_q), (0, nk * block_k - seq_k)))
+  flags = jnp.any(padded.reshape(bm, hm, nq, block_q, nk, block_k), axis=(3, 5))
+  if segment_ranges is not None:
+    (q_lo, q_hi), (k_lo, k_hi) = segment_ranges.queries(block_q), segment_ranges.keys(block_k)
     # Disjoint id ranges share no id; overlapping ones may (exactly so for
     # sorted ids, as in packed sequences).
     overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
-    flags = overlap[:, None] if flags is None else flags & overlap[:, None]
+    flags &= overlap[:, None]
   return flags.astype(jnp.int32)
 
 
+def segment_block_bounds(
+    outer: tuple[jax.Array, jax.Array], inner: tuple[jax.Array, jax.Array]
+) -> jax.Array:
+  """int32 [batch, outer blocks, 4]: (lo, full_lo, full_hi, hi) over the
+  inner loop's blocks for each outer block, from both sides' per-block (min,
+  max) segment ids ([batch, blocks] each, `SegmentRanges`). Outer and inner
+  are Q and K/V blocks for the forward and dQ kernels, K/V and Q blocks for
+  the dK/dV kernel.
+
+  [lo, hi) is the hull of the inner blocks whose id range overlaps the outer
+  block's: beyond it no id is shared. In [full_lo, full_hi) the outer and
+  the inner block each hold a single id, the same one, so every pair is
+  visible under the segments. For sorted ids (packed sequences) the
+  overlapping blocks are contiguous and the full ones a run inside them, so
+  nothing is wasted. Unsorted ids stay correct: hull blocks outside the full
+  stretch take the element mask, and one sharing no id adds nothing. An outer
+  block that shares no id at all gets the empty range [n, n).
+  """
+  (outer_min, outer_max), (inner_min, inner_max) = outer, inner
+  n = inner_min.shape[1]
+  blocks = jnp.arange(n, dtype=jnp.int32)
+  # [batch, outer blocks, inner blocks], as block_flags: 128 x 128 per row
+  # at 16k with 128-row blocks, reduced over the last axis in one fusion.
+  overlap = (outer_min[:, :, None] <= inner_max[:, None, :]) & (inner_min[:, None, :] <= outer_max[:, :, None])
+  full = (
+      (outer_min == outer_max)[:, :, None] & (inner_min == inner_max)[:, None, :]
+      & (outer_min[:, :, None] == inner_min[:, None, :])
+  )
+  first = lambda where: jnp.min(jnp.where(where, blocks, n), axis=2)
+  lo, hi = first(overlap), jnp.max(jnp.where(overlap, blocks + 1, 0), axis=2)
+  full_lo = first(full)
+  # Under unsorted ids full blocks may lie apart: the stretch ends at the
+  # first block after full_lo that is not full.
+  full_hi = first(~full & (blocks >= full_lo[:, :, None]))
+  return jnp.stack(_ordered(lo, full_lo, full_hi, hi), axis=-1).astype(jnp.int32)
+
+
+class SegmentRanges:
+  """The per-block (min, max) segment ids of one pass's query and key ids,
+  derived once per block size and shared by the pass's kernels.
+
+  Every kernel's loop bounds (`segment_block_bounds`) and tile flags
+  (`block_flags`) come from these. `backward` builds one for its dK/dV and dQ
+  kernels, which often tile a side alike (e.g. 64-row Q blocks in both);
+  the forward and the backward are separate calls (their own
+  custom_partitioning bodies, jax_flash2.sharding), so each derives its own:
+  one pass over int32 ids, negligible next to the attention and cheaper
+  than carrying the bounds as residuals.
+  """
+
+  def __init__(self, q_ids: jax.Array, kv_ids: jax.Array):
+    self._ids = {"q": q_ids, "kv": kv_ids}
+    self._ranges: dict[tuple[str, int], tuple[jax.Array, jax.Array]] = {}
+
+  def queries(self, block: int) -> tuple[jax.Array, jax.Array]:
+    """(min, max) query segment id of each block of `block` rows: [batch, Q blocks]."""
+    return self._of("q", block)
+
+  def keys(self, block: int) -> tuple[jax.Array, jax.Array]:
+    """(min, max) key segment id of each block of `block` rows: [batch, K blocks]."""
+    return self._of("kv", block)
+
+  def _of(self, side: str, block: int) -> tuple[jax.Array, jax.Array]:
+    if (side, block) not in self._ranges:
+      self._ranges[side, block] = _segment_ranges(self._ids[side], block)
+    return self._ranges[side, block]
+
+
 def _segment_ranges(ids: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-  """(min, max) segment id of each block of a [batch, seq] array: [batch, blocks]."""
+  """(min, max) segment id of each block of a [batch, seq] array: [batch, blocks].
+  Padding past a ragged end counts for neither."""
   batch, seq = ids.shape
   n = -(-seq // block)
   info = jnp.iinfo(jnp.int32)
@@ -373,6 +469,16 @@ class OptionalInputs(NamedTuple):
   slopes: jax.Array | None = None
   seed: jax.Array | None = None
   bias: jax.Array | None = None
+  # The segments' per-block ranges, set by `share_segment_ranges` where one
+  # pass runs several kernels; None: each kernel derives its own.
+  segment_ranges: SegmentRanges | None = None
+
+
+def share_segment_ranges(optional: OptionalInputs) -> OptionalInputs:
+  """`optional` with one SegmentRanges for all the kernels it is passed to."""
+  if optional.segments is None or optional.segment_ranges is not None:
+    return optional
+  return optional._replace(segment_ranges=SegmentRanges(*optional.segments))
 
 
 def with_optional_inputs(
@@ -382,20 +488,27 @@ def with_optional_inputs(
     block_q: int,
     block_k: int,
     heads_per_program: int = 1,
+    kv_outer: bool = False,
 ) -> tuple[list, list]:
   """Appends the optional inputs a problem has, in the order `split_refs`
-  takes them apart: the dense mask, the tile flags (for these tiles), the
-  query and key segment ids, the ALiBi slopes, the dropout seed, the bias."""
+  takes them apart: the dense mask and its tile flags (for these tiles), or
+  else the segment bounds; the query and key segment ids, the ALiBi slopes,
+  the dropout seed, the bias. kv_outer: the programs own K/V blocks and loop
+  over Q blocks (the dK/dV kernel), which the segment bounds follow."""
   in_specs, args = list(in_specs), list(args)
-  mask, segments, alibi_slopes, seed, bias = optional
+  mask, segments, alibi_slopes, seed, bias, ranges = share_segment_ranges(optional)
   if mask is not None:
     seq_q, seq_k = mask.shape[2:]
     in_specs.append(_slab_spec(mask, (round_up(seq_q, block_q), round_up(seq_k, block_k)), heads_per_program))
     args.append(mask)
-  if mask is not None or segments is not None:
-    flags = block_flags(mask, segments, block_q, block_k)
+    flags = block_flags(mask, ranges, block_q, block_k)
     in_specs.append(_slab_spec(flags, flags.shape[2:], heads_per_program))
     args.append(flags)
+  elif segments is not None:
+    q_ranges, kv_ranges = ranges.queries(block_q), ranges.keys(block_k)
+    bounds = segment_block_bounds(*((kv_ranges, q_ranges) if kv_outer else (q_ranges, kv_ranges)))
+    in_specs.append(pl.BlockSpec((None, *bounds.shape[1:]), lambda i, b, h: (b, 0, 0)))
+    args.append(bounds)
   if segments is not None:
     in_specs += [segment_spec(segments[0].shape[1], block_q), segment_spec(segments[1].shape[1], block_k)]
     args += list(segments)
@@ -425,6 +538,7 @@ class OptionalRefs(NamedTuple):
 
   mask: Any
   flags: Any
+  segment_bounds: Any
   q_segments: Any
   kv_segments: Any
   slopes: Any
@@ -439,11 +553,12 @@ def split_refs(refs, problem: Problem) -> tuple:
   take = lambda present: refs.pop(0) if present else None
   mask = take(problem.has_mask)
   flags = take(problem.has_tile_flags)
+  segment_bounds = take(problem.has_segment_bounds)
   q_segments, kv_segments = take(problem.has_segments), take(problem.has_segments)
   slopes = take(problem.has_alibi)
   seed = take(problem.has_dropout)
   bias = take(problem.has_bias)
-  return (OptionalRefs(mask, flags, q_segments, kv_segments, slopes, seed, bias), *refs)
+  return (OptionalRefs(mask, flags, segment_bounds, q_segments, kv_segments, slopes, seed, bias), *refs)
 
 
 def extra_visible(
