@@ -147,7 +147,7 @@ python -c "import jax; print('jax', jax.__version__, jax.devices())"
 [[ "$*" == *:* ]] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
 for arg in "$@"; do
   if [[ $arg == all:* ]]; then
-    run_stages "${arg#*:}" >"$OUT/gpuall.log" 2>&1 &
+    GPU_SESSION_STREAM=1 timeout "${STREAM_LIMIT:-570}" bash "$0" "${arg#*:}" >"$OUT/gpuall.log" 2>&1 &
   elif [[ $arg == *:* ]]; then
     # A stream stops at STREAM_LIMIT seconds whatever its stages' own limits.
     GPU_SESSION_STREAM=1 CUDA_VISIBLE_DEVICES=${arg%%:*} timeout "${STREAM_LIMIT:-570}" bash "$0" "${arg#*:}" \
