@@ -104,7 +104,7 @@ stage_train_1k() {
   local t="python examples/train_gpt.py --steps 1000 --seq-len 1024 --d-model 512 --heads 8 --layers 4 --batch 16 --eval-every 250"
   for seed in 0 1 2 3; do
     for attention in flash xla; do
-      timeout 50 $t --attention "$attention" --seed "$seed" --out "$OUT/train1k" 2>&1 | grep -E "final"
+      timeout 120 $t --attention "$attention" --seed "$seed" --out "$OUT/train1k" 2>&1 | grep -E "final"
     done
   done
 }
