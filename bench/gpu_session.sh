@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
-# The next GPU session's work, one stage per device call (each call has 10
-# minutes; a session 30). Run from the repository root on the GPU machine:
+# GPU work as stages, batched into few device calls (each call has 10 minutes;
+# a session 30). Run from the repository root on the GPU machine:
 #
 #   bash bench/gpu_session.sh STAGE [STAGE ...]
-#   bash bench/gpu_session.sh 0:mosaic 1:train 2:features+tune 3:all_tests all:sharding
+#   bash bench/gpu_session.sh 0:mosaic_tests 1:train_1k 2:bench128 3:mosaic_api all:sharding
 #
 # A plain STAGE runs in the foreground with every GPU visible; N:STAGE+STAGE
 # runs those stages one after another in the background on GPU N alone (log:
 # $OUT/gpuN.log), all:STAGE in the background on every GPU, so a machine of
-# several GPUs runs one stream per GPU (memory is then allocated on demand,
-# not preallocated, so that streams sharing a GPU fit). At
-# the end everything under $OUT is packed into $OUT/session.tgz (the device
+# several GPUs runs one stream per GPU (memory is then allocated on demand, not
+# preallocated, so that streams sharing a GPU fit); each stream stops after
+# STREAM_LIMIT seconds (570). `wait` waits for the streams started before it,
+# so that timing stages after it have the GPU alone. At the end everything
+# under $OUT (or ./gpu_out) is packed into $OUT/session.tgz (the device
 # returns at most 8 files).
 #
-# Logs and result files go to $OUT (or ./gpu_out). Stages, in the order they
-# are worth running:
-#   new       GPU tests not yet run there: dropout, bias, shard_map check_vma (~3 min)
-#   mosaic    the Mosaic GPU kernels (forward; backward dK/dV and dQ): their GPU tests, then
-#             their speed against the Triton path and cuDNN (~9 min; split if it runs long)
-#   features  issue 5's speed checks: window (1024, 0) and 8 segments vs causal at 16k,
-#             GQA 32/8 vs MHA, softcap/ALiBi/bias/dropout cost (~4 min)
-#   tune      forward tiles for the issue-2 targets (d128 8k, causal and not) (~4 min)
-#   train     train_gpt seeds 2 and 3, flash and XLA, bf16, plus flash float32 seed 0 (~6 min)
-#   all_tests the whole GPU suite (~9 min)
+# Stages (time on one H200):
+#   Tests:    all_tests (the GPU suite but Mosaic and sharding, ~7 min),
+#             mosaic_tests (the Mosaic kernels alone, ~5 min), mosaic_api
+#             (backend mosaic/auto at the Triton path's bar, ~7 min), mosaic_rest
+#             (its GQA and 16k determinism cases), new (dropout, bias,
+#             check_vma, shard_map), sharding (every GPU visible: 2x2 mesh on 4).
+#   Speed:    bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
+#             Mosaic tests and kernel benches), features (window, segments vs
+#             causal at 2k and 16k, ~2 min), gqa_vs_mha (~2 min), tune / tune256
+#             (Triton tiles at d128 forward / all d256 kernels, ~4 min each).
+#   Training: train (600 steps, seeds 5-6), train_1k (1000 steps, seeds 0-3, ~6 min).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -69,14 +72,20 @@ stage_sharding() {
   timeout 200 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_sharding.py 2>&1 | tee "$OUT/sharding_tests.log" | tail -30
 }
 
-stage_train() {
-  local t="python examples/train_gpt.py --steps 600 --seq-len 1024 --d-model 512 --heads 8 --layers 4 --batch 16 --eval-every 100"
-  timeout 120 $t --attention flash --dtype f32 --out "$OUT/train" 2>&1 | grep -E "final"
-  for seed in 2 3 4; do
+train_pairs() {  # train_pairs STEPS DIR SEED... : flash and XLA runs per seed (the README's model)
+  local steps=$1 dir=$2
+  shift 2
+  local t="python examples/train_gpt.py --steps $steps --seq-len 1024 --d-model 512 --heads 8 --layers 4 --batch 16"
+  for seed in "$@"; do
     for attention in flash xla; do
-      timeout 70 $t --attention "$attention" --seed "$seed" --out "$OUT/train" 2>&1 | grep -E "final|step +(0|300|599) "
+      # 120 s: the Mosaic kernels take ~30 s to compile into the train step.
+      timeout 120 $t --eval-every $((steps / 4)) --attention "$attention" --seed "$seed" --out "$OUT/$dir" 2>&1 | grep -E "final"
     done
   done
+}
+
+stage_train() {
+  train_pairs 600 train 5 6
 }
 
 stage_mosaic_tests() {
@@ -88,25 +97,11 @@ stage_mosaic_api() {
   timeout 420 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_gpu.py -k mosaic 2>&1 | tee "$OUT/mosaic_api_tests.log" | tail -30
 }
 
-stage_train_long() {
-  # 2000 steps: past the plateau that 600-step runs leave at seed-dependent times.
-  local t="python examples/train_gpt.py --steps 2000 --seq-len 1024 --d-model 512 --heads 8 --layers 4 --batch 16 --eval-every 250"
-  for seed in 0 1 2 3; do
-    for attention in flash xla; do
-      timeout 70 $t --attention "$attention" --seed "$seed" --out "$OUT/train2k" 2>&1 | grep -E "final"
-    done
-  done
-}
-
 stage_train_1k() {
   # 1000 steps: past the plateau's seed-dependent escape (steps 200-600), before
-  # the small corpus is overfitted (validation loss is lowest at 750-1000).
-  local t="python examples/train_gpt.py --steps 1000 --seq-len 1024 --d-model 512 --heads 8 --layers 4 --batch 16 --eval-every 250"
-  for seed in 0 1 2 3; do
-    for attention in flash xla; do
-      timeout 120 $t --attention "$attention" --seed "$seed" --out "$OUT/train1k" 2>&1 | grep -E "final"
-    done
-  done
+  # the small corpus is overfitted (validation loss is lowest at 750-1000;
+  # 2000-step runs overfit it).
+  train_pairs 1000 train1k 0 1 2 3
 }
 
 stage_mosaic_rest() {
