@@ -112,13 +112,13 @@ def flash_attention(
     backend: "auto" (Pallas kernels on an NVIDIA GPU of compute capability
       8.0 or newer, else the XLA path with a warning; on Hopper, each pass
       takes the Mosaic kernel where it measured faster, see
-      config.hopper_choice, and the Triton one where block_sizes is given),
+      config.hopper_choice, and the Triton one where block_sizes is given or
+      a length is not a whole number of 128-row blocks),
       "triton" (the Pallas Triton-lowering kernels), "mosaic" (the Hopper
       kernels in Pallas Mosaic GPU for both passes; a pass they cannot
-      serve, such as ragged lengths, head_dim 256 in the backward, float32
-      or any of mask, bias, window, softcap, ALiBi, segment ids and dropout,
-      runs the Triton kernel instead) or "xla" (plain XLA; quadratic
-      memory).
+      serve, such as head_dim 256 in the backward, float32 or any of mask,
+      bias, window, softcap, ALiBi, segment ids and dropout, runs the Triton
+      kernel instead) or "xla" (plain XLA; quadratic memory).
     interpret: run the Pallas kernels in Pallas interpret mode (any platform,
       slow; for tests).
     block_sizes: tile sizes and launch parameters; defaults per head_dim.
@@ -179,12 +179,16 @@ def flash_attention(
     blocks = (block_sizes or default_block_sizes(head_dim, causal)).fit(seq_q, seq_k)
     mosaic = mosaic_backward = None
     if kind is Backend.MOSAIC:
-      # backend="auto" on Hopper: the Mosaic kernels where they measured
-      # faster, unless the caller tuned the Triton kernels' block sizes.
-      auto = Backend(backend) is Backend.AUTO
-      choice = hopper_choice(head_dim, problem.window_right == 0) if auto and block_sizes is None else HopperChoice(not auto, not auto)
-      mosaic = _mosaic_config(problem, q, k) if choice.forward else None
-      mosaic_backward = _mosaic_backward_config(problem, q, k) if choice.backward else None
+      if Backend(backend) is not Backend.AUTO:
+        choice = HopperChoice(forward=True, backward=True)
+      elif block_sizes is None and _whole_blocks(q, k):
+        # "auto" on Hopper: the Mosaic kernels where they measured faster.
+        choice = hopper_choice(head_dim, problem.window_right == 0)
+      else:
+        # The caller tuned the Triton kernels' tiles, or a length is ragged.
+        choice = HopperChoice(forward=False, backward=False)
+      mosaic = _mosaic_config(problem, q) if choice.forward else None
+      mosaic_backward = _mosaic_backward_config(problem, q) if choice.backward else None
     call = KernelCall(
         problem=problem, block_sizes=blocks, interpret=bool(interpret), mosaic=mosaic, mosaic_backward=mosaic_backward
     )
@@ -341,26 +345,30 @@ def _check_positive(name: str, value) -> float:
   return number
 
 
-def _mosaic_config(problem: Problem, q, k) -> mosaic_forward.MosaicConfig | None:
+def _mosaic_config(problem: Problem, q) -> mosaic_forward.MosaicConfig | None:
   """The Mosaic forward's tiling when it serves this problem, else None (the
-  Triton forward runs): bf16/fp16, head_dim 64/128/256, lengths that are
-  whole blocks, full or causal attention and no other option."""
-  config = mosaic_forward.default_config(problem.head_dim)
-  shapes = (problem.head_dim in mosaic_forward.SUPPORTED_HEAD_DIMS
-            and jnp.dtype(q.dtype) in mosaic_forward.SUPPORTED_DTYPES
-            and q.shape[1] % config.block_q == 0 and k.shape[1] % config.block_kv == 0)
-  return config if shapes and _plain(problem) else None
+  Triton forward runs): bf16/fp16, head_dim 64/128/256, full or causal
+  attention and no other option. Any lengths: ragged ones are padded to
+  whole blocks inside."""
+  serves = (problem.head_dim in mosaic_forward.SUPPORTED_HEAD_DIMS
+            and jnp.dtype(q.dtype) in mosaic_forward.SUPPORTED_DTYPES)
+  return mosaic_forward.default_config(problem.head_dim) if serves and _plain(problem) else None
 
 
-def _mosaic_backward_config(problem: Problem, q, k) -> mosaic_backward.BackwardConfig | None:
+def _mosaic_backward_config(problem: Problem, q) -> mosaic_backward.BackwardConfig | None:
   """The Mosaic backward's tiling when it serves this problem, else None (the
-  Triton backward runs): bf16/fp16, head_dim 64/128, lengths that are whole
-  128-row blocks, full or causal attention and no other option."""
-  config = mosaic_backward.default_backward_config(problem.head_dim)
-  shapes = (problem.head_dim in mosaic_backward.SUPPORTED_HEAD_DIMS
-            and jnp.dtype(q.dtype) in mosaic_forward.SUPPORTED_DTYPES
-            and q.shape[1] % mosaic_backward.OUTER_ROWS == 0 and k.shape[1] % mosaic_backward.OUTER_ROWS == 0)
-  return config if shapes and _plain(problem) else None
+  Triton backward runs): bf16/fp16, head_dim 64/128, full or causal
+  attention and no other option. Any lengths, as in the forward."""
+  serves = (problem.head_dim in mosaic_backward.SUPPORTED_HEAD_DIMS
+            and jnp.dtype(q.dtype) in mosaic_forward.SUPPORTED_DTYPES)
+  return mosaic_backward.default_backward_config(problem.head_dim) if serves and _plain(problem) else None
+
+
+def _whole_blocks(q, k) -> bool:
+  """Whether both lengths are whole 128-row blocks, the only lengths at which
+  the Mosaic kernels have been measured (and run) on a GPU so far: ragged
+  ones are padded to such blocks inside, a copy whose cost is unmeasured."""
+  return q.shape[1] % mosaic_backward.OUTER_ROWS == 0 and k.shape[1] % mosaic_backward.OUTER_ROWS == 0
 
 
 def _plain(problem: Problem) -> bool:

@@ -273,10 +273,9 @@ def _backward_kernels(q, k, v, out, lse, do, dlse, *args):
   # Only plain (causal or full) problems get here; see api._mosaic_backward_config.
   problem = call.problem
   delta = triton_backward.backward_delta(out, do, dlse, problem, interpret=call.interpret)
-  kwargs = dict(causal=problem.window_right == 0, softmax_scale=problem.softmax_scale,
-                config=call.mosaic_backward, interpret=call.interpret)
-  dk, dv = mosaic_backward.dkv(q, k, v, do, lse, delta, **kwargs)
-  return mosaic_backward.dq(q, k, v, do, lse, delta, **kwargs), dk, dv
+  return mosaic_backward.backward(q, k, v, do, lse, delta, causal=problem.window_right == 0,
+                                  softmax_scale=problem.softmax_scale, config=call.mosaic_backward,
+                                  interpret=call.interpret)
 
 
 _triton_backward_kernels = _on_shard(triton_backward.backward)

@@ -175,8 +175,8 @@ hopper = pytest.mark.skipif(
     not any(str(getattr(d, "compute_capability", "")).startswith("9") for d in jax.devices()),
     reason="the Mosaic GPU kernels need a Hopper GPU",
 )
-# Shapes the Mosaic kernels serve (whole 128-row blocks), and d256, whose
-# backward falls back to the Triton kernels.
+# Shapes the Mosaic kernels serve, whole blocks and ragged (padded inside),
+# and d256, whose backward falls back to the Triton kernels.
 MOSAIC_SHAPES = [
     (2, 1024, 1024, 4, 64),
     (1, 2048, 2048, 4, 128),
@@ -184,6 +184,10 @@ MOSAIC_SHAPES = [
     (1, 2048, 1024, 4, 128),  # seq_q > seq_k: causal leaves rows with no key
     (1, 8192, 8192, 1, 128),
     (1, 2048, 2048, 2, 256),
+    (1, 1000, 1537, 3, 128),  # ragged, seq_q < seq_k
+    (1, 1537, 1000, 3, 128),  # ragged, seq_q > seq_k: rows with no key
+    (2, 777, 777, 2, 64),  # ragged, both lengths
+    (1, 1000, 1000, 2, 256),  # ragged, d256 forward
 ]
 
 
@@ -197,15 +201,17 @@ def test_mosaic_bf16_matches_reference(shape, causal, backend):
 
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [MOSAIC_SHAPES[0], MOSAIC_SHAPES[3]], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [MOSAIC_SHAPES[0], MOSAIC_SHAPES[3], MOSAIC_SHAPES[7]],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_mosaic_fp16_matches_reference(shape, causal):
   _check(shape, jnp.float16, causal, backend="mosaic")
 
 
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_mosaic_grouped_query_attention(causal):
-  _check((2, 2048, 2048, 8, 128), jnp.bfloat16, causal, kv_heads=2, backend="mosaic")
+@pytest.mark.parametrize("shape", [(2, 2048, 2048, 8, 128), (2, 1000, 1300, 8, 64)], ids=["2048", "ragged"])
+def test_mosaic_grouped_query_attention(shape, causal):
+  _check(shape, jnp.bfloat16, causal, kv_heads=2, backend="mosaic")
 
 
 @hopper

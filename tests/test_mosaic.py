@@ -4,8 +4,9 @@ and the dispatch to them (backend="mosaic", and "auto" on Hopper).
 On CPU: config validation, the NotImplementedError messages, lowering for
 CUDA (Pallas -> Mosaic GPU dialect -> layout inference, all in Python: API
 misuse fails here without a GPU), Mosaic's interpreter on small shapes (its
-wgmma of P V takes a shared-memory detour; see the kernels) and which kernels
-a call picks.
+wgmma of P V takes a shared-memory detour; see the kernels), whole-block and
+ragged lengths (padded inside; only the ragged ones pay for a copy), and
+which kernels a call picks.
 
 On a Hopper GPU (`pytest -m gpu tests/test_mosaic.py`): each kernel alone
 against the float32 reference, relative error under 1e-2; tests/test_gpu.py
@@ -83,16 +84,13 @@ def _bad_inputs():
   yield "float32", f32, {}, NotImplementedError, "bfloat16 and float16"
   d96 = [jnp.zeros((1, 256, 2, 96), jnp.bfloat16)] * 3
   yield "head_dim", d96, {}, NotImplementedError, r"head_dim in \(64, 128, 256\), got 96"
-  yield "ragged_q", (q[:, :200], k, v), {}, NotImplementedError, r"ragged .* seq_q \(200\)"
-  yield "ragged_k", (q, k[:, :200], v[:, :200]), {}, NotImplementedError, r"ragged .* seq_k \(200\)"
-  short = MosaicConfig(block_q=256)
-  yield "ragged_block_q", (q[:, :128], k, v), dict(config=short), NotImplementedError, r"block_q \(256\)"
   yield "rank", (q[0], k, v), {}, ValueError, r"\[batch, seq, heads, head_dim\]"
   yield "kv_shape", (q, k, v[:, :128]), {}, ValueError, "k and v must have one shape"
   yield "heads", (q[:, :, :1], k, v), {}, ValueError, r"multiple of k's \(2\)"
   yield "mixed", (q, k.astype(jnp.float16), v), {}, ValueError, "share a dtype"
   deep = MosaicConfig(block_kv=256, stages=4)
   yield "smem", (q, k, v), dict(config=deep), ValueError, "bytes of shared memory"
+  yield "smem_ragged", (q[:, :200], k[:, :100], v[:, :100]), dict(config=deep), ValueError, "bytes of shared memory"
 
 
 @pytest.mark.parametrize("args, kwargs, error, match", [c[1:] for c in _bad_inputs()], ids=[c[0] for c in _bad_inputs()])
@@ -137,6 +135,44 @@ def test_lowers_for_cuda_variants(shape, kv_heads, config):
   assert "mosaic_gpu_v2" in text
 
 
+@pytest.mark.parametrize(
+    "shape, kv_heads, causal, config, padded",
+    [
+        ((2, 200, 200, 2, 64), None, False, None, (256, 256)),
+        ((1, 1000, 1537, 8, 128), 2, True, None, (1024, 1664)),  # grouped-query, seq_q < seq_k
+        ((1, 1537, 1000, 4, 128), None, True, None, (1664, 1024)),  # rows that see no key
+        ((1, 1, 257, 2, 256), None, False, None, (128, 320)),
+        ((1, 257, 1, 2, 64), None, True, MosaicConfig(block_q=256, block_kv=64, stages=3), (512, 64)),
+    ],
+    ids=["200", "gqa_1000x1537", "1537x1000", "1x257_d256", "257x1"],
+)
+def test_lowers_for_cuda_ragged(shape, kv_heads, causal, config, padded):
+  batch, seq_q, seq_k, heads, head_dim = shape
+  text = _lower_for_cuda(*_structs(*shape, kv_heads=kv_heads), causal, config)
+  assert "mosaic_gpu_v2" in text
+  # The kernel runs on whole blocks; the caller gets the real lengths back.
+  assert f"tensor<{batch}x{padded[0]}x{heads}x{head_dim}xbf16>" in text
+  assert f"tensor<{batch}x{padded[1]}x{kv_heads or heads}x{head_dim}xbf16>" in text
+  assert f"tensor<{batch}x{seq_q}x{heads}x{head_dim}xbf16>" in text
+  assert f"tensor<{batch}x{heads}x{seq_q}xf32>" in text
+
+
+def _copies(f, *args) -> list[str]:
+  """The operations around the kernel that copy an array: jnp.pad (a jit
+  named _pad) and slices."""
+  names = [eqn.params.get("name", eqn.primitive.name).strip("_") for eqn in jax.make_jaxpr(f)(*args).eqns]
+  return sorted(name for name in names if name in ("pad", "slice"))
+
+
+def test_only_ragged_lengths_pay_for_padding():
+  """Whole blocks reach the kernel as they are (no pad, no slice: no copy);
+  a ragged length pads what it must and slices the results back."""
+  forward = lambda q, k, v: mosaic.forward(q, k, v, causal=True)
+  assert _copies(forward, *_structs(1, 512, 256, 2, 128)) == []
+  assert _copies(forward, *_structs(1, 500, 256, 2, 128)) == ["pad", "slice", "slice"]  # q; out, lse
+  assert _copies(forward, *_structs(1, 512, 250, 2, 128)) == ["pad", "pad"]  # k, v
+
+
 # ---------------------------------------------------------------- interpreter
 
 
@@ -178,6 +214,35 @@ def test_interpreter_rows_that_see_no_key():
   assert np.all(np.isneginf(lse[..., :128])) and np.all(np.isfinite(lse[..., 128:]))
 
 
+# Ragged lengths (padded to whole blocks inside), for the forward and the
+# backward kernels alike: (batch, seq_q, seq_k, heads, head_dim), dtype,
+# causal, kv_heads. The block sizes are the smallest, so that a short
+# sequence still spans several blocks.
+RAGGED = [
+    # Non-causal, grouped-query: keys past seq_k masked in the last, partial
+    # K/V block (forward, dq); dkv's last CTA has a warpgroup with 8 real keys
+    # and one with none.
+    ((1, 200, 136, 2, 64), jnp.bfloat16, False, 1),
+    # seq_q > seq_k: the first 170 rows see no key (zeros, lse = -inf); the
+    # diagonal, with the real offset, also hides the padded keys.
+    ((1, 300, 130, 1, 64), jnp.bfloat16, True, None),
+    # One query (and its padding) sees all 257 keys: the diagonal, at offset
+    # 256, stops right before the padding of the last K/V block.
+    ((1, 1, 257, 1, 64), jnp.float16, True, None),
+]
+RAGGED_IDS = ["200x136_full_gqa", "300x130_causal", "1x257_causal"]
+
+
+@pytest.mark.parametrize("shape, dtype, causal, kv_heads", RAGGED, ids=RAGGED_IDS)
+def test_interpreter_ragged_matches_reference(shape, dtype, causal, kv_heads):
+  config = MosaicConfig(block_q=128, block_kv=64, stages=2)
+  lse = _check_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
+  seq_q, seq_k = shape[1:3]
+  if causal and seq_q > seq_k:
+    blind = seq_q - seq_k
+    assert np.all(np.isneginf(lse[..., :blind])) and np.all(np.isfinite(lse[..., blind:]))
+
+
 # ---------------------------------------------------------------- GPU
 
 
@@ -211,8 +276,11 @@ def test_gpu_matches_reference(seq, head_dim, dtype, causal):
         ((1, 2048, 1024, 4, 128), None, None),  # seq_q > seq_k: rows that see no key
         ((1, 2048, 2048, 2, 128), None, MosaicConfig(block_q=128, block_kv=64, stages=4)),  # drain
         ((1, 2048, 2048, 2, 256), None, None),
+        ((1, 1000, 1537, 8, 128), 2, None),  # ragged: padded to whole blocks
+        ((1, 1537, 1000, 4, 64), None, MosaicConfig(block_q=256, block_kv=64, stages=3)),
+        ((1, 777, 777, 2, 256), None, None),
     ],
-    ids=["gqa", "seq_q_gt_seq_k", "block_kv_64", "d256"],
+    ids=["gqa", "seq_q_gt_seq_k", "block_kv_64", "d256", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_d256"],
 )
 def test_gpu_variants(shape, kv_heads, config):
   for dtype in (jnp.bfloat16, jnp.float16):
@@ -222,13 +290,21 @@ def test_gpu_variants(shape, kv_heads, config):
 # ---------------------------------------------------------------- backend="mosaic"
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backend_mosaic_forward_and_backward(causal):
+@pytest.mark.parametrize(
+    "seq_q, seq_k, causal, kv_heads",
+    # Whole blocks, and ragged lengths with causal GQA (the interpreter is
+    # slow: the kernels' causal and ragged paths are checked one by one above).
+    [(256, 256, False, None), (150, 260, True, 1)],
+    ids=["full", "ragged_causal_gqa"],
+)
+def test_backend_mosaic_forward_and_backward(seq_q, seq_k, causal, kv_heads):
   """flash_attention(backend="mosaic"): the Mosaic forward and backward
   (interpreted here) through the custom_vjp, with a cotangent on the lse too,
-  against the reference."""
-  q, k, v, dout = (x.astype(jnp.float16) for x in random_inputs(3, 1, 256, 256, 2, 64))
-  dlse = jax.random.normal(jax.random.PRNGKey(7), (1, 2, 256), jnp.float32)
+  against the reference; at whole blocks and at ragged lengths."""
+  q, k, v, dout = (x.astype(jnp.float16) for x in random_inputs(3, 1, seq_q, seq_k, 2, 64))
+  if kv_heads is not None:
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+  dlse = jax.random.normal(jax.random.PRNGKey(7), (1, 2, seq_q), jnp.float32)
   f = lambda q, k, v: flash_attention(q, k, v, backend="mosaic", return_lse=True, causal=causal, interpret=True)
   (out, lse), vjp = jax.vjp(f, q, k, v)
   got = (out, lse, *vjp((dout, dlse)))
@@ -264,7 +340,10 @@ def _captured_call(monkeypatch, capability=(9, 0)):
         (128, True, dict(block_sizes="tuned"), False, False),  # tuned Triton tiles: Triton
         (128, True, dict(dtype=jnp.float32), False, False),  # the Mosaic kernels take fp16/bf16
         (128, True, dict(softcap=30.0), False, False),
-        (128, False, dict(seq=640 + 64), False, False),  # not whole 128-row blocks
+        # Ragged lengths: backend="mosaic" pads them (below); "auto" keeps them
+        # on the Triton kernels until the padded path is measured on a GPU.
+        (128, False, dict(seq=640 + 64), False, False),
+        (64, True, dict(seq=1000), False, False),
     ],
 )
 def test_auto_on_hopper_picks_the_measured_kernels(monkeypatch, head_dim, causal, kwargs, forward, backward):
@@ -290,31 +369,38 @@ def test_auto_off_hopper_is_triton(monkeypatch):
 
 def test_backend_mosaic_uses_both_mosaic_kernels_where_they_serve(monkeypatch):
   calls = _captured_call(monkeypatch)
-  for head_dim, forward, backward in ((64, True, True), (256, True, False)):
-    q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+  for head_dim, seq, forward, backward in ((64, 256, True, True), (256, 256, True, False),
+                                           (128, 777, True, True), (256, 1, True, False)):
+    q = jax.ShapeDtypeStruct((1, seq, 2, head_dim), jnp.bfloat16)
     jax.eval_shape(lambda q: flash_attention(q, q, q, backend="mosaic"), q)
     assert (calls[-1].mosaic is not None, calls[-1].mosaic_backward is not None) == (forward, backward)
 
 
 def test_backend_mosaic_uses_the_mosaic_kernel_only_where_it_serves(monkeypatch):
-  """Plain causal bf16 at whole blocks reaches the Mosaic kernel; a mask, a
-  ragged length or float32 fall back to the Triton forward."""
+  """Plain causal bf16 reaches the Mosaic kernel, at whole blocks or ragged
+  lengths; a mask, a window or float32 fall back to the Triton forward."""
   from jax_flash2 import api
 
   seen = []
   real = mosaic.forward
   monkeypatch.setattr(mosaic, "forward", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
   q, k, v, _ = (x.astype(jnp.bfloat16) for x in random_inputs(0, 1, 128, 128, 1, 64))
-  for kwargs, served in (
-      (dict(causal=True), True),
-      (dict(causal=True, mask=jnp.ones((128, 128), bool)), False),
-      (dict(window_size=(16, 0)), False),
+  for kwargs, served, seq_q in (
+      (dict(causal=True), True, 128),
+      (dict(causal=True), True, 100),
+      (dict(causal=True, mask=jnp.ones((128, 128), bool)), False, 128),
+      (dict(window_size=(16, 0)), False, 128),
   ):
     seen.clear()
-    jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, backend="mosaic", interpret=True, **kwargs), q, k, v)
-    assert bool(seen) == served, kwargs
-  assert api._mosaic_config(api.Problem(100, 128, 64, 64, None, 0, 0.1, "bfloat16"), q[:, :100], k) is None
-  assert api._mosaic_config(api.Problem(128, 128, 64, 64, None, 0, 0.1, "float32"), q.astype(jnp.float32), k) is None
+    jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, backend="mosaic", interpret=True, **kwargs),
+                   q[:, :seq_q], k, v)
+    assert bool(seen) == served, (kwargs, seq_q)
+  ragged = api.Problem(100, 128, 64, 64, None, 0, 0.1, "bfloat16")
+  assert api._mosaic_config(ragged, q[:, :100]) == mosaic.default_config(64)
+  assert api._mosaic_backward_config(ragged, q[:, :100]) == mosaic_bwd.default_backward_config(64)
+  float32 = api.Problem(128, 128, 64, 64, None, 0, 0.1, "float32")
+  assert api._mosaic_config(float32, q.astype(jnp.float32)) is None
+  assert api._mosaic_backward_config(float32, q.astype(jnp.float32)) is None
 
 
 def test_backend_mosaic_needs_hopper():
@@ -360,8 +446,6 @@ def test_bwd_rejects():
     d256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match=r"head_dim in \(64, 128\), got 256"):
       fn(d256, d256, d256, d256, lse, delta)
-    with pytest.raises(NotImplementedError, match="ragged"):
-      fn(q, k[:, :200], v[:, :200], do, lse, delta)
     with pytest.raises(ValueError, match="lse must be float32"):
       fn(q, k, v, do, lse[:, :1], delta)
     with pytest.raises(ValueError, match="do must have q's shape"):
@@ -389,15 +473,53 @@ def test_bwd_lowers_for_cuda(kernel, shape, dtype, causal, kv_heads, config):
   assert f"flash2_bwd_{kernel}_mosaic" in text
 
 
-def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, causal, *, kv_heads=None,
-                                 config=None, interpret=True, tol=1e-2):
+@pytest.mark.parametrize(
+    "shape, causal, kv_heads, config",
+    [
+        ((1, 1000, 1537, 8, 128), True, 2, None),  # grouped-query, seq_q < seq_k
+        ((2, 257, 1, 2, 64), False, None, BackwardConfig(128, 64, 2)),
+    ],
+    ids=["gqa_1000x1537", "257x1"],
+)
+def test_bwd_lowers_for_cuda_ragged(shape, causal, kv_heads, config):
+  """Both kernels through `backward`, on one padding to whole 128-row blocks."""
+  batch, seq_q, seq_k, heads, head_dim = shape
+  structs = _bwd_structs(*shape, kv_heads=kv_heads)
+  f = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=causal, config=config))
+  text = f.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flash2_bwd_dkv_mosaic" in text and "flash2_bwd_dq_mosaic" in text
+  round_up = lambda n: -(-n // mosaic_bwd.OUTER_ROWS) * mosaic_bwd.OUTER_ROWS
+  assert f"tensor<{batch}x{round_up(seq_q)}x{heads}x{head_dim}xbf16>" in text
+  assert f"tensor<{batch}x{round_up(seq_k)}x{kv_heads or heads}x{head_dim}xbf16>" in text
+  assert f"tensor<{batch}x{heads}x{round_up(seq_q)}xf32>" in text  # lse and delta
+
+
+def test_bwd_only_ragged_lengths_pay_for_padding():
+  """As in the forward: whole blocks reach the kernels without a copy; ragged
+  lengths are padded once for both kernels."""
+  f = lambda *a: mosaic_bwd.backward(*a, causal=True)
+  assert _copies(f, *_bwd_structs(1, 256, 512, 2, 64)) == []
+  # q, do, lse, delta padded once each, though both kernels read them; dq sliced.
+  assert _copies(f, *_bwd_structs(1, 250, 512, 2, 64)) == ["pad"] * 4 + ["slice"]
+  assert _copies(f, *_bwd_structs(1, 256, 500, 2, 64)) == ["pad"] * 2 + ["slice"] * 2  # k, v; dk, dv
+
+
+def _bwd_problem(batch, seq_q, seq_k, heads, head_dim, dtype, causal, kv_heads=None):
+  """The backward kernels' operands (q, k, v, do, lse, delta) and the
+  reference's (dq, dk, dv)."""
   q, k, v, do = (x.astype(dtype) for x in random_inputs(5, batch, seq_q, seq_k, heads, head_dim))
   if kv_heads is not None:
     k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
   out, lse, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, do, causal=causal, dtype=jnp.float32)
   # delta from the output as the kernel's caller would have it (rounded to dtype).
   delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(dtype).astype(jnp.float32))
-  lse = lse.astype(jnp.float32)
+  return (q, k, v, do, lse.astype(jnp.float32), delta), (ref_dq, ref_dk, ref_dv)
+
+
+def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, causal, *, kv_heads=None,
+                                 config=None, interpret=True, tol=1e-2):
+  (q, k, v, do, lse, delta), (ref_dq, ref_dk, ref_dv) = _bwd_problem(
+      batch, seq_q, seq_k, heads, head_dim, dtype, causal, kv_heads)
   kwargs = dict(causal=causal, config=config, interpret=interpret)
   dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kwargs)
   dq = mosaic_bwd.dq(q, k, v, do, lse, delta, **kwargs)
@@ -424,6 +546,25 @@ def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, confi
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
 
 
+@pytest.mark.parametrize("shape, dtype, causal, kv_heads", RAGGED, ids=RAGGED_IDS)
+def test_bwd_interpreter_ragged_matches_reference(shape, dtype, causal, kv_heads):
+  """The kernels on the operands padded as `backward` pads them, so that the
+  rows of padding can be checked before they are sliced away: dQ of padded
+  queries (lse = +inf: P = 0) and dK, dV of padded keys (hidden by the
+  diagonal, or zeroed by dkv) are exactly 0."""
+  operands, refs = _bwd_problem(*shape, dtype, causal, kv_heads)
+  seq_q, seq_k, head_dim = shape[1], shape[2], shape[4]
+  padded = mosaic_bwd._pad(*operands)
+  kwargs = dict(seq_q=seq_q, seq_k=seq_k, causal=causal, softmax_scale=head_dim ** -0.5,
+                config=BackwardConfig(64, 64, 2), interpret=True)
+  dk, dv = mosaic_bwd._dkv_call(*padded, **kwargs)
+  dq = mosaic_bwd._dq_call(*padded, **kwargs)
+  for name, x, seq, ref in (("dq", dq, seq_q, refs[0]), ("dk", dk, seq_k, refs[1]), ("dv", dv, seq_k, refs[2])):
+    assert x.shape[1] % mosaic_bwd.OUTER_ROWS == 0 and x.shape[1] > seq, name
+    np.testing.assert_array_equal(np.asarray(x[:, seq:], np.float32), 0.0, err_msg=name)
+    assert rel_err(x[:, :seq], ref) < 1e-2, name
+
+
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("seq", [1024, 4096])
@@ -441,8 +582,11 @@ def test_bwd_gpu_matches_reference(seq, head_dim, causal):
         ((1, 1024, 2048, 8, 128), jnp.bfloat16, 2, None),  # grouped-query, seq_q < seq_k
         ((1, 2048, 1024, 4, 128), jnp.float16, None, None),  # seq_q > seq_k
         ((1, 2048, 2048, 2, 64), jnp.bfloat16, None, BackwardConfig(128, 128, 2)),
+        ((1, 1000, 1537, 8, 128), jnp.bfloat16, 2, None),  # ragged: padded to whole blocks
+        ((1, 1537, 1000, 4, 64), jnp.float16, None, None),
+        ((2, 777, 777, 2, 64), jnp.bfloat16, None, BackwardConfig(128, 128, 2)),
     ],
-    ids=["gqa", "seq_q_gt_seq_k", "blocks_128"],
+    ids=["gqa", "seq_q_gt_seq_k", "blocks_128", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_blocks_128"],
 )
 def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)

@@ -114,15 +114,12 @@ def _mosaic_serves(shape: Shape) -> str | None:
   cell would not measure the Mosaic kernel), or None."""
   from jax_flash2.mosaic import forward as mosaic_forward
 
-  config = mosaic_forward.default_config(shape.head_dim)
   if shape.window is not None or shape.segments > 1:
     return "the Mosaic forward takes no window or segments"
   if shape.head_dim not in mosaic_forward.SUPPORTED_HEAD_DIMS:
     return f"the Mosaic forward takes head_dim {mosaic_forward.SUPPORTED_HEAD_DIMS}"
   if jnp.dtype(shape.dtype) not in mosaic_forward.SUPPORTED_DTYPES:
     return "the Mosaic forward takes fp16/bf16"
-  if shape.seqlen % config.block_q or shape.seqlen % config.block_kv:
-    return f"the Mosaic forward needs seq a multiple of {max(config.block_q, config.block_kv)}"
   return None
 
 

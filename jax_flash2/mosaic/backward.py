@@ -37,20 +37,35 @@ whose range starts (dkv) or ends (dq) a block away from its neighbour's
 drains those ring slots (waits ready, arrives consumed) so that barrier
 phases stay in step.
 
+Ragged lengths, as in forward.py: the kernels work on whole blocks, and
+`dkv`, `dq` and `backward` pad seq_q and seq_k to multiples of OUTER_ROWS
+(which every block_q and block_kv divides, so that one padding serves both
+kernels; whole-block lengths are passed through without a copy) and slice
+the gradients back. Bounds and masks use the real lengths; no streamed
+block of padding alone is visited. Keys past seq_k: under causal attention
+the diagonal's mask hides them from every real query; otherwise dq masks
+them (P = 0) in its last K/V block, and dkv, where they are rows of the outer
+tile and reach only their own rows of dK and dV, zeroes those rows once at
+the end rather than masking every Q block. Padded query rows get lse = +inf,
+so P = exp2(S - inf) = 0, and dO = 0, delta = 0, so dS = 0: they add
+nothing to dK and dV, and their dQ rows (0) are sliced away.
+
 Per ring slot there are ready barriers (completed by the TMA engine) for each
 streamed array and consumed barriers (two arrivals): dkv releases Q, lse, dO
 and delta after its second wgmma group; dq releases V after dP = dO V^T and
 K after dQ += dS K (K is read twice).
 
 Supported: bf16 and fp16; head_dim 64 and 128; grouped-query attention;
-seq_q and seq_k multiples of the block sizes. Otherwise NotImplementedError.
+any seq_q, seq_k >= 1. Otherwise NotImplementedError.
 
 In Mosaic's interpreter (interpret=True; jax 0.11.2 runs wgmma only from
 shared-memory operands into fresh accumulators), P^T / dS^T (dS for dq) take
 a detour through shared memory and the products are added afterwards, as in
 forward.py; the compiled kernel never takes that branch.
 
-Status: not yet run on a GPU. Checked on CPU: lowering for CUDA, compilation
+Status: runs on the H200 at whole-block lengths (session 3: GPU tests at the
+Triton path's bar; speed in bench/NOTES.md); ragged lengths are checked on
+CPU only so far. Checked on CPU: lowering for CUDA, compilation
 to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no spills except a
 few scalars in the causal dkv at head_dim 128; dkv at block_q 128 and
 head_dim 128 spills heavily: S^T and dP^T then take 128 registers), and dq, dk, dv against the
@@ -82,7 +97,10 @@ from jax_flash2.mosaic.forward import (
     WGMMA_M,
     _SMEM_RESERVE,
     _kv_block_bounds,
+    pad_seq,
     produce_kv_ring,
+    unpad_seq,
+    visible,
 )
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -100,6 +118,8 @@ class BackwardConfig:
     block_kv: key/value rows per ring slot of `dq` (64 or 128).
     stages: ring slots (>= 2).
   The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
+  Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
+  lengths; see the module docstring).
   """
 
   block_q: int = 64
@@ -140,7 +160,7 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   return BackwardConfig(block_q=64, block_kv=64, stages=3)
 
 
-def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernel: str) -> None:
+def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tuple[str, ...]) -> None:
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}")
   if k.shape != v.shape:
@@ -162,34 +182,31 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernel: str) 
     raise NotImplementedError(f"the Mosaic GPU backward supports bfloat16 and float16, got {q.dtype}")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-  seq_k = k.shape[1]
-  if kernel == "dkv":
-    outer_q, outer_k, smem = config.block_q, OUTER_ROWS, config.dkv_smem_bytes(head_dim, q.dtype)
-  else:
-    outer_q, outer_k, smem = OUTER_ROWS, config.block_kv, config.dq_smem_bytes(head_dim, q.dtype)
-  if seq_q % outer_q or seq_k % outer_k:
-    raise NotImplementedError(
-        f"ragged sequence lengths are not supported by the Mosaic GPU backward ({kernel}): seq_q "
-        f"({seq_q}) must be a multiple of {outer_q} and seq_k ({seq_k}) a multiple of {outer_k}"
-    )
-  if smem > SMEM_LIMIT:
-    raise ValueError(
-        f"{config} needs {smem} bytes of shared memory for {kernel} at head_dim {head_dim}, more "
-        f"than the {SMEM_LIMIT} a Hopper CTA has: lower stages or the block sizes"
-    )
+  for kernel in kernels:
+    smem = getattr(config, f"{kernel}_smem_bytes")(head_dim, q.dtype)
+    if smem > SMEM_LIMIT:
+      raise ValueError(
+          f"{config} needs {smem} bytes of shared memory for {kernel} at head_dim {head_dim}, more "
+          f"than the {SMEM_LIMIT} a Hopper CTA has: lower stages or the block sizes"
+      )
 
 
 def _q_block_bounds(k_start, rows: int, seq_q: int, seq_k: int, block_q: int, causal: bool):
   """(lo, full_lo): key rows [k_start, k_start + rows) are seen by no query of
   Q blocks [0, lo), by some of blocks [lo, full_lo) (the diagonal) and by
-  every query of blocks [full_lo, num_q). int32 scalars."""
-  num_q = seq_q // block_q
+  every query of blocks [full_lo, num_q). seq_q, seq_k are the real lengths:
+  num_q = cdiv(seq_q, block_q), no block of padded queries alone; keys past
+  seq_k count as seen by every query when attention is not causal (see
+  _dkv_kernel). int32 scalars."""
+  num_q = pl.cdiv(seq_q, block_q)
   if not causal:
     return jnp.int32(0), jnp.int32(0)
   offset = seq_k - seq_q  # query i sees key j iff j <= i + offset
   # Block b holds a query that sees key k_start iff (b + 1) * block_q - 1 + offset >= k_start.
   lo = jnp.minimum(jnp.clip(k_start - offset, 0, None) // block_q, num_q)
-  # Block b is fully visible iff b * block_q + offset >= k_start + rows - 1.
+  # Block b is fully visible iff b * block_q + offset >= k_start + rows - 1 (never, for keys of
+  # padding: that would need b * block_q >= seq_q, past the last block; so the diagonal's mask
+  # hides them from every real query).
   full_lo = jnp.clip(k_start + (rows - 1 - offset + block_q - 1), 0, None) // block_q
   full_lo = jnp.clip(full_lo, lo, num_q)
   return lo.astype(jnp.int32), full_lo.astype(jnp.int32)
@@ -213,8 +230,9 @@ def _dkv_kernel(
     seq_q: int, seq_k: int, group: int, causal: bool, softmax_scale: float,
     config: BackwardConfig, interpret: bool,
 ):
-  # q_ref, do_ref: [batch, seq_q, heads, D]; k_ref, v_ref, dk_ref, dv_ref:
-  # [batch, seq_k, kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q].
+  # q_ref, do_ref: [batch, seq_q', heads, D]; k_ref, v_ref, dk_ref, dv_ref:
+  # [batch, seq_k', kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q'];
+  # seq_q', seq_k': the real seq_q, seq_k padded to multiples of OUTER_ROWS.
   # k_smem, v_smem: [2, 64, D] (one tile per consumer, reused for dK, dV);
   # q_smem, do_smem: [stages, block_q, D]; lse_smem, delta_smem: [stages, block_q].
   # kv_ready: [2] barriers of 2 arrivals (K and V copies); *_ready: [stages]
@@ -229,7 +247,7 @@ def _dkv_kernel(
   kv_head = lax.axis_index("heads")
   wg = lax.axis_index("wg")
   cta_start = lax.axis_index("kv") * OUTER_ROWS
-  num_q = seq_q // block_q
+  num_q = pl.cdiv(seq_q, block_q)
   # The first consumer's keys come first, so it sees the most Q blocks.
   lo_cta, _ = _q_block_bounds(cta_start, rows, seq_q, seq_k, block_q, causal)
   steps_per_head = jnp.int32(num_q) - lo_cta
@@ -314,7 +332,7 @@ def _dkv_kernel(
         query = qb * block_q + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
         # After the exponential: queries with lse = -inf (no visible key)
         # give 0, not NaN.
-        p_t = jnp.where(key <= query + (seq_k - seq_q), p_t, 0.0)
+        p_t = jnp.where(visible(query, key, seq_q=seq_q, seq_k=seq_k, causal=causal), p_t, 0.0)
       plgpu.barrier_wait(delta_ready.at[slot])
       delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
       ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
@@ -373,6 +391,13 @@ def _dkv_kernel(
       dk, dv = one_head(jnp.int32(0), (acc, acc))
     else:
       dk, dv = lax.fori_loop(0, group, one_head, (acc, acc))
+    if not causal and k_ref.shape[1] > seq_k:
+      # Keys past seq_k were not masked (the diagonal hides them under causal
+      # attention): their P^T is exp2(-lse) and not 0. A key's P^T and dS^T
+      # reach only its own rows of dV and dK, so zeroing those rows once here
+      # serves as well as a mask on every Q block of this warpgroup would.
+      key = k_start + plgpu.broadcasted_iota(jnp.int32, dk.shape, 0, layout=plgpu.Layout.WGMMA)
+      dk, dv = (jnp.where(key < seq_k, x, 0.0) for x in (dk, dv))
 
     # Every wgmma reading the K and V tiles has completed: they stage dK, dV.
     k_tile[...] = (dk * softmax_scale).astype(dtype)
@@ -388,6 +413,24 @@ def _interpret_params(interpret):
   return params, params is not None
 
 
+def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):
+  head_dim = q.shape[-1]
+  config = default_backward_config(head_dim) if config is None else config
+  return config, float(head_dim ** -0.5 if softmax_scale is None else softmax_scale)
+
+
+def _pad(q, k, v, do, lse, delta):
+  """The operands padded along their sequence axes to multiples of
+  OUTER_ROWS, for both kernels. Padded query rows get lse = +inf, so that
+  P = exp2(S - lse) = 0 there (finite S: Q is 0), and dO = 0, delta = 0,
+  so that dS = P * (dP - delta) = 0 as well."""
+  q, do = pad_seq(q, OUTER_ROWS), pad_seq(do, OUTER_ROWS)
+  k, v = pad_seq(k, OUTER_ROWS), pad_seq(v, OUTER_ROWS)
+  lse = pad_seq(lse, OUTER_ROWS, axis=2, value=jnp.inf)
+  delta = pad_seq(delta, OUTER_ROWS, axis=2)
+  return q, k, v, do, lse, delta
+
+
 def dkv(
     q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
     causal: bool = False, softmax_scale: float | None = None, config: BackwardConfig | None = None,
@@ -397,7 +440,8 @@ def dkv(
 
   Args:
     q, do: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads,
-      head_dim] (heads a multiple of kv_heads); bf16 or fp16, one dtype.
+      head_dim] (heads a multiple of kv_heads); bf16 or fp16, one dtype; any
+      lengths (ragged ones are padded to whole blocks and sliced back).
     lse: float32 [batch, heads, seq_q], natural log, as the forward writes it.
     delta: float32 [batch, heads, seq_q], rowsum(dO * O).
     causal, softmax_scale: as in the forward.
@@ -407,13 +451,19 @@ def dkv(
   Returns:
     (dk, dv), like k.
   """
-  if config is None:
-    config = default_backward_config(q.shape[-1])
-  _check_inputs(q, k, v, do, lse, delta, config, "dkv")
-  batch, seq_q, heads, head_dim = q.shape
-  seq_k, kv_heads = k.shape[1], k.shape[2]
-  if softmax_scale is None:
-    softmax_scale = head_dim ** -0.5
+  config, softmax_scale = _settings(q, config, softmax_scale)
+  _check_inputs(q, k, v, do, lse, delta, config, ("dkv",))
+  seq_q, seq_k = q.shape[1], k.shape[1]
+  dk, dv = _dkv_call(*_pad(q, k, v, do, lse, delta), seq_q=seq_q, seq_k=seq_k, causal=causal,
+                     softmax_scale=softmax_scale, config=config, interpret=interpret)
+  return unpad_seq(dk, seq_k), unpad_seq(dv, seq_k)
+
+
+def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float,
+              config: BackwardConfig, interpret) -> tuple[jax.Array, jax.Array]:
+  """The dK/dV kernel on operands padded by `_pad`, of real lengths seq_q, seq_k."""
+  batch, _, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
   interpret_params, interpret = _interpret_params(interpret)
   dtype, stages, block_q = q.dtype, config.stages, config.block_q
   transforms = _swizzled(head_dim, dtype)
@@ -433,7 +483,7 @@ def dkv(
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)))
   kernel = functools.partial(
       _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, causal=causal,
-      softmax_scale=float(softmax_scale), config=config, interpret=interpret,
+      softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
   return plgpu.kernel(
       kernel,
@@ -442,7 +492,7 @@ def dkv(
       # K/V blocks fastest: CTAs running together share one (batch, kv head)
       # and read the same Q and dO from L2. Block 0 (causal: the most Q
       # blocks) launches first.
-      grid=(seq_k // OUTER_ROWS, kv_heads, batch),
+      grid=(k.shape[1] // OUTER_ROWS, kv_heads, batch),
       grid_names=("kv", "heads", "batch"),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
@@ -462,6 +512,7 @@ def _dq_kernel(
     seq_q: int, seq_k: int, group: int, num_q_blocks: int, causal: bool, softmax_scale: float,
     config: BackwardConfig, interpret: bool,
 ):
+  # Arrays in GMEM as in _dkv_kernel (padded to multiples of OUTER_ROWS).
   # q_smem, do_smem: [2, 64, D] (per consumer; Q's tile stages dQ at the end);
   # lse_smem, delta_smem: [2, 64]; k_smem, v_smem: [stages, block_kv, D].
   # q_ready: [2] barriers of 4 arrivals (Q, dO, lse, delta); k_ready,
@@ -529,7 +580,7 @@ def _dq_kernel(
       if masked:
         row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
         col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        p = jnp.where(col <= row + (seq_k - seq_q), p, 0.0)
+        p = jnp.where(visible(row, col, seq_q=seq_q, seq_k=seq_k, causal=causal), p, 0.0)
       ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
       if interpret:
         ds_stage = staging.at[wg]
@@ -558,8 +609,9 @@ def _dq_kernel(
 
     dq = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     dq = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), dq)
-    if causal:
+    if causal or seq_k % block_kv:  # a diagonal, or a last block partly of padding
       dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
+    if causal:
       lax.fori_loop(hi, num_steps, drain, None)
 
     q_tile[...] = (dq * softmax_scale).astype(dtype)
@@ -578,13 +630,19 @@ def dq(
   Returns:
     dq, like q.
   """
-  if config is None:
-    config = default_backward_config(q.shape[-1])
-  _check_inputs(q, k, v, do, lse, delta, config, "dq")
-  batch, seq_q, heads, head_dim = q.shape
-  seq_k, kv_heads = k.shape[1], k.shape[2]
-  if softmax_scale is None:
-    softmax_scale = head_dim ** -0.5
+  config, softmax_scale = _settings(q, config, softmax_scale)
+  _check_inputs(q, k, v, do, lse, delta, config, ("dq",))
+  seq_q, seq_k = q.shape[1], k.shape[1]
+  dq = _dq_call(*_pad(q, k, v, do, lse, delta), seq_q=seq_q, seq_k=seq_k, causal=causal,
+                softmax_scale=softmax_scale, config=config, interpret=interpret)
+  return unpad_seq(dq, seq_q)
+
+
+def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float,
+             config: BackwardConfig, interpret) -> jax.Array:
+  """The dQ kernel on operands padded by `_pad`, of real lengths seq_q, seq_k."""
+  batch, _, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
   interpret_params, interpret = _interpret_params(interpret)
   dtype, stages, block_kv = q.dtype, config.stages, config.block_kv
   transforms = _swizzled(head_dim, dtype)
@@ -603,10 +661,10 @@ def dq(
   ]
   if interpret:
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_kv), dtype, transforms=_swizzled(block_kv, dtype)))
-  num_q_blocks = seq_q // OUTER_ROWS
+  num_q_blocks = q.shape[1] // OUTER_ROWS
   kernel = functools.partial(
       _dq_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
-      causal=causal, softmax_scale=float(softmax_scale), config=config, interpret=interpret,
+      causal=causal, softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
   return plgpu.kernel(
       kernel,
@@ -620,3 +678,28 @@ def dq(
       interpret=interpret_params,
       kernel_name="flash2_bwd_dq_mosaic",
   )(q, k, v, do, lse, delta)
+
+
+# ---------------------------------------------------------------- both
+
+
+def backward(
+    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
+    causal: bool = False, softmax_scale: float | None = None, config: BackwardConfig | None = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`dq` and `dkv` on one padding of the operands (ragged lengths pad once,
+  not once per kernel); arguments as `dkv`.
+
+  Returns:
+    (dq, dk, dv), each like its primal.
+  """
+  config, softmax_scale = _settings(q, config, softmax_scale)
+  _check_inputs(q, k, v, do, lse, delta, config, ("dkv", "dq"))
+  seq_q, seq_k = q.shape[1], k.shape[1]
+  padded = _pad(q, k, v, do, lse, delta)
+  kwargs = dict(seq_q=seq_q, seq_k=seq_k, causal=causal, softmax_scale=softmax_scale, config=config,
+                interpret=interpret)
+  dk, dv = _dkv_call(*padded, **kwargs)
+  dq = _dq_call(*padded, **kwargs)
+  return unpad_seq(dq, seq_q), unpad_seq(dk, seq_k), unpad_seq(dv, seq_k)

@@ -30,14 +30,25 @@ j <= i + seq_k - seq_q, as in FlashAttention-2 and jax_flash2.reference).
 Each consumer visits only the K/V blocks at or left of its diagonal; only the
 blocks crossing the diagonal are masked element-wise.
 
-Supported: bf16 and fp16; head_dim 64, 128 and 256; grouped-query attention
-(heads a multiple of kv_heads); seq_q a multiple of `block_q` and seq_k a
-multiple of `block_kv`. Not supported (NotImplementedError): ragged lengths
-(seq_q % block_q or seq_k % block_kv nonzero), other head dims, float32 and
-other dtypes, and every extra of the Triton path (masks, windows, softcap,
-ALiBi, bias, segment ids, dropout). There is no backward kernel here.
+Ragged lengths: the kernel works on whole blocks, so `forward` zero-pads q
+to a multiple of `block_q` and k, v to a multiple of `block_kv` along the
+sequence axis and slices the output and lse back (lengths that are whole
+blocks are passed through, without a copy). Inside, every bound and mask uses
+the real lengths: the last K/V block, partial, takes the masked path, where
+keys past seq_k get probability 0 (under causal attention the diagonal hides
+them already: the last real query sees keys up to seq_k - 1). Query rows past
+seq_q are computed like any other and sliced away. `pad_seq`, `unpad_seq`
+and `visible` are shared with the backward kernels.
 
-Status: not yet run on a GPU. Checked on CPU: lowering for CUDA, compilation
+Supported: bf16 and fp16; head_dim 64, 128 and 256; grouped-query attention
+(heads a multiple of kv_heads); any seq_q, seq_k >= 1. Not supported
+(NotImplementedError): other head dims, float32 and other dtypes, and every
+extra of the Triton path (masks, windows, softcap, ALiBi, bias, segment ids,
+dropout). The backward kernels are in backward.py.
+
+Status: runs on the H200 at whole-block lengths (session 3: GPU tests at the
+Triton path's bar; speed in bench/NOTES.md); ragged lengths are checked on
+CPU only so far. Checked on CPU: lowering for CUDA, compilation
 to sm_90a SASS through Mosaic's own compiler (tools/mosaic_cpu_compile.py:
 HGMMA, TMA, setmaxnreg, no spills), and the numbers through Mosaic's
 interpreter with its race detector (tests/test_mosaic.py, bench/NOTES.md).
@@ -87,6 +98,8 @@ class MosaicConfig:
     stages: ring slots of K and V in shared memory (>= 2: with one slot the
       next load could only start once both consumers finished the current
       block, so copies and tensor cores would take turns).
+  Sequence lengths need not be multiples of the blocks: `forward` pads them
+  (ragged lengths; see the module docstring).
   """
 
   block_q: int = 128
@@ -152,13 +165,6 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, config: MosaicConfig
     raise NotImplementedError(
         f"the Mosaic GPU forward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}"
     )
-  seq_k = k.shape[1]
-  if seq_q % config.block_q or seq_k % config.block_kv:
-    raise NotImplementedError(
-        f"ragged sequence lengths are not supported by the Mosaic GPU forward: seq_q ({seq_q}) "
-        f"must be a multiple of block_q ({config.block_q}) and seq_k ({seq_k}) a multiple of "
-        f"block_kv ({config.block_kv})"
-    )
   smem = config.smem_bytes(head_dim, q.dtype)
   if smem > SMEM_LIMIT:
     raise ValueError(
@@ -167,20 +173,51 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, config: MosaicConfig
     )
 
 
+def pad_seq(x: jax.Array, multiple: int, *, axis: int = 1, value: float = 0.0) -> jax.Array:
+  """x with its sequence `axis` padded with `value` up to a multiple of
+  `multiple`; x itself, not a copy, when its length already is one."""
+  extra = -x.shape[axis] % multiple
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def unpad_seq(x: jax.Array, length: int, *, axis: int = 1) -> jax.Array:
+  """The first `length` entries of x along `axis` (x itself when that is all)."""
+  return x if x.shape[axis] == length else lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+def visible(query: jax.Array, key: jax.Array, *, seq_q: int, seq_k: int, causal: bool) -> jax.Array:
+  """Whether query `query` sees key `key` (int32 positions, broadcast), for
+  the real lengths seq_q, seq_k. Keys at or past seq_k are padding; causal
+  attention needs no test for them, since the diagonal stops the last real
+  query at key seq_k - 1 (padded queries may see padded keys: their rows are
+  sliced away, or have P = 0 in the backward)."""
+  if causal:
+    return key <= query + (seq_k - seq_q)  # bottom-right alignment
+  return key < seq_k
+
+
 def _kv_block_bounds(q_start: jax.Array, rows: int, seq_q: int, seq_k: int, block_kv: int, causal: bool):
   """(full_hi, hi): this warpgroup's rows [q_start, q_start + rows) see every
-  key of K/V blocks [0, full_hi), part of blocks [full_hi, hi) (the diagonal)
-  and none from hi on. int32 scalars."""
-  num_kv = seq_k // block_kv
+  key of K/V blocks [0, full_hi), some keys of blocks [full_hi, hi) (those
+  crossing the diagonal, and a last block that is partly padding: they take
+  the masked path) and none from hi on. seq_q, seq_k are the real lengths:
+  no block past the last real key is visited. int32 scalars."""
+  num_kv = pl.cdiv(seq_k, block_kv)
+  num_full = seq_k // block_kv  # blocks with no padding
   if not causal:
-    return jnp.int32(num_kv), jnp.int32(num_kv)
+    return jnp.int32(num_full), jnp.int32(num_kv)
   offset = seq_k - seq_q  # bottom-right alignment: row i sees keys j <= i + offset
   # Last key the last row sees is q_start + rows - 1 + offset.
   hi = jnp.clip(q_start + (rows + offset + block_kv - 1), 0, None) // block_kv
   hi = jnp.minimum(hi, num_kv)
-  # Block kb is fully visible to the first row iff kb * block_kv + block_kv - 1 <= q_start + offset.
+  # Block kb is fully visible to the first row iff kb * block_kv + block_kv - 1 <= q_start + offset
+  # (never a partial block for a real row; rows of padding are kept off it too).
   full_hi = jnp.clip(q_start + (offset + 1), 0, None) // block_kv
-  full_hi = jnp.minimum(full_hi, hi)
+  full_hi = jnp.minimum(full_hi, jnp.minimum(hi, num_full))
   return full_hi.astype(jnp.int32), hi.astype(jnp.int32)
 
 
@@ -230,8 +267,9 @@ def _forward_kernel(
     seq_q: int, seq_k: int, group: int, num_q_blocks: int, causal: bool,
     softmax_scale: float, config: MosaicConfig, interpret: bool,
 ):
-  # q_ref, out_ref: [batch, seq_q, heads, D] in GMEM; k_ref, v_ref: [batch,
-  # seq_k, heads // group, D] in GMEM; lse_ref: [batch, heads, seq_q] f32.
+  # q_ref, out_ref: [batch, seq_q', heads, D] in GMEM; k_ref, v_ref: [batch,
+  # seq_k', heads // group, D] in GMEM; lse_ref: [batch, heads, seq_q'] f32;
+  # seq_q', seq_k': the real seq_q, seq_k padded to whole blocks.
   # q_smem: [2, rows, D] (one Q tile per consumer, reused for its output);
   # k_smem, v_smem: [stages, block_kv, D] (the ring); lse_smem: [2, rows] f32.
   # q_ready: [2] barriers; k_ready, v_ready: [stages] barriers the TMA engine
@@ -298,7 +336,7 @@ def _forward_kernel(
       if masked:
         row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
         col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        s = jnp.where(col <= row + (seq_k - seq_q), s, -jnp.inf)
+        s = jnp.where(visible(row, col, seq_q=seq_q, seq_k=seq_k, causal=causal), s, -jnp.inf)
 
       m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * qk_scale)
       if masked and may_see_nothing:
@@ -351,8 +389,9 @@ def _forward_kernel(
     m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     carry = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), (acc, m_i, l_i))
-    if causal:
+    if causal or seq_k % block_kv:  # a diagonal, or a last block partly of padding
       carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+    if causal:
       lax.fori_loop(hi, num_steps, drain, None)
     acc, m_i, l_i = carry
 
@@ -391,7 +430,8 @@ def forward(
 
   Args:
     q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads,
-      head_dim] with heads a multiple of kv_heads; bf16 or fp16.
+      head_dim] with heads a multiple of kv_heads; bf16 or fp16; any
+      lengths (ragged ones are padded to whole blocks and sliced back).
     causal: bottom-right aligned causal mask.
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
     config: tiling; defaults to `default_config(head_dim)`.
@@ -403,8 +443,8 @@ def forward(
       rows that see no key, which only causal with seq_q > seq_k has).
 
   Raises:
-    NotImplementedError: ragged lengths, head_dim not in (64, 128, 256),
-      dtypes other than bf16/fp16 (see the module docstring).
+    NotImplementedError: head_dim not in (64, 128, 256), dtypes other than
+      bf16/fp16 (see the module docstring).
   """
   if config is None:
     config = default_config(q.shape[-1])
@@ -413,7 +453,11 @@ def forward(
   seq_k, kv_heads = k.shape[1], k.shape[2]
   if softmax_scale is None:
     softmax_scale = head_dim ** -0.5
-  num_q_blocks = seq_q // config.block_q
+  # The kernel works on whole blocks; it bounds and masks with the real
+  # seq_q, seq_k, and the rows of padding are sliced off its results.
+  q = pad_seq(q, config.block_q)
+  k, v = pad_seq(k, config.block_kv), pad_seq(v, config.block_kv)
+  num_q_blocks = q.shape[1] // config.block_q
   interpret_params = plgpu.InterpretGPUParams() if interpret is True else (interpret or None)
   interpret = interpret_params is not None
   rows, dtype = config.rows_per_consumer, q.dtype
@@ -447,11 +491,11 @@ def forward(
       _forward_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
       causal=causal, softmax_scale=float(softmax_scale), config=config, interpret=interpret,
   )
-  return plgpu.kernel(
+  out, lse = plgpu.kernel(
       kernel,
       out_type=(
           jax.ShapeDtypeStruct(q.shape, dtype),
-          jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),
+          jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32),
       ),
       scratch_types=scratch,
       # Q blocks are the fastest-varying grid axis, so CTAs running together
@@ -464,3 +508,4 @@ def forward(
       interpret=interpret_params,
       kernel_name="flash2_fwd_mosaic",
   )(q, k, v)
+  return unpad_seq(out, seq_q), unpad_seq(lse, seq_q, axis=2)
