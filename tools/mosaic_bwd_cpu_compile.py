@@ -43,28 +43,11 @@ def main() -> int:
   parser.add_argument("--only", default="", help="only the cases whose name contains this")
   args = parser.parse_args()
   dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_bwd_dump_"))
-  build_dir = tempfile.mkdtemp(prefix="fakecuda_")
-  cuda_root = fwd_tool._cuda_root()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  os.environ["MOSAIC_GPU_CUDA_ROOT"] = str(cuda_root)
-  os.environ["PATH"] = f"{cuda_root / 'bin'}:{os.environ['PATH']}"
-  for flag in ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS"):
-    os.environ[flag] = "1"
-  fwd_tool._load_fake_driver(build_dir)
-
-  sys.path.insert(0, str(ROOT))
-  import ctypes
-
+  compile_fn = fwd_tool.setup_compiler()
   import jax
   import jax.numpy as jnp
-  import jax_plugins.xla_cuda13 as cuda_plugin
-  from jax.experimental.mosaic.gpu import core as mosaic_core
 
   from jax_flash2.mosaic import backward
-
-  compile_fn = ctypes.CDLL(cuda_plugin._get_library_path()).MosaicGpuCompile
-  compile_fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
-  compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
 
   failures = 0
   i = 0
@@ -79,18 +62,9 @@ def main() -> int:
         name += "_q{}_kv{}_s{}".format(*tiles)
       if args.only not in name:
         continue
-      dump = dump_root / f"{i:02d}_{name}"
+      fn = lambda *a, fn=getattr(backward, kernel), causal=causal, config=config: fn(*a, causal=causal, config=config)
+      failures += not fwd_tool.compile_case(compile_fn, fn, (q, kv, kv, q, vec, vec), dump_root / f"{i:02d}_{name}", name)
       i += 1
-      dump.mkdir(parents=True, exist_ok=True)
-      os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
-      mosaic_core.KNOWN_KERNELS.clear()
-      fn = getattr(backward, kernel)
-      f = jax.jit(lambda *a, fn=fn: fn(*a, causal=causal, config=config))
-      f.trace(q, kv, kv, q, vec, vec).lower(lowering_platforms=("cuda",))
-      [module] = mosaic_core.KNOWN_KERNELS.values()
-      ok = bool(compile_fn(module, len(module)))
-      failures += not ok
-      print(f"{'ok  ' if ok else 'FAIL'} {name}: {fwd_tool._summarise(dump)}", flush=True)
   print(f"dumps in {dump_root}")
   return 1 if failures else 0
 

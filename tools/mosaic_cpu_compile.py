@@ -81,30 +81,51 @@ def _summarise(dump: pathlib.Path) -> str:
   return " ".join(parts)
 
 
-def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--dump", default=None, help="keep Mosaic's dumps (PTX, ptxas, SASS) here")
-  args = parser.parse_args()
-  dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_dump_"))
-  build_dir = tempfile.mkdtemp(prefix="fakecuda_")
+def setup_compiler():
+  """Points Mosaic at ptxas, asks it for PTX/ptxas/SASS dumps, loads the fake
+  driver and returns the CUDA plugin's MosaicGpuCompile. Call before jax is
+  imported."""
   cuda_root = _cuda_root()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["MOSAIC_GPU_CUDA_ROOT"] = str(cuda_root)
   os.environ["PATH"] = f"{cuda_root / 'bin'}:{os.environ['PATH']}"
   for flag in ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS"):
     os.environ[flag] = "1"
-  _load_fake_driver(build_dir)
-
+  _load_fake_driver(tempfile.mkdtemp(prefix="fakecuda_"))
   sys.path.insert(0, str(ROOT))
-  import jax
   import jax_plugins.xla_cuda13 as cuda_plugin
-  from jax.experimental.mosaic.gpu import core as mosaic_core
-
-  from jax_flash2.mosaic import forward as mosaic
 
   compile_fn = ctypes.CDLL(cuda_plugin._get_library_path()).MosaicGpuCompile
   compile_fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
   compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
+  return compile_fn
+
+
+def compile_case(compile_fn, fn, args, dump: pathlib.Path, name: str) -> bool:
+  """Lowers jax.jit(fn)(*args) for CUDA, compiles its one Mosaic kernel with
+  dumps into `dump` and prints a line for it; True if it compiled."""
+  import jax
+  from jax.experimental.mosaic.gpu import core as mosaic_core
+
+  dump.mkdir(parents=True, exist_ok=True)
+  os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
+  mosaic_core.KNOWN_KERNELS.clear()
+  jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  [module] = mosaic_core.KNOWN_KERNELS.values()
+  ok = bool(compile_fn(module, len(module)))
+  print(f"{'ok  ' if ok else 'FAIL'} {name}: {_summarise(dump)}", flush=True)
+  return ok
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--dump", default=None, help="keep Mosaic's dumps (PTX, ptxas, SASS) here")
+  args = parser.parse_args()
+  dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_dump_"))
+  compile_fn = setup_compiler()
+  import jax
+
+  from jax_flash2.mosaic import forward as mosaic
 
   failures = 0
   for i, (batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles) in enumerate(CASES):
@@ -114,16 +135,8 @@ def main() -> int:
     name = f"d{head_dim}_{dtype}_{'causal' if causal else 'full'}_{seq_q}x{seq_k}_h{heads}-{kv_heads}"
     if tiles:
       name += "_q{}_kv{}_s{}".format(*tiles)
-    dump = dump_root / f"{i:02d}_{name}"
-    dump.mkdir(parents=True, exist_ok=True)
-    os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
-    mosaic_core.KNOWN_KERNELS.clear()
-    f = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=config))
-    f.trace(q, kv, kv).lower(lowering_platforms=("cuda",))
-    [module] = mosaic_core.KNOWN_KERNELS.values()
-    ok = bool(compile_fn(module, len(module)))
-    failures += not ok
-    print(f"{'ok  ' if ok else 'FAIL'} {name}: {_summarise(dump)}", flush=True)
+    fn = lambda q, k, v, causal=causal, config=config: mosaic.forward(q, k, v, causal=causal, config=config)
+    failures += not compile_case(compile_fn, fn, (q, kv, kv), dump_root / f"{i:02d}_{name}", name)
   print(f"dumps in {dump_root}")
   return 1 if failures else 0
 

@@ -97,6 +97,7 @@ from jax_flash2.mosaic.forward import (
     WGMMA_M,
     _SMEM_RESERVE,
     _kv_block_bounds,
+    interpret_params_of,
     pad_seq,
     produce_kv_ring,
     unpad_seq,
@@ -408,11 +409,6 @@ def _dkv_kernel(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _interpret_params(interpret):
-  params = plgpu.InterpretGPUParams() if interpret is True else (interpret or None)
-  return params, params is not None
-
-
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):
   head_dim = q.shape[-1]
   config = default_backward_config(head_dim) if config is None else config
@@ -464,7 +460,7 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   """The dK/dV kernel on operands padded by `_pad`, of real lengths seq_q, seq_k."""
   batch, _, heads, head_dim = q.shape
   kv_heads = k.shape[2]
-  interpret_params, interpret = _interpret_params(interpret)
+  interpret_params, interpret = interpret_params_of(interpret)
   dtype, stages, block_q = q.dtype, config.stages, config.block_q
   transforms = _swizzled(head_dim, dtype)
   scratch = [
@@ -643,7 +639,7 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
   """The dQ kernel on operands padded by `_pad`, of real lengths seq_q, seq_k."""
   batch, _, heads, head_dim = q.shape
   kv_heads = k.shape[2]
-  interpret_params, interpret = _interpret_params(interpret)
+  interpret_params, interpret = interpret_params_of(interpret)
   dtype, stages, block_kv = q.dtype, config.stages, config.block_kv
   transforms = _swizzled(head_dim, dtype)
   scratch = [

@@ -173,6 +173,15 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, config: MosaicConfig
     )
 
 
+def interpret_params_of(
+    interpret: bool | plgpu.InterpretGPUParams,
+) -> tuple[plgpu.InterpretGPUParams | None, bool]:
+  """(the interpreter's parameters or None, whether to interpret) from a
+  kernel's `interpret` argument: False, True, or InterpretGPUParams."""
+  params = plgpu.InterpretGPUParams() if interpret is True else (interpret or None)
+  return params, params is not None
+
+
 def pad_seq(x: jax.Array, multiple: int, *, axis: int = 1, value: float = 0.0) -> jax.Array:
   """x with its sequence `axis` padded with `value` up to a multiple of
   `multiple`; x itself, not a copy, when its length already is one."""
@@ -458,8 +467,7 @@ def forward(
   q = pad_seq(q, config.block_q)
   k, v = pad_seq(k, config.block_kv), pad_seq(v, config.block_kv)
   num_q_blocks = q.shape[1] // config.block_q
-  interpret_params = plgpu.InterpretGPUParams() if interpret is True else (interpret or None)
-  interpret = interpret_params is not None
+  interpret_params, interpret = interpret_params_of(interpret)
   rows, dtype = config.rows_per_consumer, q.dtype
 
   # 128-byte swizzle (64 elements of 16 bits per swizzled row) lets wgmma and
