@@ -26,12 +26,6 @@ from jax_flash2.triton.tiles import OptionalInputs, Problem
 NO_OPTIONAL = OptionalInputs()
 
 
-def median_ms(fn, *args, rounds: int = 7) -> float:
-  """The bench CLI's timing (jax_flash2.bench.timing) of one jitted function."""
-  prepared = timing.Prepared(compiled=jax.jit(fn).lower(*args).compile(), args=[args])
-  return timing.median_ms(timing.time_calls(prepared, warmup=2, iters=rounds))
-
-
 def candidates(kernel: str, d: int):
   blocks_q = (64, 128) if kernel != "dkv" else (32, 64, 128)
   blocks_k = (32, 64, 128) if kernel != "dkv" else (64, 128)
@@ -65,7 +59,7 @@ def main() -> None:
     fwd_flop = 4 * batch * heads * args.seq * args.seq * d / (2 if causal else 1)
     cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
     cudnn_fb = jax.grad(lambda q, k, v: jnp.vdot(cudnn(q, k, v), do).real.astype(jnp.float32), (0, 1, 2))
-    ms_f, ms_fb = median_ms(cudnn, q, k, v), median_ms(cudnn_fb, q, k, v)
+    ms_f, ms_fb = timing.time_fn_ms(cudnn, q, k, v), timing.time_fn_ms(cudnn_fb, q, k, v)
     print(f"causal={causal} cudnn fwd {ms_f:.3f} ms {fwd_flop / ms_f / 1e9:.0f} TF/s | "
           f"fwd+bwd {ms_fb:.3f} ms {3.5 * fwd_flop / ms_fb / 1e9:.0f} TF/s", flush=True)
     records.append(dict(impl="cudnn", causal=causal, fwd_ms=ms_f, fwdbwd_ms=ms_fb))
@@ -90,7 +84,7 @@ def main() -> None:
         else:
           fn = lambda q, k, v, cfg=cfg: tb.compute_dq(q, k, v, do, lse, delta, NO_OPTIONAL, problem, cfg)
         try:
-          ms = median_ms(fn, q, k, v)
+          ms = timing.time_fn_ms(fn, q, k, v)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
           print(f"  {kernel} {cfg}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
           continue

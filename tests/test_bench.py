@@ -568,3 +568,11 @@ def test_failures_become_cells_and_the_sweep_goes_on(monkeypatch):
   assert [r.status for r in checks] == ["OOM", "error", "ok"]
   table = report.format_table(cells, cfg.impls)
   assert "OOM" in table and "error: ValueError: kaput" in table
+
+
+def test_time_fn_ms_times_a_jitted_function():
+  """The one-function timer the tools share: compiled ahead, a positive
+  median per call."""
+  x = jnp.ones((64, 64), jnp.float32)
+  ms = timing.time_fn_ms(lambda x: x @ x, x, warmup=1, iters=3, calls_per_round=2)
+  assert isinstance(ms, float) and ms > 0

@@ -12,31 +12,17 @@ as rounds of calls launched back to back; the median round is reported.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from jax_flash2 import flash_attention
+from jax_flash2.bench import timing
 from jax_flash2.bench.flops import forward_flops
 from jax_flash2.mosaic import forward as mosaic
 
-CALLS, ROUNDS, WARMUP = 10, 10, 3
-
-
 def _time_ms(fn, args) -> float:
-  compiled = jax.jit(fn).lower(*args).compile()
-  for _ in range(WARMUP):
-    jax.block_until_ready(compiled(*args))
-  rounds = []
-  for _ in range(ROUNDS):
-    start = time.perf_counter()
-    for _ in range(CALLS):
-      out = compiled(*args)
-    jax.block_until_ready(out)
-    rounds.append((time.perf_counter() - start) * 1e3 / CALLS)
-  return statistics.median(rounds)
+  return timing.time_fn_ms(fn, *args, warmup=3, iters=10, calls_per_round=10)
 
 
 def main() -> None:

@@ -123,6 +123,15 @@ def median_ms(times: list[float]) -> float:
   return statistics.median(times) * 1e3
 
 
+def time_fn_ms(fn: Callable[..., Any], *args, warmup: int = 2, iters: int = 7,
+               calls_per_round: int = CALLS_PER_ROUND) -> float:
+  """Median per-call milliseconds of jax.jit(fn)(*args) by the bench's method
+  (compiled ahead, `warmup` untimed calls, `iters` rounds of back-to-back
+  calls): for the tools that time one kernel outside a sweep."""
+  prepared = Prepared(compiled=jax.jit(fn).lower(*args).compile(), args=[args])
+  return median_ms(time_calls(prepared, warmup=warmup, iters=iters, calls_per_round=calls_per_round))
+
+
 def compiled_memory(compiled: Any) -> tuple[int | None, int | None]:
   """(argument + output + temp - alias bytes, temp bytes) from XLA's memory analysis."""
   try:
