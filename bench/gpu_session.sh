@@ -18,7 +18,8 @@
 # Stages (time on one H200):
 #   Tests:    all_tests (the GPU suite but Mosaic and sharding, ~7 min),
 #             mosaic_tests (the Mosaic kernels alone, ~5 min), mosaic_api
-#             (backend mosaic/auto at the Triton path's bar, ~7 min), mosaic_rest
+#             (backend mosaic/auto at the Triton path's bar, ~12 min; split in
+#             mosaic_api_mosaic and mosaic_api_auto), mosaic_rest
 #             (its GQA and 16k determinism cases), new (dropout, bias,
 #             check_vma, shard_map), sharding (every GPU visible: 2x2 mesh on 4).
 #   Speed:    bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
@@ -92,10 +93,20 @@ stage_mosaic_tests() {
   timeout 400 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_mosaic.py 2>&1 | tee "$OUT/mosaic_tests.log" | tail -30
 }
 
+mosaic_api() {  # mosaic_api NAME -k-EXPRESSION
+  timeout 540 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_gpu.py \
+    -k "$2" 2>&1 | tee "$OUT/mosaic_api_$1.log" | tail -30
+}
+
 stage_mosaic_api() {
   # flash_attention(backend="mosaic" / "auto") against the float32 reference, the Triton path's bar.
-  timeout 420 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_gpu.py -k mosaic 2>&1 | tee "$OUT/mosaic_api_tests.log" | tail -30
+  mosaic_api all mosaic
 }
+
+# The same, split for two GPUs: backend="mosaic" (with fp16, GQA and the 16k
+# determinism case), and backend="auto" (at whole blocks the same kernels).
+stage_mosaic_api_mosaic() { mosaic_api mosaic "mosaic and not auto"; }
+stage_mosaic_api_auto() { mosaic_api auto "mosaic_bf16 and auto"; }
 
 stage_train_1k() {
   # 1000 steps: past the plateau's seed-dependent escape (steps 200-600), before
