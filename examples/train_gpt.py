@@ -92,11 +92,31 @@ def sample_batch(ids: np.ndarray, rng: np.random.Generator, batch: int, seq_len:
 # ---------------------------------------------------------------- model and steps
 
 
+def float32_dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                                  dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                                  precision=None):
+  """Flax's attention with scores, softmax and P V all in float32, cast back
+  to the input dtype: the math jax_flash2 approximates (float32 scores and
+  softmax; only P is rounded to bf16 for its P V product). Plain
+  `nn.dot_product_attention` in bf16 rounds the scores and computes the
+  softmax in bf16, which is the control this choice gives."""
+  del dtype, precision  # float32 at the highest precision instead
+  f32 = lambda x: x.astype(jnp.float32)
+  out = nn.dot_product_attention(
+      f32(query), f32(key), f32(value), bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
+      dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic, dtype=jnp.float32,
+      precision=jax.lax.Precision.HIGHEST,
+  )
+  return out.astype(query.dtype)
+
+
 def build_model(args: argparse.Namespace, vocab_size: int, attention: str) -> GPT:
   if attention == "flash":
     causal_flag = args.flash_causal == "flag"
     attention_fn = make_attention_fn(causal=causal_flag, interpret=args.interpret)
     causal_mask = not causal_flag
+  elif attention == "xla-f32":
+    attention_fn, causal_mask = float32_dot_product_attention, True
   else:
     attention_fn, causal_mask = nn.dot_product_attention, True
   return GPT(vocab_size=vocab_size, max_len=args.seq_len, d_model=args.d_model, layers=args.layers,
@@ -152,6 +172,8 @@ def attention_impl(args: argparse.Namespace) -> str:
   """What computes attention in this run, in words."""
   if args.attention == "xla":
     return "flax.linen.dot_product_attention + make_causal_mask"
+  if args.attention == "xla-f32":
+    return "flax.linen.dot_product_attention in float32 + make_causal_mask"
   causal = "causal flag" if args.flash_causal == "flag" else "causal mask array"
   if args.interpret:
     return f"jax_flash2 Pallas kernels, interpret mode ({causal})"
@@ -299,31 +321,43 @@ def plot_runs(paths: list[str], out: str) -> None:
   plt.close(fig)
 
 
+ATTENTION_NAMES = {"flash": "flash", "xla": "XLA", "xla-f32": "XLA f32"}
+
+
 def summarise_runs(paths: list[str]) -> str:
-  """A Markdown table of final validation losses per seed, flash against
-  XLA, with the mean and spread of their differences: the question is
-  whether the attention changes the loss by more than a change of seed does."""
+  """Markdown tables of final validation losses per seed, flash against
+  each Flax attention present (XLA in the run's dtype, XLA in float32), with
+  the mean and spread of their differences: the question is whether the
+  attention changes the loss by more than a change of seed does."""
   final = {}
   for run in _load_runs(paths):
     config = run["config"]
     final[config["seed"], config["attention"]] = (run["evals"][-1]["val_loss"], run["median_step_time_s"])
-  seeds = sorted({seed for seed, attention in final if (seed, "flash") in final and (seed, "xla") in final})
-  lines = ["| seed | val loss flash | val loss XLA | flash - XLA | ms/step flash / XLA |", "|---|---|---|---|---|"]
-  diffs = []
-  for seed in seeds:
-    (flash, t_flash), (xla, t_xla) = final[seed, "flash"], final[seed, "xla"]
-    diffs.append(flash - xla)
-    lines.append(f"| {seed} | {flash:.4f} | {xla:.4f} | {flash - xla:+.4f} | {t_flash * 1e3:.1f} / {t_xla * 1e3:.1f} |")
-  if len(diffs) > 1:
-    per_attention = {a: np.std([final[s, a][0] for s in seeds], ddof=1) for a in ("flash", "xla")}
-    mean, sd = float(np.mean(diffs)), float(np.std(diffs, ddof=1))
-    lines.append("")
-    lines.append(
-        f"flash - XLA over {len(diffs)} seeds: mean {mean:+.4f}, standard deviation {sd:.4f} "
-        f"(standard error {sd / np.sqrt(len(diffs)):.4f}); spread across seeds: flash {per_attention['flash']:.4f}, "
-        f"XLA {per_attention['xla']:.4f}"
-    )
-  return "\n".join(lines)
+  tables = []
+  for other in ("xla", "xla-f32"):
+    seeds = sorted({seed for seed, _ in final if (seed, "flash") in final and (seed, other) in final})
+    if not seeds:
+      continue
+    name = ATTENTION_NAMES[other]
+    lines = [f"| seed | val loss flash | val loss {name} | flash - {name} | ms/step flash / {name} |",
+             "|---|---|---|---|---|"]
+    diffs = []
+    for seed in seeds:
+      (flash, t_flash), (base, t_base) = final[seed, "flash"], final[seed, other]
+      diffs.append(flash - base)
+      lines.append(f"| {seed} | {flash:.4f} | {base:.4f} | {flash - base:+.4f} | "
+                   f"{t_flash * 1e3:.1f} / {t_base * 1e3:.1f} |")
+    if len(diffs) > 1:
+      spread = {a: np.std([final[s, a][0] for s in seeds], ddof=1) for a in ("flash", other)}
+      mean, sd = float(np.mean(diffs)), float(np.std(diffs, ddof=1))
+      lines.append("")
+      lines.append(
+          f"flash - {name} over {len(diffs)} seeds: mean {mean:+.4f}, standard deviation {sd:.4f} "
+          f"(standard error {sd / np.sqrt(len(diffs)):.4f}); spread across seeds: flash "
+          f"{spread['flash']:.4f}, {name} {spread[other]:.4f}"
+      )
+    tables.append("\n".join(lines))
+  return "\n\n".join(tables)
 
 
 # ---------------------------------------------------------------- CLI
@@ -331,7 +365,8 @@ def summarise_runs(paths: list[str]) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--attention", choices=("flash", "xla"), default="flash")
+  p.add_argument("--attention", choices=("flash", "xla", "xla-f32"), default="flash",
+                 help="xla-f32: Flax's attention computed in float32 (a control for bf16 rounding)")
   p.add_argument("--flash-causal", choices=("flag", "mask"), default="flag",
                  help="flash only: causal=True without a mask (default) or Flax's causal mask array")
   p.add_argument("--steps", type=int, default=50)

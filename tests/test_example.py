@@ -8,6 +8,9 @@ import json
 import math
 import pathlib
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -72,10 +75,33 @@ def test_summary_of_seeds(train_gpt, tmp_path):
                     median_step_time_s=0.002 if attention == "flash" else 0.003)
       path.write_text(json.dumps(record))
       paths.append(str(path))
+  # A float32-attention control for two of the seeds gets its own table.
+  for seed, loss in ((0, 0.75), (1, 2.5)):
+    path = tmp_path / f"xla-f32{seed}.json"
+    record = dict(config=dict(seed=seed, attention="xla-f32"), evals=[dict(step=9, val_loss=loss)],
+                  median_step_time_s=0.004)
+    path.write_text(json.dumps(record))
+    paths.append(str(path))
   table = train_gpt.summarise_runs(paths)
   assert "| 1 | 2.0000 | 1.5000 | +0.5000 | 2.0 / 3.0 |" in table
   # Differences -0.5, +0.5, +0.25: mean 0.0833, sample standard deviation 0.5204.
-  assert "over 3 seeds: mean +0.0833, standard deviation 0.5204" in table
+  assert "flash - XLA over 3 seeds: mean +0.0833, standard deviation 0.5204" in table
+  assert "| 1 | 2.0000 | 2.5000 | -0.5000 | 2.0 / 4.0 |" in table
+  # Differences +0.25, -0.5: mean -0.125, sample standard deviation 0.5303.
+  assert "flash - XLA f32 over 2 seeds: mean -0.1250, standard deviation 0.5303" in table
+
+
+def test_float32_control_attention(train_gpt):
+  """The xla-f32 control: Flax's attention in float32, returned in the input
+  dtype, against the float64 reference."""
+  from jax_flash2 import reference
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q, k, v = (jax.random.normal(key, (2, 16, 2, 8), jnp.bfloat16) for key in keys)
+  mask = jnp.tril(jnp.ones((16, 16), bool))[None, None]
+  out = train_gpt.float32_dot_product_attention(q, k, v, mask=mask, deterministic=True)
+  assert out.dtype == jnp.bfloat16
+  expected, _ = reference.attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), rtol=1e-2, atol=1e-2)
 
 
 def test_corpus_is_deterministic():
