@@ -90,11 +90,13 @@ def test_fp16_matches_reference(shape, causal):
   _check(shape, jnp.float16, causal)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_dense_mask(causal):
+def test_dense_mask(causal, head_dim):
   # Key padding per batch row plus a random pattern: partial, hidden and
-  # fully visible tiles all occur.
-  shape = (2, 1500, 1300, 4, 128)
+  # fully visible tiles all occur. head_dim 256: the mask's tiles beside the
+  # deepest K/V pipelines of the default tiles.
+  shape = (2, 1500, 1300, 4, head_dim)
   lengths = jnp.array([1300, 700])
   keep = jnp.arange(shape[2])[None, :] < lengths[:, None]  # [batch, seq_k]
   pattern = jax.random.bernoulli(jax.random.PRNGKey(0), 0.9, (1, 1, shape[1], shape[2]))
@@ -133,10 +135,11 @@ def test_dropout(causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_bias_and_its_gradient(causal):
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_bias_and_its_gradient(causal, head_dim):
   """A relative-position style bias shared over the batch: out, dq, dk, dv and
   dbias against float32, within 3x the plain bf16 error."""
-  q, k, v, dout = random_inputs(4, 2, 1024, 1024, 4, 64, jnp.bfloat16)
+  q, k, v, dout = random_inputs(4, 2, 1024, 1024, 4, head_dim, jnp.bfloat16)
   bias = jax.random.normal(jax.random.PRNGKey(5), (1, 4, 1024, 1024), jnp.float32).astype(jnp.bfloat16)
 
   def grads(attend):
