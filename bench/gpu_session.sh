@@ -22,7 +22,9 @@
 #             mosaic_api_mosaic and mosaic_api_auto), mosaic_rest
 #             (its GQA and 16k determinism cases), new (dropout, bias,
 #             check_vma, shard_map), sharding (every GPU visible: 2x2 mesh on 4).
-#   Speed:    bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
+#             mosaic_fwd_tests (the Mosaic forward kernel alone, ~3 min),
+#             d256_tests (head_dim 256, masks, bias, segments; ~5 min).
+#   Speed:    overlap_ab (softmax_overlap off/on, ~2 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
 #             causal at 2k and 16k, ~2 min), gqa_vs_mha (~2 min), tune / tune256
 #             (Triton tiles at d128 forward / all d256 kernels, ~4 min each).
@@ -145,6 +147,23 @@ stage_gqa_vs_mha() {
     timeout 80 $BENCH --seqlens 4096 16384 --head-dims 64 --heads 32 --kv-heads $kv --modes fwd fwd+bwd \
       --impls flash2 flash2-triton --no-check --out "$OUT/gqa_kv$kv" 2>&1 | grep -E "^ +[0-9]+ " 
   done
+}
+
+stage_overlap_ab() {
+  # MosaicConfig.softmax_overlap off and on, in one run, with the Triton forward.
+  timeout 200 python tools/mosaic_bench.py --ab-overlap --seq 2048 8192 16384 --head-dim 64 128 2>&1 | tee "$OUT/overlap_ab.log"
+}
+
+stage_mosaic_fwd_tests() {
+  # The Mosaic forward kernel's own GPU tests (default config and variants).
+  timeout 300 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_mosaic.py \
+    -k "not bwd and not backend" 2>&1 | tee "$OUT/mosaic_fwd_tests.log" | tail -30
+}
+
+stage_d256_tests() {
+  # head_dim 256 (its swept tiles), masks and bias beside them, packed segments.
+  timeout 330 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_gpu.py \
+    -k "(bf16_matches_reference and 256) or dense_mask or bias or packed_segments" 2>&1 | tee "$OUT/d256_tests.log" | tail -30
 }
 
 stage_wait() {

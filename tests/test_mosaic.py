@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conftest import random_inputs, reference_with_grads, rel_err
 from jax_flash2 import flash_attention, reference
@@ -60,6 +61,7 @@ def test_config_defaults_fit_shared_memory():
         (dict(stages=9), "stages must be between 2 and 8"),
         (dict(stages=2.0), "stages must be an int"),
         (dict(block_q=True), "block_q must be an int"),
+        (dict(softmax_overlap=1), "softmax_overlap must be a bool"),
     ],
 )
 def test_config_rejects(kwargs, match):
@@ -128,6 +130,7 @@ def test_lowers_for_cuda(head_dim, dtype, causal):
         ((1, 2048, 1024, 4, 128), None, None),  # seq_q > seq_k: rows that see no key
         ((1, 1024, 1024, 2, 128), None, MosaicConfig(block_q=128, block_kv=64, stages=4)),
         ((1, 1024, 1024, 2, 64), None, MosaicConfig(block_q=256, block_kv=64, stages=3)),
+        ((1, 1000, 1537, 2, 128), None, MosaicConfig(softmax_overlap=True)),
     ],
 )
 def test_lowers_for_cuda_variants(shape, kv_heads, config):
@@ -204,6 +207,33 @@ def _check_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, causal
 )
 def test_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
   _check_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
+
+
+# softmax_overlap: P V of one block runs under the next block's softmax.
+# (shape, causal, kv_heads, config): the drain (causal, 3 slots over four
+# blocks), a first block that is also the diagonal (seq_q < seq_k, GQA), a
+# partial last block (ragged), and one query row that sees every key.
+OVERLAP = [
+    ((1, 256, 256, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, stages=3, softmax_overlap=True)),
+    ((1, 128, 384, 2, 64), True, 1, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True)),
+    ((1, 200, 136, 2, 64), False, 1, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True)),
+    ((1, 1, 257, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True)),
+]
+
+
+@pytest.mark.parametrize("shape, causal, kv_heads, config", OVERLAP,
+                         ids=["causal_drain", "gqa_seq_q_lt_seq_k", "ragged", "one_row"])
+def test_interpreter_softmax_overlap(shape, causal, kv_heads, config):
+  # The numbers, and the barrier protocol of the ring under the shifted
+  # releases (V of block kb-1 is released one step later) through the race
+  # detector. Mosaic's interpreter runs each wgmma when it is issued, so the
+  # overlap itself (what may run while P V is in flight) is only checked on
+  # the GPU (test_gpu_softmax_overlap).
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the race detector's state
+
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=params)
+  assert not gpu_callbacks.get_races().races_found
 
 
 def test_interpreter_rows_that_see_no_key():
@@ -285,6 +315,20 @@ def test_gpu_matches_reference(seq, head_dim, dtype, causal):
 def test_gpu_variants(shape, kv_heads, config):
   for dtype in (jnp.bfloat16, jnp.float16):
     _check_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape, kv_heads",
+    [((2, 4096, 4096, 4, 64), None), ((1, 4096, 4096, 4, 128), None), ((1, 2048, 2048, 2, 256), None),
+     ((1, 1000, 1537, 8, 128), 2)],
+    ids=["d64", "d128", "d256", "ragged_gqa"],
+)
+def test_gpu_softmax_overlap(shape, kv_heads, causal):
+  config = dataclasses.replace(mosaic.default_config(shape[-1]), softmax_overlap=True)
+  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
 # ---------------------------------------------------------------- backend="mosaic"

@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python tools/mosaic_bench.py                  # d64 and d128, 1k..16k, causal and not
   PYTHONPATH=. python tools/mosaic_bench.py --seq 8192 --head-dim 128 --stages 2 --block-kv 128
+  PYTHONPATH=. python tools/mosaic_bench.py --ab-overlap   # MosaicConfig.softmax_overlap off / on
 
 Same convention as the bench: 16384 tokens per batch (batch = 16384 // seq),
 hidden 2048 (heads = 2048 // head_dim), bf16, TFLOP/s = 4 B H S^2 D / time
@@ -12,6 +13,7 @@ as rounds of calls launched back to back; the median round is reported.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -33,24 +35,32 @@ def main() -> None:
   parser.add_argument("--block-kv", type=int, default=None)
   parser.add_argument("--stages", type=int, default=None)
   parser.add_argument("--no-triton", action="store_true", help="time the Mosaic kernel only")
+  parser.add_argument("--ab-overlap", action="store_true",
+                      help="time the Mosaic kernel with softmax_overlap off ('mosaic') and on ('overlap')")
   args = parser.parse_args()
   print(jax.devices()[0].device_kind)
   causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-  print(f"{'d':>4} {'seq':>6} {'causal':>6} {'mosaic ms':>10} {'TFLOP/s':>8} {'triton ms':>10} {'TFLOP/s':>8}")
+  header = f"{'d':>4} {'seq':>6} {'causal':>6} {'mosaic ms':>10} {'TFLOP/s':>8}"
+  if args.ab_overlap:
+    header += f" {'overlap ms':>10} {'TFLOP/s':>8}"
+  print(header + ("" if args.no_triton else f" {'triton ms':>10} {'TFLOP/s':>8}"))
   for head_dim in args.head_dim:
     config = mosaic.default_config(head_dim)
     if args.block_kv or args.stages:
-      config = mosaic.MosaicConfig(
-          block_q=config.block_q, block_kv=args.block_kv or config.block_kv, stages=args.stages or config.stages
-      )
+      config = dataclasses.replace(config, block_kv=args.block_kv or config.block_kv, stages=args.stages or config.stages)
     for seq in args.seq:
       batch, heads = max(16384 // seq, 1), 2048 // head_dim
       keys = jax.random.split(jax.random.PRNGKey(seq), 3)
       q, k, v = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16) for key in keys)
       for causal in causals:
         flops = forward_flops(batch, heads, seq, seq, head_dim, causal)
-        ms = _time_ms(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=config), (q, k, v))
+        first = dataclasses.replace(config, softmax_overlap=False) if args.ab_overlap else config
+        ms = _time_ms(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=first), (q, k, v))
         row = f"{head_dim:>4} {seq:>6} {str(causal):>6} {ms:>10.3f} {flops / ms / 1e9:>8.0f}"
+        if args.ab_overlap:
+          overlap = dataclasses.replace(config, softmax_overlap=True)
+          oms = _time_ms(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=overlap), (q, k, v))
+          row += f" {oms:>10.3f} {flops / oms / 1e9:>8.0f}"
         if not args.no_triton:
           tms = _time_ms(
               lambda q, k, v: flash_attention(q, k, v, causal=causal, return_lse=True, backend="triton"), (q, k, v)

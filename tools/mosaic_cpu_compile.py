@@ -22,6 +22,7 @@ A case that fails to compile prints the compiler's error on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import collections
 import ctypes
 import os
@@ -120,6 +121,7 @@ def compile_case(compile_fn, fn, args, dump: pathlib.Path, name: str) -> bool:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dump", default=None, help="keep Mosaic's dumps (PTX, ptxas, SASS) here")
+  parser.add_argument("--softmax-overlap", action="store_true", help="every case with MosaicConfig.softmax_overlap")
   args = parser.parse_args()
   dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_dump_"))
   compile_fn = setup_compiler()
@@ -129,7 +131,9 @@ def main() -> int:
 
   failures = 0
   for i, (batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles) in enumerate(CASES):
-    config = mosaic.MosaicConfig(*tiles) if tiles else None
+    config = mosaic.MosaicConfig(*tiles) if tiles else mosaic.default_config(head_dim)
+    if args.softmax_overlap:
+      config = dataclasses.replace(config, softmax_overlap=True)
     q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
     name = f"d{head_dim}_{dtype}_{'causal' if causal else 'full'}_{seq_q}x{seq_k}_h{heads}-{kv_heads}"

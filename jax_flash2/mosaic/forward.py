@@ -98,6 +98,12 @@ class MosaicConfig:
     stages: ring slots of K and V in shared memory (>= 2: with one slot the
       next load could only start once both consumers finished the current
       block, so copies and tensor cores would take turns).
+    softmax_overlap: software-pipeline each consumer (FlashAttention-3's
+      intra-warpgroup overlap): a step issues Q K^T of its block and P V of
+      the previous block together and computes its softmax while the tensor
+      cores still run that P V, instead of leaving them idle during the
+      softmax. Costs P of one block in registers. Problems with rows that see
+      no key (causal, seq_q > seq_k) keep the plain loop.
   Sequence lengths need not be multiples of the blocks: `forward` pads them
   (ragged lengths; see the module docstring).
   """
@@ -105,8 +111,11 @@ class MosaicConfig:
   block_q: int = 128
   block_kv: int = 128
   stages: int = 2
+  softmax_overlap: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.softmax_overlap, bool):
+      raise ValueError(f"MosaicConfig.softmax_overlap must be a bool, got {self.softmax_overlap!r}")
     for name in ("block_q", "block_kv", "stages"):
       if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig.{name} must be an int, got {getattr(self, name)!r}")
@@ -135,13 +144,14 @@ class MosaicConfig:
 
 
 def default_config(head_dim: int) -> MosaicConfig:
-  """A starting point per head_dim (not yet tuned on a GPU): the deepest ring
-  that fits shared memory with 128-row K/V blocks (64 for head_dim 256)."""
+  """The tiling per head_dim: the deepest ring that fits shared memory with
+  128-row K/V blocks (64 for head_dim 256), with the softmax overlapped with
+  P V (bench/NOTES.md, session 4)."""
   if head_dim <= 64:
-    return MosaicConfig(block_q=128, block_kv=128, stages=4)
+    return MosaicConfig(block_q=128, block_kv=128, stages=4, softmax_overlap=True)
   if head_dim <= 128:
-    return MosaicConfig(block_q=128, block_kv=128, stages=2)
-  return MosaicConfig(block_q=128, block_kv=64, stages=2)
+    return MosaicConfig(block_q=128, block_kv=128, stages=2, softmax_overlap=True)
+  return MosaicConfig(block_q=128, block_kv=64, stages=2, softmax_overlap=True)
 
 
 def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, config: MosaicConfig) -> None:
@@ -327,38 +337,32 @@ def _forward_kernel(
     # all: they keep m_i = -inf and l_i = 0, which needs guards (see below).
     may_see_nothing = causal and seq_q > seq_k
 
-    def step(kb, carry, *, masked: bool):
-      acc, m_i, l_i = carry
-      slot = slot_of(kb)
+    def scores(s_ref, slot):
+      # Starts S = Q K^T of the K block in `slot` on the tensor cores.
+      plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
 
-      plgpu.barrier_wait(k_ready.at[slot])
-
-      def qk(s_ref):
-        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-        return s_ref[...]  # waits for the wgmma
-
-      s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))  # [rows, block_kv]
-      # The K slot is no longer read: let the producer refill it while the
-      # softmax runs.
-      plgpu.barrier_arrive(k_consumed.at[slot])
-
+    def online_softmax(kb, s, m_i, l_i, *, masked: bool):
+      """The online-softmax update for K/V block kb's scores s [rows,
+      block_kv]: (p, m_new, l_new, alpha), alpha rescaling what was
+      accumulated under the old max m_i."""
       if masked:
         row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
         col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         s = jnp.where(visible(row, col, seq_q=seq_q, seq_k=seq_k, causal=causal), s, -jnp.inf)
-
       m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * qk_scale)
       if masked and may_see_nothing:
         # A row with only masked scores so far keeps m = -inf; shift it by 0
         # so that exp2 gives 0 rather than exp2(-inf + inf) = NaN.
         m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+      alpha = jnp.exp2(m_i - m_new)
       p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      l_i = l_i * alpha + jnp.sum(p, axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      return p, m_new, l_i * alpha + jnp.sum(p, axis=1), alpha
 
-      plgpu.barrier_wait(v_ready.at[slot])
+    def rescale(acc, alpha):
+      return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
+    def add_pv(acc, p, slot):
+      """acc + P V for the V block in `slot`, waited for."""
       if interpret:
         # Mosaic's interpreter (jax 0.11.2) runs wgmma only from operands in
         # shared memory and only into a fresh scoped accumulator: P takes a
@@ -372,15 +376,84 @@ def _forward_kernel(
           plgpu.wgmma(pv_ref, p_tile, v_smem.at[slot])
           return pv_ref[...]
 
-        acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
-      else:
-        # The tensor cores add P V onto the rescaled accumulator in place.
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+        return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
 
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
+      # The tensor cores add P V onto the rescaled accumulator in place.
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+
+      return pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
+
+    def step(kb, carry, *, masked: bool):
+      acc, m_i, l_i = carry
+      slot = slot_of(kb)
+
+      plgpu.barrier_wait(k_ready.at[slot])
+
+      def qk(s_ref):
+        scores(s_ref, slot)
+        return s_ref[...]  # waits for the wgmma
+
+      s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))  # [rows, block_kv]
+      # The K slot is no longer read: let the producer refill it while the
+      # softmax runs.
+      plgpu.barrier_arrive(k_consumed.at[slot])
+      p, m_new, l_i, alpha = online_softmax(kb, s, m_i, l_i, masked=masked)
+      acc = rescale(acc, alpha)
+      plgpu.barrier_wait(v_ready.at[slot])
+      acc = add_pv(acc, p, slot)
       plgpu.barrier_arrive(v_consumed.at[slot])
       return acc, m_new, l_i
+
+    def overlapped_step(kb, carry, *, masked: bool):
+      # carry: acc (under the running max m_i) without block kb-1's P V yet,
+      # and that block's P (under m_i too). This step starts S_kb = Q K_kb^T
+      # and acc + P_{kb-1} V_{kb-1} back to back, waits for S_kb alone (wgmma
+      # groups complete in order), runs block kb's softmax while the tensor
+      # cores finish P V, and only then rescales acc to the new max.
+      acc, m_i, l_i, p_prev = carry
+      slot, prev = slot_of(kb), slot_of(kb - 1)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[prev])
+
+      def body(s_ref, o_ref):
+        scores(s_ref, slot)
+        if interpret:  # P through shared memory (see add_pv); the sum is added below
+          plgpu.wgmma(o_ref, p_staging.at[wg], v_smem.at[prev])
+        else:
+          o_ref[...] = acc
+          plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_kb done; P V may still run
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        update = online_softmax(kb, s, m_i, l_i, masked=masked)
+        return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), *update
+
+      o, p, m_new, l_i, alpha = pl.run_scoped(
+          body, plgpu.ACC((rows, block_kv), jnp.float32), plgpu.ACC(acc.shape, jnp.float32)
+      )
+      plgpu.barrier_arrive(v_consumed.at[prev])
+      if interpret:
+        o = acc + o
+        p_staging.at[wg][...] = p.astype(dtype)  # P V of kb-1 has read the old P
+        plgpu.commit_smem()
+      return rescale(o, alpha), m_new, l_i, p.astype(dtype)
+
+    def first_overlapped_step(carry, *, masked: bool):
+      # Block 0: scores and softmax only; its P V starts with block 1's scores.
+      acc, m_i, l_i = carry
+      plgpu.barrier_wait(k_ready.at[0])
+
+      def qk(s_ref):
+        scores(s_ref, 0)
+        return s_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
+      plgpu.barrier_arrive(k_consumed.at[0])
+      p, m_new, l_i, _ = online_softmax(0, s, m_i, l_i, masked=masked)  # acc is 0: no rescale
+      if interpret:
+        p_staging.at[wg][...] = p.astype(dtype)
+        plgpu.commit_smem()
+      return acc, m_new, l_i, p.astype(dtype)
 
     def drain(kb, _):
       # Blocks past this warpgroup's diagonal that the other consumer still
@@ -397,12 +470,26 @@ def _forward_kernel(
     acc = plgpu.layout_cast(jnp.zeros((rows, q_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    carry = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), (acc, m_i, l_i))
-    if causal or seq_k % block_kv:  # a diagonal, or a last block partly of padding
-      carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+    any_masked = causal or bool(seq_k % block_kv)  # a diagonal, or a last block partly of padding
+    if config.softmax_overlap and not may_see_nothing:
+      # Every warpgroup sees at least block 0 here (hi >= 1). Block 0 takes
+      # the masked path wherever any block may need it: exact either way.
+      carry = first_overlapped_step((acc, m_i, l_i), masked=any_masked)
+      carry = lax.fori_loop(1, full_hi, functools.partial(overlapped_step, masked=False), carry)
+      if any_masked:
+        carry = lax.fori_loop(jnp.maximum(full_hi, 1), hi, functools.partial(overlapped_step, masked=True), carry)
+      acc, m_i, l_i, p = carry
+      last = slot_of(hi - 1)
+      plgpu.barrier_wait(v_ready.at[last])
+      acc = add_pv(acc, p, last)
+      plgpu.barrier_arrive(v_consumed.at[last])
+    else:
+      carry = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), (acc, m_i, l_i))
+      if any_masked:
+        carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+      acc, m_i, l_i = carry
     if causal:
       lax.fori_loop(hi, num_steps, drain, None)
-    acc, m_i, l_i = carry
 
     # One division per row at the end (a reciprocal, then multiplies).
     if may_see_nothing:
