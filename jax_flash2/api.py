@@ -176,7 +176,7 @@ def flash_attention(
         dropout_broadcast=bool(dropout_broadcast) and dropout_rate > 0.0,
         has_bias=bias is not None,
     )
-    blocks = (block_sizes or default_block_sizes(head_dim, causal)).fit(seq_q, seq_k)
+    blocks = (block_sizes or default_block_sizes(head_dim, causal, has_bias=bias is not None)).fit(seq_q, seq_k)
     mosaic = mosaic_backward = None
     if kind is Backend.MOSAIC:
       if Backend(backend) is not Backend.AUTO:

@@ -112,10 +112,20 @@ def padded_head_dim(head_dim: int) -> int:
   return max(_MIN_BLOCK, 1 << (head_dim - 1).bit_length())
 
 
-def default_block_sizes(head_dim: int, causal: bool) -> BlockSizes:
-  """The measured default for a head_dim (8..256) and mask."""
+# A bias streams one more tile per step through shared memory beside K and V.
+# With three pipeline stages that overflows an SM's 227 KiB at head_dim 256
+# (the H200 refused 240 KiB, session 4), so biased problems run at most two.
+BIAS_MAX_STAGES = 2
+
+
+def default_block_sizes(head_dim: int, causal: bool, *, has_bias: bool = False) -> BlockSizes:
+  """The measured default for a head_dim (8..256), mask and whether a bias is
+  read (which caps the pipeline depth: BIAS_MAX_STAGES)."""
   # Head dims under 64 pad to 16 or 32 and run best with the head_dim-64 tiles.
-  fwd, dkv, dq = _H200_TABLE[max(64, padded_head_dim(head_dim)), bool(causal)]
+  configs = _H200_TABLE[max(64, padded_head_dim(head_dim)), bool(causal)]
+  if has_bias:
+    configs = [dataclasses.replace(c, num_stages=min(c.num_stages, BIAS_MAX_STAGES)) for c in configs]
+  fwd, dkv, dq = configs
   return BlockSizes(fwd=fwd, dkv=dkv, dq=dq)
 
 

@@ -135,7 +135,7 @@ def test_dropout(causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_bias_and_its_gradient(causal, head_dim):
   """A relative-position style bias shared over the batch: out, dq, dk, dv and
   dbias against float32, within 3x the plain bf16 error."""
