@@ -366,8 +366,8 @@ def _mosaic_backward_config(problem: Problem, q) -> mosaic_backward.BackwardConf
 
 def _whole_blocks(q, k) -> bool:
   """Whether both lengths are whole 128-row blocks, the only lengths at which
-  the Mosaic kernels have been measured (and run) on a GPU so far: ragged
-  ones are padded to such blocks inside, a copy whose cost is unmeasured."""
+  the Mosaic kernels have been timed so far: ragged ones are padded to such
+  blocks inside (GPU-tested), a copy whose cost is unmeasured."""
   return q.shape[1] % mosaic_backward.OUTER_ROWS == 0 and k.shape[1] % mosaic_backward.OUTER_ROWS == 0
 
 

@@ -140,12 +140,12 @@ class HopperChoice:
 
 
 # Measured on the H200 (bf16, 16k tokens, hidden 2048, seq 2k-16k; bench/NOTES.md,
-# "Session 3"): the Mosaic forward is 4-25% faster at head_dim 128 and, causal,
-# at 64; non-causal at 64 the two forwards are within 3% either way, so the
-# Triton one stays. The Mosaic backward is 7-16% faster at head_dim 64 and 11%
-# at 128 (2k). head_dim 256 has no Mosaic backward and its forward is unmeasured.
+# sessions 3 and 4): the Mosaic forward, with the softmax overlapped with P V,
+# is 2-7% faster than the Triton one at head_dim 64 without a mask, 8-30%
+# elsewhere; the Mosaic backward is 7-16% faster at head_dim 64 and 11% at 128
+# (2k). head_dim 256 has no Mosaic backward and its forward is unmeasured.
 _HOPPER_TABLE: dict[tuple[int, bool], HopperChoice] = {
-    (64, False): HopperChoice(forward=False, backward=True),
+    (64, False): HopperChoice(forward=True, backward=True),
     (64, True): HopperChoice(forward=True, backward=True),
     (128, False): HopperChoice(forward=True, backward=True),
     (128, True): HopperChoice(forward=True, backward=True),

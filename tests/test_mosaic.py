@@ -376,7 +376,7 @@ def _captured_call(monkeypatch, capability=(9, 0)):
 @pytest.mark.parametrize(
     "head_dim, causal, kwargs, forward, backward",
     [
-        (64, False, {}, False, True),  # the two forwards tie at 64; the Mosaic backward is faster
+        (64, False, {}, True, True),
         (64, True, {}, True, True),
         (128, False, {}, True, True),
         (128, True, {}, True, True),
@@ -385,7 +385,7 @@ def _captured_call(monkeypatch, capability=(9, 0)):
         (128, True, dict(dtype=jnp.float32), False, False),  # the Mosaic kernels take fp16/bf16
         (128, True, dict(softcap=30.0), False, False),
         # Ragged lengths: backend="mosaic" pads them (below); "auto" keeps them
-        # on the Triton kernels until the padded path is measured on a GPU.
+        # on the Triton kernels until the padded path is timed on a GPU.
         (128, False, dict(seq=640 + 64), False, False),
         (64, True, dict(seq=1000), False, False),
     ],

@@ -63,9 +63,9 @@ shared-memory operands into fresh accumulators), P^T / dS^T (dS for dq) take
 a detour through shared memory and the products are added afterwards, as in
 forward.py; the compiled kernel never takes that branch.
 
-Status: runs on the H200 at whole-block lengths (session 3: GPU tests at the
-Triton path's bar; speed in bench/NOTES.md); ragged lengths are checked on
-CPU only so far. Checked on CPU: lowering for CUDA, compilation
+Status: runs on the H200 and passes its GPU tests at the Triton path's bar,
+ragged lengths included (session 4; speed in bench/NOTES.md). Checked on
+CPU: lowering for CUDA, compilation
 to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no spills except a
 few scalars in the causal dkv at head_dim 128; dkv at block_q 128 and
 head_dim 128 spills heavily: S^T and dP^T then take 128 registers), and dq, dk, dv against the

@@ -20,6 +20,11 @@ them), K consumed, V consumed (both consumers arrive). K and V are separate
 so that Q K^T can start while V is still in flight, and so that a K slot can
 be refilled while P V still reads the V slot of the same step.
 
+With `softmax_overlap` (the default) each consumer is software-pipelined as
+in FlashAttention-3: one step issues S = Q K^T of its block and P V of the
+previous block back to back and computes its softmax while the tensor cores
+still run that P V.
+
 The softmax is online and in base 2: the softmax scale and log2(e) fold into
 one factor, `m_i` is kept in that scaled domain, and p = exp2(s * scale - m).
 The output is divided by `l_i` once, at the end; the log-sum-exp is written in
@@ -46,9 +51,9 @@ Supported: bf16 and fp16; head_dim 64, 128 and 256; grouped-query attention
 extra of the Triton path (masks, windows, softcap, ALiBi, bias, segment ids,
 dropout). The backward kernels are in backward.py.
 
-Status: runs on the H200 at whole-block lengths (session 3: GPU tests at the
-Triton path's bar; speed in bench/NOTES.md); ragged lengths are checked on
-CPU only so far. Checked on CPU: lowering for CUDA, compilation
+Status: runs on the H200 and passes its GPU tests at the Triton path's bar,
+ragged lengths and the softmax overlap included (session 4; speed in
+bench/NOTES.md). Checked on CPU: lowering for CUDA, compilation
 to sm_90a SASS through Mosaic's own compiler (tools/mosaic_cpu_compile.py:
 HGMMA, TMA, setmaxnreg, no spills), and the numbers through Mosaic's
 interpreter with its race detector (tests/test_mosaic.py, bench/NOTES.md).
