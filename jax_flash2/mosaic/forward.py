@@ -346,6 +346,21 @@ def _forward_kernel(
       # Starts S = Q K^T of the K block in `slot` on the tensor cores.
       plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
 
+    def scores_now(slot):
+      """S = Q K^T [rows, block_kv] of the K block in `slot`, waited for;
+      the slot is released to the producer once read."""
+      plgpu.barrier_wait(k_ready.at[slot])
+
+      def qk(s_ref):
+        scores(s_ref, slot)
+        return s_ref[...]  # waits for the wgmma
+
+      s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
+      # The K slot is no longer read: let the producer refill it while the
+      # softmax runs.
+      plgpu.barrier_arrive(k_consumed.at[slot])
+      return s
+
     def online_softmax(kb, s, m_i, l_i, *, masked: bool):
       """The online-softmax update for K/V block kb's scores s [rows,
       block_kv]: (p, m_new, l_new, alpha), alpha rescaling what was
@@ -392,18 +407,7 @@ def _forward_kernel(
     def step(kb, carry, *, masked: bool):
       acc, m_i, l_i = carry
       slot = slot_of(kb)
-
-      plgpu.barrier_wait(k_ready.at[slot])
-
-      def qk(s_ref):
-        scores(s_ref, slot)
-        return s_ref[...]  # waits for the wgmma
-
-      s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))  # [rows, block_kv]
-      # The K slot is no longer read: let the producer refill it while the
-      # softmax runs.
-      plgpu.barrier_arrive(k_consumed.at[slot])
-      p, m_new, l_i, alpha = online_softmax(kb, s, m_i, l_i, masked=masked)
+      p, m_new, l_i, alpha = online_softmax(kb, scores_now(slot), m_i, l_i, masked=masked)
       acc = rescale(acc, alpha)
       plgpu.barrier_wait(v_ready.at[slot])
       acc = add_pv(acc, p, slot)
@@ -446,15 +450,7 @@ def _forward_kernel(
     def first_overlapped_step(carry, *, masked: bool):
       # Block 0: scores and softmax only; its P V starts with block 1's scores.
       acc, m_i, l_i = carry
-      plgpu.barrier_wait(k_ready.at[0])
-
-      def qk(s_ref):
-        scores(s_ref, 0)
-        return s_ref[...]
-
-      s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
-      plgpu.barrier_arrive(k_consumed.at[0])
-      p, m_new, l_i, _ = online_softmax(0, s, m_i, l_i, masked=masked)  # acc is 0: no rescale
+      p, m_new, l_i, _ = online_softmax(0, scores_now(0), m_i, l_i, masked=masked)  # acc is 0: no rescale
       if interpret:
         p_staging.at[wg][...] = p.astype(dtype)
         plgpu.commit_smem()
