@@ -477,6 +477,7 @@ def test_bwd_config():
       (dict(block_kv=256), "block_kv must be 64 or 128"),
       (dict(stages=1), "stages must be between 2 and 8"),
       (dict(stages=True), "stages must be an int"),
+      (dict(softmax_overlap="yes"), "softmax_overlap must be a bool"),
   ):
     with pytest.raises(ValueError, match=match):
       BackwardConfig(**kwargs)
@@ -583,8 +584,13 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
         ((1, 128, 384, 1, 64), jnp.float16, True, None, BackwardConfig(64, 64, 2)),
         # Rows that see no key (lse = -inf) must give 0, not NaN.
         ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2)),
+        # softmax_overlap: the element-wise work under the wgmma before it.
+        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, softmax_overlap=True)),
+        ((1, 200, 136, 2, 64), jnp.bfloat16, False, None, BackwardConfig(64, 64, 2, softmax_overlap=True)),
+        ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, softmax_overlap=True)),
     ],
-    ids=["full_seq_q_lt_seq_k", "causal_gqa_drain", "causal_seq_q_lt_seq_k", "causal_seq_q_gt_seq_k"],
+    ids=["full_seq_q_lt_seq_k", "causal_gqa_drain", "causal_seq_q_lt_seq_k", "causal_seq_q_gt_seq_k",
+         "overlap_causal_gqa_drain", "overlap_ragged", "overlap_causal_seq_q_gt_seq_k"],
 )
 def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
@@ -634,3 +640,17 @@ def test_bwd_gpu_matches_reference(seq, head_dim, causal):
 )
 def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape, kv_heads",
+    [((2, 4096, 4096, 4, 64), None), ((1, 4096, 4096, 4, 128), None), ((1, 1000, 1537, 8, 128), 2),
+     ((1, 1537, 1000, 4, 64), None)],
+    ids=["d64", "d128", "ragged_gqa", "ragged_seq_q_gt_seq_k"],
+)
+def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal):
+  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), softmax_overlap=True)
+  _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)

@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python tools/mosaic_bwd_bench.py                      # d64 and d128, 1k..16k, causal and not
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --seq 8192 --head-dim 128 --block-q 64 --stages 3
+  PYTHONPATH=. python tools/mosaic_bwd_bench.py --ab-overlap   # a row each with softmax_overlap off, on
 
 Bench convention (as tools/mosaic_bench.py): 16384 tokens per batch, hidden
 2048, bf16; backward TFLOP/s = 2.5 x forward FLOPs / time (5 matmuls; the
@@ -15,6 +16,7 @@ difference of its gradients to Triton's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -37,17 +39,20 @@ def main() -> None:
   parser.add_argument("--block-q", type=int, default=None)
   parser.add_argument("--block-kv", type=int, default=None)
   parser.add_argument("--stages", type=int, default=None)
+  parser.add_argument("--ab-overlap", action="store_true",
+                      help="time the Mosaic kernels with BackwardConfig.softmax_overlap off and on (column ovl)")
   args = parser.parse_args()
   print(jax.devices()[0].device_kind)
   causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-  print(f"{'d':>4} {'seq':>6} {'causal':>6} {'dkv ms':>8} {'dq ms':>8} {'mosaic ms':>10} {'TFLOP/s':>8}"
+  print(f"{'d':>4} {'seq':>6} {'causal':>6} {'ovl':>3} {'dkv ms':>8} {'dq ms':>8} {'mosaic ms':>10} {'TFLOP/s':>8}"
         f" {'triton ms':>10} {'TFLOP/s':>8} {'max rel diff':>12}")
   for head_dim in args.head_dim:
     config = mosaic_bwd.default_backward_config(head_dim)
-    config = mosaic_bwd.BackwardConfig(
-        block_q=args.block_q or config.block_q, block_kv=args.block_kv or config.block_kv,
+    config = dataclasses.replace(
+        config, block_q=args.block_q or config.block_q, block_kv=args.block_kv or config.block_kv,
         stages=args.stages or config.stages,
     )
+    variants = [dataclasses.replace(config, softmax_overlap=o) for o in (False, True)] if args.ab_overlap else [config]
     for seq in args.seq:
       batch, heads = max(16384 // seq, 1), 2048 // head_dim
       keys = jax.random.split(jax.random.PRNGKey(seq), 4)
@@ -56,32 +61,34 @@ def main() -> None:
         flops = 5 * forward_flops(batch, heads, seq, seq, head_dim, causal) // 2
         fwd = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=causal, return_lse=True, backend="triton"))
         out, lse = fwd(q, k, v)
-        kw = dict(causal=causal, config=config)
-
-        def mosaic_grads(q, k, v, do, out, lse):
-          delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
-          dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kw)
-          return mosaic_bwd.dq(q, k, v, do, lse, delta, **kw), dk, dv
-
         delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
-        dkv_ms = _time_ms(lambda *a: mosaic_bwd.dkv(*a, **kw), (q, k, v, do, lse, delta))
-        dq_ms = _time_ms(lambda *a: mosaic_bwd.dq(*a, **kw), (q, k, v, do, lse, delta))
-        ms = _time_ms(mosaic_grads, (q, k, v, do, out, lse))
 
         def triton_fwd_bwd(q, k, v, do):
           _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="triton"), q, k, v)
           return vjp(do)
 
         tms = _time_ms(triton_fwd_bwd, (q, k, v, do)) - _time_ms(lambda *a: fwd(*a), (q, k, v))
-        got = jax.jit(mosaic_grads)(q, k, v, do, out, lse)
         want = jax.jit(triton_fwd_bwd)(q, k, v, do)
-        diff = max(
-            float(np.linalg.norm(np.asarray(g, np.float32) - np.asarray(w, np.float32))
-                  / np.linalg.norm(np.asarray(w, np.float32)))
-            for g, w in zip(got, want)
-        )
-        print(f"{head_dim:>4} {seq:>6} {str(causal):>6} {dkv_ms:>8.3f} {dq_ms:>8.3f} {ms:>10.3f}"
-              f" {flops / ms / 1e9:>8.0f} {tms:>10.3f} {flops / tms / 1e9:>8.0f} {diff:>12.2e}", flush=True)
+        for variant in variants:
+          kw = dict(causal=causal, config=variant)
+
+          def mosaic_grads(q, k, v, do, out, lse, kw=kw):
+            delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
+            dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kw)
+            return mosaic_bwd.dq(q, k, v, do, lse, delta, **kw), dk, dv
+
+          dkv_ms = _time_ms(lambda *a: mosaic_bwd.dkv(*a, **kw), (q, k, v, do, lse, delta))
+          dq_ms = _time_ms(lambda *a: mosaic_bwd.dq(*a, **kw), (q, k, v, do, lse, delta))
+          ms = _time_ms(mosaic_grads, (q, k, v, do, out, lse))
+          got = jax.jit(mosaic_grads)(q, k, v, do, out, lse)
+          diff = max(
+              float(np.linalg.norm(np.asarray(g, np.float32) - np.asarray(w, np.float32))
+                    / np.linalg.norm(np.asarray(w, np.float32)))
+              for g, w in zip(got, want)
+          )
+          print(f"{head_dim:>4} {seq:>6} {str(causal):>6} {int(variant.softmax_overlap):>3} {dkv_ms:>8.3f}"
+                f" {dq_ms:>8.3f} {ms:>10.3f} {flops / ms / 1e9:>8.0f} {tms:>10.3f} {flops / tms / 1e9:>8.0f}"
+                f" {diff:>12.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ holds (HGMMA shapes, local memory).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import sys
@@ -41,6 +42,7 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dump", default=None, help="keep Mosaic's dumps (PTX, ptxas, SASS) here")
   parser.add_argument("--only", default="", help="only the cases whose name contains this")
+  parser.add_argument("--softmax-overlap", action="store_true", help="every case with BackwardConfig.softmax_overlap")
   args = parser.parse_args()
   dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_bwd_dump_"))
   compile_fn = fwd_tool.setup_compiler()
@@ -52,7 +54,9 @@ def main() -> int:
   failures = 0
   i = 0
   for batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles in CASES:
-    config = backward.BackwardConfig(*tiles) if tiles else None
+    config = backward.BackwardConfig(*tiles) if tiles else backward.default_backward_config(head_dim)
+    if args.softmax_overlap:
+      config = dataclasses.replace(config, softmax_overlap=True)
     q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
     vec = jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)

@@ -118,6 +118,11 @@ class BackwardConfig:
     block_q: query rows per ring slot of `dkv` (64 or 128).
     block_kv: key/value rows per ring slot of `dq` (64 or 128).
     stages: ring slots (>= 2).
+    softmax_overlap: let the element-wise work of a step run while the
+      tensor cores finish the product issued before it (as the forward's
+      option of that name): dkv computes P^T while dP^T = V dO^T runs and
+      dS^T while dV += P^T dO runs; dq computes P while dP runs. Not yet
+      timed on a GPU, hence off by default.
   The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
   Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
   lengths; see the module docstring).
@@ -126,8 +131,11 @@ class BackwardConfig:
   block_q: int = 64
   block_kv: int = 64
   stages: int = 2
+  softmax_overlap: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.softmax_overlap, bool):
+      raise ValueError(f"BackwardConfig.softmax_overlap must be a bool, got {self.softmax_overlap!r}")
     for name in ("block_q", "block_kv", "stages"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool):
@@ -308,6 +316,30 @@ def _dkv_kernel(
     lo, full_lo = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
     vec_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
 
+    def probs_t(s_t, qb, slot, *, masked: bool):
+      """P^T [keys, queries] from S^T and the lse of the Q block in `slot`."""
+      plgpu.barrier_wait(lse_ready.at[slot])
+      lse = plgpu.load(lse_smem.at[slot], layout=vec_layout) * LOG2_E
+      p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      if masked:
+        key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
+        query = qb * block_q + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
+        # After the exponential: queries with lse = -inf (no visible key)
+        # give 0, not NaN.
+        p_t = jnp.where(visible(query, key, seq_q=seq_q, seq_k=seq_k, causal=causal), p_t, 0.0)
+      return p_t
+
+    def grad_scores_t(p_t, dp_t, slot):
+      """dS^T = P^T * (dP^T - delta), delta of the Q block in `slot`."""
+      plgpu.barrier_wait(delta_ready.at[slot])
+      delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
+      return p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+
+    def issue_scores(s_ref, dp_ref, q_tile, do_tile):
+      # S^T = K Q^T and dP^T = V dO^T, both operands in SMEM: two groups.
+      plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
+      plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
+
     def step(qb, carry, *, g, masked: bool):
       dk, dv = carry
       slot = slot_of(step_of(g, qb))
@@ -319,24 +351,13 @@ def _dkv_kernel(
       plgpu.barrier_wait(do_ready.at[slot])
 
       def scores(s_ref, dp_ref):
-        plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
-        plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
+        issue_scores(s_ref, dp_ref, q_tile, do_tile)
         return s_ref[...], dp_ref[...]  # waits for both
 
       tile = plgpu.ACC((rows, block_q), jnp.float32)
       s_t, dp_t = pl.run_scoped(scores, tile, tile)  # [keys, queries]
-      plgpu.barrier_wait(lse_ready.at[slot])
-      lse = plgpu.load(lse_smem.at[slot], layout=vec_layout) * LOG2_E
-      p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-      if masked:
-        key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
-        query = qb * block_q + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
-        # After the exponential: queries with lse = -inf (no visible key)
-        # give 0, not NaN.
-        p_t = jnp.where(visible(query, key, seq_q=seq_q, seq_k=seq_k, causal=causal), p_t, 0.0)
-      plgpu.barrier_wait(delta_ready.at[slot])
-      delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
-      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+      p_t = probs_t(s_t, qb, slot, masked=masked)
+      ds_t = grad_scores_t(p_t, dp_t, slot)
 
       if interpret:
         stage = staging.at[wg]
@@ -368,6 +389,47 @@ def _dkv_kernel(
       plgpu.barrier_arrive(q_consumed.at[slot])
       return dk, dv
 
+    def overlapped_step(qb, carry, *, g, masked: bool):
+      # Four wgmma groups retiring in order, S^T, dP^T, dV, dK; each wait
+      # leaves the group after it running: P^T is computed under dP^T, dS^T
+      # under dV.
+      dk, dv = carry
+      slot = slot_of(step_of(g, qb))
+      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(do_ready.at[slot])
+
+      def body(s_ref, dp_ref, dv_ref, dk_ref):
+        issue_scores(s_ref, dp_ref, q_tile, do_tile)
+        p_t = probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), qb, slot, masked=masked)
+        if interpret:
+          # P^T and dS^T through shared memory (see `step`); dV and dK
+          # start from zero and are added below.
+          stage = staging.at[wg]
+          stage[...] = p_t.astype(dtype)
+          plgpu.commit_smem()
+          plgpu.wgmma(dv_ref, stage, do_tile)
+        else:
+          dv_ref[...] = dv
+          plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
+        ds_t = grad_scores_t(p_t, plgpu.wgmma_accumulator_load(dp_ref, wait_n=1), slot)
+        if interpret:
+          dv_new = plgpu.wgmma_accumulator_load(dv_ref, wait_n=0)  # the staged P^T is read
+          stage[...] = ds_t.astype(dtype)
+          plgpu.commit_smem()
+          plgpu.wgmma(dk_ref, stage, q_tile)
+          return dk + plgpu.wgmma_accumulator_load(dk_ref, wait_n=0), dv + dv_new
+        dk_ref[...] = dk
+        plgpu.wgmma(dk_ref, ds_t.astype(dtype), q_tile)
+        dk_new = plgpu.wgmma_accumulator_load(dk_ref, wait_n=0)
+        return dk_new, plgpu.wgmma_accumulator_load(dv_ref, wait_n=None)  # both complete
+
+      tile, acc_tile = plgpu.ACC((rows, block_q), jnp.float32), plgpu.ACC(dk.shape, jnp.float32)
+      dk, dv = pl.run_scoped(body, tile, tile, acc_tile, acc_tile)
+      plgpu.barrier_arrive(do_consumed.at[slot])
+      plgpu.barrier_arrive(q_consumed.at[slot])
+      return dk, dv
+
     def drain(qb, _, *, g):
       # Q blocks before this warpgroup's diagonal that the other consumer
       # needs: release their slots without computing (see forward.py).
@@ -381,12 +443,14 @@ def _dkv_kernel(
 
     acc = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
 
+    block_step = overlapped_step if config.softmax_overlap else step
+
     def one_head(g, carry):
       # Query head kv_head * group + g: its Q blocks, in the producer's order.
       if causal:
         lax.fori_loop(lo_cta, lo, functools.partial(drain, g=g), None)
-        carry = lax.fori_loop(lo, full_lo, functools.partial(step, g=g, masked=True), carry)
-      return lax.fori_loop(full_lo, num_q, functools.partial(step, g=g, masked=False), carry)
+        carry = lax.fori_loop(lo, full_lo, functools.partial(block_step, g=g, masked=True), carry)
+      return lax.fori_loop(full_lo, num_q, functools.partial(block_step, g=g, masked=False), carry)
 
     if group == 1:
       dk, dv = one_head(jnp.int32(0), (acc, acc))
@@ -556,28 +620,21 @@ def _dq_kernel(
     qk_scale = softmax_scale * LOG2_E
     full_hi, hi = _kv_block_bounds(q_start, rows, seq_q, seq_k, block_kv, causal)
 
-    def step(kb, dq, *, masked: bool):
-      slot = slot_of(kb)
-      k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
-      # Two wgmma groups per block, one wait each: (S, dP) with both operands
-      # in SMEM, then dQ with dS from registers.
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[slot])
-
-      def scores(s_ref, dp_ref):
-        plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
-        plgpu.wgmma(dp_ref, do_tile, v_tile.transpose((1, 0)))
-        return s_ref[...], dp_ref[...]  # waits for both
-
-      tile = plgpu.ACC((rows, block_kv), jnp.float32)
-      s, dp = pl.run_scoped(scores, tile, tile)
-      plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
+    def probs(s, kb, *, masked: bool):
       p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
       if masked:
         row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
         col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         p = jnp.where(visible(row, col, seq_q=seq_q, seq_k=seq_k, causal=causal), p, 0.0)
-      ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+      return p
+
+    def issue_scores(s_ref, dp_ref, k_tile, v_tile):
+      # S = Q K^T and dP = dO V^T, both operands in SMEM: two groups.
+      plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
+      plgpu.wgmma(dp_ref, do_tile, v_tile.transpose((1, 0)))
+
+    def add_dq(dq, ds, k_tile):
+      """dQ + dS K, waited for."""
       if interpret:
         ds_stage = staging.at[wg]
         ds_stage[...] = ds.astype(dtype)
@@ -587,12 +644,35 @@ def _dq_kernel(
           plgpu.wgmma(acc_ref, ds_stage, k_tile)
           return acc_ref[...]
 
-        dq = dq + pl.run_scoped(dq_fresh, plgpu.ACC(dq.shape, jnp.float32))
-      else:
-        def dq_step(dq_ref):
-          plgpu.wgmma(dq_ref, ds.astype(dtype), k_tile)
+        return dq + pl.run_scoped(dq_fresh, plgpu.ACC(dq.shape, jnp.float32))
 
-        dq = pl.run_state(dq_step)(plgpu.ACC.init(dq))
+      def dq_step(dq_ref):
+        plgpu.wgmma(dq_ref, ds.astype(dtype), k_tile)
+
+      return pl.run_state(dq_step)(plgpu.ACC.init(dq))
+
+    def step(kb, dq, *, masked: bool):
+      slot = slot_of(kb)
+      k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+      # Two wgmma groups per block, one wait each: (S, dP) with both operands
+      # in SMEM, then dQ with dS from registers. With softmax_overlap, the
+      # wait for S alone comes first and P is computed while dP runs.
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+
+      def scores(s_ref, dp_ref):
+        issue_scores(s_ref, dp_ref, k_tile, v_tile)
+        if config.softmax_overlap:
+          p = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), kb, masked=masked)
+          return p, dp_ref[...]
+        return s_ref[...], dp_ref[...]  # waits for both
+
+      tile = plgpu.ACC((rows, block_kv), jnp.float32)
+      p_or_s, dp = pl.run_scoped(scores, tile, tile)
+      plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
+      p = p_or_s if config.softmax_overlap else probs(p_or_s, kb, masked=masked)
+      ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+      dq = add_dq(dq, ds, k_tile)
       plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
       return dq
 
