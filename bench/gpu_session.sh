@@ -24,7 +24,8 @@
 #             check_vma, shard_map), sharding (every GPU visible: 2x2 mesh on 4).
 #             mosaic_fwd_tests (the Mosaic forward kernel alone, ~3 min),
 #             d256_tests (head_dim 256, masks, bias, segments; ~5 min).
-#   Speed:    overlap_ab (softmax_overlap off/on, ~2 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
+#   Speed:    overlap_ab (softmax_overlap off/on, ~2 min), bwd_overlap (the
+#             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
 #             causal at 2k and 16k, ~2 min), gqa_vs_mha (~2 min), tune / tune256
 #             (Triton tiles at d128 forward / all d256 kernels, ~4 min each).
@@ -152,6 +153,15 @@ stage_gqa_vs_mha() {
 stage_overlap_ab() {
   # MosaicConfig.softmax_overlap off and on, in one run, with the Triton forward.
   timeout 200 python tools/mosaic_bench.py --ab-overlap --seq 2048 8192 16384 --head-dim 64 128 2>&1 | tee "$OUT/overlap_ab.log"
+}
+
+stage_bwd_overlap() {
+  # BackwardConfig.softmax_overlap (session 4, CPU-checked only): its GPU tests,
+  # then off/on in one run against the Triton backward.
+  timeout 200 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py \
+    -k bwd_gpu_softmax_overlap 2>&1 | tee "$OUT/bwd_overlap_tests.log" | tail -20
+  timeout 300 python tools/mosaic_bwd_bench.py --ab-overlap --seq 2048 8192 16384 --head-dim 64 128 2>&1 \
+    | tee "$OUT/bwd_overlap_ab.log"
 }
 
 stage_mosaic_fwd_tests() {
