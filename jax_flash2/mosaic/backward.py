@@ -655,22 +655,28 @@ def _dq_kernel(
       slot = slot_of(kb)
       k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
       # Two wgmma groups per block, one wait each: (S, dP) with both operands
-      # in SMEM, then dQ with dS from registers. With softmax_overlap, the
-      # wait for S alone comes first and P is computed while dP runs.
+      # in SMEM, then dQ with dS from registers.
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_wait(v_ready.at[slot])
 
       def scores(s_ref, dp_ref):
         issue_scores(s_ref, dp_ref, k_tile, v_tile)
-        if config.softmax_overlap:
-          p = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), kb, masked=masked)
-          return p, dp_ref[...]
         return s_ref[...], dp_ref[...]  # waits for both
 
+      def probs_under_dp(s_ref, dp_ref):
+        issue_scores(s_ref, dp_ref, k_tile, v_tile)
+        # Groups retire in order: wait for S alone, compute P while dP runs.
+        p = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), kb, masked=masked)
+        return p, dp_ref[...]
+
       tile = plgpu.ACC((rows, block_kv), jnp.float32)
-      p_or_s, dp = pl.run_scoped(scores, tile, tile)
-      plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
-      p = p_or_s if config.softmax_overlap else probs(p_or_s, kb, masked=masked)
+      if config.softmax_overlap:
+        p, dp = pl.run_scoped(probs_under_dp, tile, tile)
+        plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
+      else:
+        s, dp = pl.run_scoped(scores, tile, tile)
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        p = probs(s, kb, masked=masked)
       ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
       dq = add_dq(dq, ds, k_tile)
       plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
