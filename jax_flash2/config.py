@@ -141,7 +141,7 @@ class HopperChoice:
 
 # Measured on the H200 (bf16, 16k tokens, hidden 2048, seq 2k-16k; bench/NOTES.md,
 # sessions 3 and 4): the Mosaic forward, with the softmax overlapped with P V,
-# is 2-7% faster than the Triton one at head_dim 64 without a mask, 8-30%
+# is 2-7% faster than the Triton one at head_dim 64 without a mask, 6-34%
 # elsewhere; the Mosaic backward is 7-16% faster at head_dim 64 and 11% at 128
 # (2k). head_dim 256 has no Mosaic backward and its forward is unmeasured.
 _HOPPER_TABLE: dict[tuple[int, bool], HopperChoice] = {
