@@ -335,20 +335,28 @@ def _dkv_kernel(
       delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
       return p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
 
+    def wait_q_block(qb, g):
+      """(slot, Q tile, dO tile) of Q block qb of head g, once loaded."""
+      slot = slot_of(step_of(g, qb))
+      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(do_ready.at[slot])
+      return slot, q_smem.at[slot], do_smem.at[slot]
+
+    def release_q_block(slot):
+      # Neither Q, dO, lse nor delta of this slot is read any more.
+      plgpu.barrier_arrive(do_consumed.at[slot])
+      plgpu.barrier_arrive(q_consumed.at[slot])
+
     def issue_scores(s_ref, dp_ref, q_tile, do_tile):
       # S^T = K Q^T and dP^T = V dO^T, both operands in SMEM: two groups.
       plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
       plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
 
     def step(qb, carry, *, g, masked: bool):
-      dk, dv = carry
-      slot = slot_of(step_of(g, qb))
-      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-
       # Two wgmma groups per block, one wait each: (S^T, dP^T) with both
       # operands in SMEM, then (dV, dK) with P^T and dS^T from registers.
-      plgpu.barrier_wait(q_ready.at[slot])
-      plgpu.barrier_wait(do_ready.at[slot])
+      dk, dv = carry
+      slot, q_tile, do_tile = wait_q_block(qb, g)
 
       def scores(s_ref, dp_ref):
         issue_scores(s_ref, dp_ref, q_tile, do_tile)
@@ -384,9 +392,7 @@ def _dkv_kernel(
           plgpu.wgmma(dk_ref, ds_t.astype(dtype), q_tile)
 
         dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))  # one wait
-      # Neither Q, dO, lse nor delta of this slot is read any more.
-      plgpu.barrier_arrive(do_consumed.at[slot])
-      plgpu.barrier_arrive(q_consumed.at[slot])
+      release_q_block(slot)
       return dk, dv
 
     def overlapped_step(qb, carry, *, g, masked: bool):
@@ -394,10 +400,7 @@ def _dkv_kernel(
       # leaves the group after it running: P^T is computed under dP^T, dS^T
       # under dV.
       dk, dv = carry
-      slot = slot_of(step_of(g, qb))
-      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-      plgpu.barrier_wait(q_ready.at[slot])
-      plgpu.barrier_wait(do_ready.at[slot])
+      slot, q_tile, do_tile = wait_q_block(qb, g)
 
       def body(s_ref, dp_ref, dv_ref, dk_ref):
         issue_scores(s_ref, dp_ref, q_tile, do_tile)
@@ -426,8 +429,7 @@ def _dkv_kernel(
 
       tile, acc_tile = plgpu.ACC((rows, block_q), jnp.float32), plgpu.ACC(dk.shape, jnp.float32)
       dk, dv = pl.run_scoped(body, tile, tile, acc_tile, acc_tile)
-      plgpu.barrier_arrive(do_consumed.at[slot])
-      plgpu.barrier_arrive(q_consumed.at[slot])
+      release_q_block(slot)
       return dk, dv
 
     def drain(qb, _, *, g):
@@ -438,8 +440,7 @@ def _dkv_kernel(
       plgpu.barrier_wait(lse_ready.at[slot])
       plgpu.barrier_wait(do_ready.at[slot])
       plgpu.barrier_wait(delta_ready.at[slot])
-      plgpu.barrier_arrive(do_consumed.at[slot])
-      plgpu.barrier_arrive(q_consumed.at[slot])
+      release_q_block(slot)
 
     acc = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
 

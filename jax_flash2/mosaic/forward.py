@@ -342,7 +342,7 @@ def _forward_kernel(
     # all: they keep m_i = -inf and l_i = 0, which needs guards (see below).
     may_see_nothing = causal and seq_q > seq_k
 
-    def scores(s_ref, slot):
+    def issue_scores(s_ref, slot):
       # Starts S = Q K^T of the K block in `slot` on the tensor cores.
       plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
 
@@ -352,7 +352,7 @@ def _forward_kernel(
       plgpu.barrier_wait(k_ready.at[slot])
 
       def qk(s_ref):
-        scores(s_ref, slot)
+        issue_scores(s_ref, slot)
         return s_ref[...]  # waits for the wgmma
 
       s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
@@ -426,7 +426,7 @@ def _forward_kernel(
       plgpu.barrier_wait(v_ready.at[prev])
 
       def body(s_ref, o_ref):
-        scores(s_ref, slot)
+        issue_scores(s_ref, slot)
         if interpret:  # P through shared memory (see add_pv); the sum is added below
           plgpu.wgmma(o_ref, p_staging.at[wg], v_smem.at[prev])
         else:
