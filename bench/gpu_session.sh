@@ -24,7 +24,8 @@
 #             check_vma, shard_map), sharding (every GPU visible: 2x2 mesh on 4).
 #             mosaic_fwd_tests (the Mosaic forward kernel alone, ~3 min),
 #             d256_tests (head_dim 256, masks, bias, segments; ~5 min).
-#   Speed:    overlap_ab (softmax_overlap off/on, ~2 min), bwd_overlap (the
+#   Speed:    overlap_ab (softmax_overlap off/on, ~2 min), persistent (the
+#             persistent forward: tests, then off/on, ~4 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
 #             causal at 2k and 16k, ~2 min), gqa_vs_mha (~2 min), tune / tune256
@@ -152,7 +153,16 @@ stage_gqa_vs_mha() {
 
 stage_overlap_ab() {
   # MosaicConfig.softmax_overlap off and on, in one run, with the Triton forward.
-  timeout 200 python tools/mosaic_bench.py --ab-overlap --seq 2048 8192 16384 --head-dim 64 128 2>&1 | tee "$OUT/overlap_ab.log"
+  timeout 200 python tools/mosaic_bench.py --ab softmax_overlap --seq 2048 8192 16384 --head-dim 64 128 2>&1 | tee "$OUT/overlap_ab.log"
+}
+
+stage_persistent() {
+  # MosaicConfig.persistent (session 5, CPU-checked): its GPU tests, then off/on
+  # in one run (the short sequences are where the tile's start and end weigh).
+  timeout 200 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py \
+    -k gpu_persistent 2>&1 | tee "$OUT/persistent_tests.log" | tail -20
+  timeout 200 python tools/mosaic_bench.py --ab persistent --no-triton --seq 1024 2048 4096 8192 16384 \
+    --head-dim 64 128 2>&1 | tee "$OUT/persistent_ab.log"
 }
 
 stage_bwd_overlap() {

@@ -47,6 +47,12 @@ def test_config_defaults_fit_shared_memory():
   # head_dim 128: Q tiles (32 KiB) and two slots of K and V (128 KiB) fit; a
   # third slot (192 KiB of K/V) does not.
   assert MosaicConfig(stages=3).smem_bytes(128, jnp.float16) > mosaic.SMEM_LIMIT
+  # A persistent CTA keeps a second set of Q tiles (32 KiB more at head_dim
+  # 128): it fits beside two slots at 128, not at 256 (64 KiB more).
+  persistent = MosaicConfig(persistent=True)
+  assert persistent.smem_bytes(128, jnp.bfloat16) == MosaicConfig().smem_bytes(128, jnp.bfloat16) + 32 * 1024
+  assert persistent.smem_bytes(128, jnp.bfloat16) <= mosaic.SMEM_LIMIT
+  assert MosaicConfig(block_kv=64, persistent=True).smem_bytes(256, jnp.bfloat16) > mosaic.SMEM_LIMIT
 
 
 @pytest.mark.parametrize(
@@ -62,6 +68,7 @@ def test_config_defaults_fit_shared_memory():
         (dict(stages=2.0), "stages must be an int"),
         (dict(block_q=True), "block_q must be an int"),
         (dict(softmax_overlap=1), "softmax_overlap must be a bool"),
+        (dict(persistent=None), "persistent must be a bool"),
     ],
 )
 def test_config_rejects(kwargs, match):
@@ -131,6 +138,8 @@ def test_lowers_for_cuda(head_dim, dtype, causal):
         ((1, 1024, 1024, 2, 128), None, MosaicConfig(block_q=128, block_kv=64, stages=4)),
         ((1, 1024, 1024, 2, 64), None, MosaicConfig(block_q=256, block_kv=64, stages=3)),
         ((1, 1000, 1537, 2, 128), None, MosaicConfig(softmax_overlap=True)),
+        ((2, 1000, 1537, 4, 128), 2, MosaicConfig(softmax_overlap=True, persistent=True)),
+        ((1, 2048, 1024, 4, 64), None, MosaicConfig(stages=4, persistent=True)),
     ],
 )
 def test_lowers_for_cuda_variants(shape, kv_heads, config):
@@ -236,6 +245,31 @@ def test_interpreter_softmax_overlap(shape, causal, kv_heads, config):
   assert not gpu_callbacks.get_races().races_found
 
 
+# persistent: (shape, causal, kv_heads, config). Two CTAs over 4-8 tiles, so
+# that each runs several: the ring's slots and phases carry from one tile to
+# the next (3 slots over 4 K/V blocks a tile: a tile starts mid-ring), and a
+# tile's Q arrives in the buffer the previous tile's output left.
+PERSISTENT = [
+    ((2, 256, 256, 2, 64), False, None, MosaicConfig(block_q=128, block_kv=64, stages=3, softmax_overlap=True,
+                                                     persistent=True)),
+    ((2, 256, 256, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, stages=3, persistent=True)),
+    ((1, 384, 256, 3, 64), True, 1, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, persistent=True)),
+    ((1, 200, 136, 4, 64), False, 2, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, persistent=True)),
+]
+
+
+@pytest.mark.parametrize("shape, causal, kv_heads, config", PERSISTENT,
+                         ids=["full_overlap", "causal_drain", "gqa_rows_that_see_nothing", "ragged_gqa"])
+def test_interpreter_persistent(shape, causal, kv_heads, config):
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  batch, seq_q, _, heads, _ = shape
+  assert batch * heads * -(-seq_q // config.block_q) >= 2 * mosaic._PERSISTENT_INTERPRET_CTAS
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=params)
+  assert not gpu_callbacks.get_races().races_found
+
+
 def test_interpreter_rows_that_see_no_key():
   # Causal with seq_q > seq_k: the first seq_q - seq_k rows see nothing and
   # get zeros and lse = -inf, not NaN.
@@ -328,6 +362,22 @@ def test_gpu_variants(shape, kv_heads, config):
 )
 def test_gpu_softmax_overlap(shape, kv_heads, causal):
   config = dataclasses.replace(mosaic.default_config(shape[-1]), softmax_overlap=True)
+  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape, kv_heads",
+    # More tiles than SMs (132 on an H200): each CTA takes several. Ragged
+    # lengths with GQA; causal seq_q > seq_k (rows that see no key).
+    [((8, 2048, 2048, 16, 128), None), ((4, 2048, 2048, 32, 64), None), ((3, 1000, 1537, 16, 128), 4),
+     ((2, 1537, 1000, 16, 64), None)],
+    ids=["d128", "d64", "ragged_gqa", "seq_q_gt_seq_k"],
+)
+def test_gpu_persistent(shape, kv_heads, causal):
+  config = dataclasses.replace(mosaic.default_config(shape[-1]), persistent=True)
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 

@@ -109,6 +109,12 @@ class MosaicConfig:
       cores still run that P V, instead of leaving them idle during the
       softmax. Costs P of one block in registers. Problems with rows that see
       no key (causal, seq_q > seq_k) keep the plain loop.
+    persistent: launch one CTA per SM, each taking tiles (block_q rows of a
+      (batch, head)) in turn, instead of one CTA per tile. The producer then
+      loads the next tile's K/V while the consumers finish the current one,
+      and the next tile's Q is in flight during the output store: the start
+      and end of each tile (launch, first loads, store) overlap other work.
+      Costs a second Q buffer in shared memory.
   Sequence lengths need not be multiples of the blocks: `forward` pads them
   (ragged lengths; see the module docstring).
   """
@@ -117,10 +123,12 @@ class MosaicConfig:
   block_kv: int = 128
   stages: int = 2
   softmax_overlap: bool = False
+  persistent: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.softmax_overlap, bool):
-      raise ValueError(f"MosaicConfig.softmax_overlap must be a bool, got {self.softmax_overlap!r}")
+    for name in ("softmax_overlap", "persistent"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages"):
       if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig.{name} must be an int, got {getattr(self, name)!r}")
@@ -138,14 +146,33 @@ class MosaicConfig:
   def rows_per_consumer(self) -> int:
     return self.block_q // NUM_CONSUMERS
 
+  @property
+  def q_buffers(self) -> int:
+    return 2 if self.persistent else 1
+
   def smem_bytes(self, head_dim: int, dtype: jnp.dtype) -> int:
-    """Shared memory of one CTA: the Q tiles (reused for the output), the K
-    and V ring, the lse staging rows and a reserve for Mosaic's own use."""
+    """Shared memory of one CTA: the Q tiles (reused for the output; two
+    sets when persistent), the K and V ring, the lse staging rows and a
+    reserve for Mosaic's own use."""
     item = jnp.dtype(dtype).itemsize
-    q = self.block_q * head_dim * item
+    q = self.q_buffers * self.block_q * head_dim * item
     kv = 2 * self.stages * self.block_kv * head_dim * item
     lse = self.block_q * 4
     return q + kv + lse + _SMEM_RESERVE
+
+
+# Persistent CTAs in Mosaic's interpreter: few, so that each takes several tiles.
+_PERSISTENT_INTERPRET_CTAS = 2
+# SMs of an H100 SXM / H200, for lowering where no GPU is attached.
+_HOPPER_SMS = 132
+
+
+def _sm_count() -> int:
+  """SMs of the GPU the kernel will run on: one persistent CTA each."""
+  try:
+    return jax.devices("gpu")[0].core_count
+  except RuntimeError:  # no GPU here (lowering for CUDA on a CPU host)
+    return _HOPPER_SMS
 
 
 def default_config(head_dim: int) -> MosaicConfig:
@@ -245,102 +272,131 @@ def _kv_block_bounds(q_start: jax.Array, rows: int, seq_q: int, seq_k: int, bloc
   return full_hi.astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, *,
-                    batch, kv_head, num_steps, block_kv: int, stages: int) -> None:
-  """The producer warpgroup's work: TMA copies of K/V blocks 0..num_steps-1
-  of (batch, kv_head) into the ring, each slot reused once both consumers
-  released it. Shared by the forward and the backward dQ kernel."""
-  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-  slot_of = lambda step: lax.rem(step, jnp.int32(stages))
+def load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, *,
+                   batch, kv_head, num_steps, first_step, block_kv: int, stages: int) -> None:
+  """TMA copies of K/V blocks 0..num_steps-1 of (batch, kv_head) into the
+  ring, block i into the ring's step `first_step + i` (slot (first_step + i)
+  % stages): a persistent CTA keeps one ring across its tiles. A slot is
+  refilled once both consumers released what it held `stages` steps before."""
 
   @pl.loop(0, num_steps)
   def _load(step):
-    slot = slot_of(step)
+    ring_step = first_step + step
+    slot = lax.rem(ring_step, jnp.int32(stages))
     kv_rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
 
-    # A slot is free once both consumers have arrived on its consumed
-    # barrier for the block loaded `stages` steps earlier; the first round
-    # of slots is free from the start.
-    @pl.when(step >= stages)
+    # The first round of slots is free from the start.
+    @pl.when(ring_step >= stages)
     def _():
       plgpu.barrier_wait(k_consumed.at[slot])
 
     plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
 
-    @pl.when(step >= stages)
+    @pl.when(ring_step >= stages)
     def _():
       plgpu.barrier_wait(v_consumed.at[slot])
 
     plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
 
-  # Observe the release of the last blocks too, so that the producer has
-  # seen every phase of the consumed barriers when they are freed. The
-  # hardware does not need it (the CTA ends with its consumers anyway);
-  # Mosaic's interpreter checks it, and a persistent kernel that reuses the
-  # ring for the next tile would need it.
-  @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-  def _last_releases(step):
-    plgpu.barrier_wait(k_consumed.at[slot_of(step)])
-    plgpu.barrier_wait(v_consumed.at[slot_of(step)])
+
+def observe_last_releases(k_consumed, v_consumed, *, end_step, stages: int) -> None:
+  """Waits for the consumers' release of the ring's last `stages` steps
+  before `end_step`, so that the producer has seen every phase of the
+  consumed barriers when they are freed. The hardware does not need it (the
+  CTA ends with its consumers anyway); Mosaic's interpreter checks it."""
+
+  @pl.loop(jnp.maximum(end_step - stages, 0), end_step)
+  def _release(ring_step):
+    slot = lax.rem(ring_step, jnp.int32(stages))
+    plgpu.barrier_wait(k_consumed.at[slot])
+    plgpu.barrier_wait(v_consumed.at[slot])
+
+
+def produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, *,
+                    batch, kv_head, num_steps, block_kv: int, stages: int) -> None:
+  """The producer warpgroup's work for one tile: TMA copies of K/V blocks
+  0..num_steps-1 of (batch, kv_head) into the ring. Shared by the forward
+  and the backward dQ kernel."""
+  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+  load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, batch=batch,
+                 kv_head=kv_head, num_steps=num_steps, first_step=0, block_kv=block_kv, stages=stages)
+  observe_last_releases(k_consumed, v_consumed, end_step=num_steps, stages=stages)
 
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, out_ref, lse_ref,
     q_smem, k_smem, v_smem, lse_smem,
     q_ready, k_ready, v_ready, k_consumed, v_consumed, *p_staging,
-    seq_q: int, seq_k: int, group: int, num_q_blocks: int, causal: bool,
-    softmax_scale: float, config: MosaicConfig, interpret: bool,
+    seq_q: int, seq_k: int, group: int, num_q_blocks: int, heads: int, num_tiles: int,
+    num_ctas: int | None, causal: bool, softmax_scale: float, config: MosaicConfig, interpret: bool,
 ):
   # q_ref, out_ref: [batch, seq_q', heads, D] in GMEM; k_ref, v_ref: [batch,
   # seq_k', heads // group, D] in GMEM; lse_ref: [batch, heads, seq_q'] f32;
   # seq_q', seq_k': the real seq_q, seq_k padded to whole blocks.
-  # q_smem: [2, rows, D] (one Q tile per consumer, reused for its output);
-  # k_smem, v_smem: [stages, block_kv, D] (the ring); lse_smem: [2, rows] f32.
-  # q_ready: [2] barriers; k_ready, v_ready: [stages] barriers the TMA engine
-  # completes; k_consumed, v_consumed: [stages] barriers of 2 arrivals.
+  # q_smem: [buffers, 2, rows, D] (one Q tile per consumer, reused for its
+  # output; two buffers in a persistent CTA, which loads the next tile's Q
+  # while the current one's output is stored); k_smem, v_smem: [stages,
+  # block_kv, D] (the ring); lse_smem: [2, rows] f32.
+  # q_ready: [buffers * 2] barriers; k_ready, v_ready: [stages] barriers the
+  # TMA engine completes; k_consumed, v_consumed: [stages] barriers of 2
+  # arrivals.
   # p_staging (interpret mode only): [2, rows, block_kv], P on its way to wgmma.
+  # num_ctas: None for one CTA per tile (grid q x heads x batch); else the
+  # persistent grid's size, each CTA taking tiles cta, cta + num_ctas, ...
   rows, block_kv, stages = config.rows_per_consumer, config.block_kv, config.stages
   dtype = q_ref.dtype
   if interpret:
     [p_staging] = p_staging
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("heads")
-  kv_head = lax.div(head, jnp.int32(group))
   wg = lax.axis_index("wg")
-  q_block = lax.axis_index("q")
-  if causal:
-    # Causal CTAs near the end of the sequence visit the most K/V blocks;
-    # launching them first keeps them off the critical path at the tail.
-    q_block = jnp.int32(num_q_blocks - 1) - q_block
-  cta_start = q_block * config.block_q
+  qk_scale = softmax_scale * LOG2_E
+  # Only causal attention with seq_q > seq_k has rows that see no key at
+  # all: they keep m_i = -inf and l_i = 0, which needs guards (see below).
+  may_see_nothing = causal and seq_q > seq_k
+  any_masked = causal or bool(seq_k % block_kv)  # a diagonal, or a last block partly of padding
 
-  # The producer must load every block any consumer needs; the second
-  # consumer's rows are the later ones, so its bound covers both.
-  _, num_steps = _kv_block_bounds(
-      cta_start + (NUM_CONSUMERS - 1) * rows, rows, seq_q, seq_k, block_kv, causal
-  )
+  @dataclasses.dataclass(frozen=True)
+  class Tile:
+    """block_q query rows of one (batch, head): a CTA's unit of work."""
+    batch: jax.Array
+    head: jax.Array
+    q_start: jax.Array  # first query row
+    num_steps: jax.Array  # K/V blocks the producer loads for it
 
-  def slot_of(step):
-    return lax.rem(step, jnp.int32(stages))
+    @property
+    def kv_head(self):
+      return lax.div(self.head, jnp.int32(group))
 
-  @pl.when(wg == PRODUCER)
-  def _producer():
-    produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
-                    batch=batch, kv_head=kv_head, num_steps=num_steps, block_kv=block_kv, stages=stages)
+  def tile_at(q_index, head, batch) -> Tile:
+    if causal:
+      # Causal tiles near the end of the sequence visit the most K/V blocks;
+      # taking them first keeps them off the critical path at the tail.
+      q_index = jnp.int32(num_q_blocks - 1) - q_index
+    q_start = q_index * config.block_q
+    # The producer must load every block any consumer needs; the second
+    # consumer's rows are the later ones, so its bound covers both.
+    _, num_steps = _kv_block_bounds(q_start + (NUM_CONSUMERS - 1) * rows, rows, seq_q, seq_k, block_kv, causal)
+    return Tile(batch, head, q_start, num_steps)
 
-  @pl.when(wg < NUM_CONSUMERS)
-  def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    q_start = cta_start + wg * rows
-    q_tile = q_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, rows), head], q_tile, q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
+  def tile_number(t) -> Tile:
+    # Q blocks vary fastest, so CTAs running together share one (batch,
+    # head) and hit the same K/V in L2.
+    rest = lax.div(t, jnp.int32(num_q_blocks))
+    return tile_at(lax.rem(t, jnp.int32(num_q_blocks)), lax.rem(rest, jnp.int32(heads)),
+                   lax.div(rest, jnp.int32(heads)))
 
-    qk_scale = softmax_scale * LOG2_E
+  def load_q(tile: Tile, buffer):
+    plgpu.copy_gmem_to_smem(q_ref.at[tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head],
+                            q_smem.at[buffer, wg], q_ready.at[buffer * NUM_CONSUMERS + wg])
+
+  def attend(tile: Tile, q_tile, ring_base):
+    """One consumer's rows of `tile` against its K/V blocks, which occupy the
+    ring's steps ring_base, ring_base + 1, ...: (acc, m_i, l_i), acc not yet
+    divided by l_i."""
+    q_start = tile.q_start + wg * rows
     full_hi, hi = _kv_block_bounds(q_start, rows, seq_q, seq_k, block_kv, causal)
-    # Only causal attention with seq_q > seq_k has rows that see no key at
-    # all: they keep m_i = -inf and l_i = 0, which needs guards (see below).
-    may_see_nothing = causal and seq_q > seq_k
+
+    def slot_of(kb):
+      return lax.rem(ring_base + kb, jnp.int32(stages))
 
     def issue_scores(s_ref, slot):
       # Starts S = Q K^T of the K block in `slot` on the tensor cores.
@@ -450,7 +506,7 @@ def _forward_kernel(
     def first_overlapped_step(carry, *, masked: bool):
       # Block 0: scores and softmax only; its P V starts with block 1's scores.
       acc, m_i, l_i = carry
-      p, m_new, l_i, _ = online_softmax(0, scores_now(0), m_i, l_i, masked=masked)  # acc is 0: no rescale
+      p, m_new, l_i, _ = online_softmax(0, scores_now(slot_of(0)), m_i, l_i, masked=masked)  # acc is 0: no rescale
       if interpret:
         p_staging.at[wg][...] = p.astype(dtype)
         plgpu.commit_smem()
@@ -471,7 +527,6 @@ def _forward_kernel(
     acc = plgpu.layout_cast(jnp.zeros((rows, q_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    any_masked = causal or bool(seq_k % block_kv)  # a diagonal, or a last block partly of padding
     if config.softmax_overlap and not may_see_nothing:
       # Every warpgroup sees at least block 0 here (hi >= 1). Block 0 takes
       # the masked path wherever any block may need it: exact either way.
@@ -490,8 +545,12 @@ def _forward_kernel(
         carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
       acc, m_i, l_i = carry
     if causal:
-      lax.fori_loop(hi, num_steps, drain, None)
+      lax.fori_loop(hi, tile.num_steps, drain, None)
+    return acc, m_i, l_i
 
+  def store_output(tile: Tile, q_tile, acc, m_i, l_i):
+    """Divides acc by l_i and starts the TMA stores of the output and lse,
+    staged in shared memory (q_tile, whose Q every wgmma has read by now)."""
     # One division per row at the end (a reciprocal, then multiplies).
     if may_see_nothing:
       seen = l_i > 0.0
@@ -500,16 +559,78 @@ def _forward_kernel(
     lse = (m_i + jnp.log2(l_i)) * LN_2
     if may_see_nothing:
       lse = jnp.where(seen, lse, -jnp.inf)
-
-    # Every wgmma reading the Q tile has completed, so it can stage the output.
+    q_start = tile.q_start + wg * rows
     q_tile[...] = out.astype(dtype)
     lse_smem.at[wg][...] = lse
     # Ordinary stores must be made visible to the TMA engine (the async proxy)
     # before it reads shared memory.
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile, out_ref.at[batch, pl.ds(q_start, rows), head])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, rows)])
-    # Shared memory must outlive the copies' reads of it.
+    plgpu.copy_smem_to_gmem(q_tile, out_ref.at[tile.batch, pl.ds(q_start, rows), tile.head])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile.batch, tile.head, pl.ds(q_start, rows)])
+
+  if num_ctas is None:  # one tile per CTA
+    tile = tile_at(lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch"))
+
+    @pl.when(wg == PRODUCER)
+    def _producer():
+      produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, batch=tile.batch,
+                      kv_head=tile.kv_head, num_steps=tile.num_steps, block_kv=block_kv, stages=stages)
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      load_q(tile, 0)
+      plgpu.barrier_wait(q_ready.at[wg])
+      q_tile = q_smem.at[0, wg]
+      store_output(tile, q_tile, *attend(tile, q_tile, jnp.int32(0)))
+      # Shared memory must outlive the copies' reads of it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return
+
+  # Persistent: this CTA takes tiles cta, cta + num_ctas, ... One ring runs
+  # through all of them, so the producer fetches the next tile's first K/V
+  # blocks while the consumers finish the current one.
+  cta = lax.axis_index("cta")
+  my_tiles = lax.div(jnp.int32(num_tiles - 1) - cta, jnp.int32(num_ctas)) + 1
+
+  @pl.when(wg == PRODUCER)
+  def _persistent_producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    def produce(i, ring_base):
+      tile = tile_number(cta + i * num_ctas)
+      load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
+                     batch=tile.batch, kv_head=tile.kv_head, num_steps=tile.num_steps, first_step=ring_base,
+                     block_kv=block_kv, stages=stages)
+      return ring_base + tile.num_steps
+
+    ring_end = lax.fori_loop(0, my_tiles, produce, jnp.int32(0))
+    observe_last_releases(k_consumed, v_consumed, end_step=ring_end, stages=stages)
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _persistent_consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    load_q(tile_number(cta), 0)
+
+    def consume(i, ring_base):
+      tile = tile_number(cta + i * num_ctas)
+      buffer = lax.rem(i, jnp.int32(2))
+      plgpu.barrier_wait(q_ready.at[buffer * NUM_CONSUMERS + wg])
+      q_tile = q_smem.at[buffer, wg]
+      acc, m_i, l_i = attend(tile, q_tile, ring_base)
+      # The next tile's Q goes to the other buffer, which staged the previous
+      # tile's output: its stores, issued a whole tile ago, must have read it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      @pl.when(i + 1 < my_tiles)
+      def _():
+        load_q(tile_number(cta + (i + 1) * num_ctas), 1 - buffer)
+
+      store_output(tile, q_tile, acc, m_i, l_i)
+      return ring_base + tile.num_steps
+
+    lax.fori_loop(0, my_tiles, consume, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -555,6 +676,7 @@ def forward(
   q = pad_seq(q, config.block_q)
   k, v = pad_seq(k, config.block_kv), pad_seq(v, config.block_kv)
   num_q_blocks = q.shape[1] // config.block_q
+  num_tiles = num_q_blocks * heads * batch
   interpret_params, interpret = interpret_params_of(interpret)
   rows, dtype = config.rows_per_consumer, q.dtype
 
@@ -567,11 +689,11 @@ def forward(
       plgpu.SwizzleTransform(swizzle),
   )
   scratch = [
-      plgpu.SMEM((NUM_CONSUMERS, rows, head_dim), dtype, transforms=transforms),
+      plgpu.SMEM((config.q_buffers, NUM_CONSUMERS, rows, head_dim), dtype, transforms=transforms),
       plgpu.SMEM((config.stages, config.block_kv, head_dim), dtype, transforms=transforms),
       plgpu.SMEM((config.stages, config.block_kv, head_dim), dtype, transforms=transforms),
       plgpu.SMEM((NUM_CONSUMERS, rows), jnp.float32),
-      plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+      plgpu.Barrier(num_barriers=config.q_buffers * NUM_CONSUMERS),
       plgpu.Barrier(num_barriers=config.stages),
       plgpu.Barrier(num_barriers=config.stages),
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.stages),
@@ -583,9 +705,17 @@ def forward(
         plgpu.SwizzleTransform(128),
     )
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, rows, config.block_kv), dtype, transforms=p_transforms))
+  if config.persistent:
+    num_ctas = min(num_tiles, _PERSISTENT_INTERPRET_CTAS if interpret else _sm_count())
+    grid, grid_names = (num_ctas,), ("cta",)
+  else:
+    # Q blocks are the fastest-varying grid axis, so CTAs running together
+    # share one (batch, head) and hit the same K/V in L2.
+    num_ctas, grid, grid_names = None, (num_q_blocks, heads, batch), ("q", "heads", "batch")
   kernel = functools.partial(
       _forward_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
-      causal=causal, softmax_scale=float(softmax_scale), config=config, interpret=interpret,
+      heads=heads, num_tiles=num_tiles, num_ctas=num_ctas, causal=causal, softmax_scale=float(softmax_scale),
+      config=config, interpret=interpret,
   )
   out, lse = plgpu.kernel(
       kernel,
@@ -594,10 +724,8 @@ def forward(
           jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32),
       ),
       scratch_types=scratch,
-      # Q blocks are the fastest-varying grid axis, so CTAs running together
-      # share one (batch, head) and hit the same K/V in L2.
-      grid=(num_q_blocks, heads, batch),
-      grid_names=("q", "heads", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
