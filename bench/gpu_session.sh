@@ -23,13 +23,14 @@
 #             (its GQA and 16k determinism cases), new (dropout, bias,
 #             check_vma, shard_map), sharding (every GPU visible: 2x2 mesh on 4).
 #             mosaic_fwd_tests (the Mosaic forward kernel alone, ~3 min),
-#             d256_tests (head_dim 256, masks, bias, segments; ~5 min).
+#             d256_tests (head_dim 256, masks, bias, segments; ~6 min), d256_bias.
 #   Speed:    overlap_ab (softmax_overlap off/on, ~2 min), persistent (the
-#             persistent forward: tests, then off/on, ~4 min), bwd_overlap (the
+#             persistent and ping-pong forward: tests, then A/B, ~6 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
 #             causal at 2k and 16k, ~2 min), gqa_vs_mha (~2 min), tune / tune256
-#             (Triton tiles at d128 forward / all d256 kernels, ~4 min each).
+#             (Triton tiles at d128 forward / all d256 kernels, ~4 min each),
+#             ragged (Mosaic vs Triton at 1000/4000 beside 1024/4096, ~4 min).
 #   Training: train (600 steps, seeds 5-6), train_1k (1000 steps, seeds 0-3, ~6 min),
 #             train_1k_f32 (its float32-attention control, ~3 min).
 set -uo pipefail
@@ -153,16 +154,18 @@ stage_gqa_vs_mha() {
 
 stage_overlap_ab() {
   # MosaicConfig.softmax_overlap off and on, in one run, with the Triton forward.
-  timeout 200 python tools/mosaic_bench.py --ab softmax_overlap --seq 2048 8192 16384 --head-dim 64 128 2>&1 | tee "$OUT/overlap_ab.log"
+  timeout 200 python tools/mosaic_bench.py --variants softmax_overlap=0 default --seq 2048 8192 16384 \
+    --head-dim 64 128 2>&1 | tee "$OUT/overlap_ab.log"
 }
 
 stage_persistent() {
-  # MosaicConfig.persistent (session 5, CPU-checked): its GPU tests, then off/on
-  # in one run (the short sequences are where the tile's start and end weigh).
+  # MosaicConfig.persistent and .pingpong (session 5, CPU-checked): their GPU
+  # tests, then the four combinations in one run (the short sequences are
+  # where a tile's start and end weigh).
   timeout 200 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py \
-    -k gpu_persistent 2>&1 | tee "$OUT/persistent_tests.log" | tail -20
-  timeout 200 python tools/mosaic_bench.py --ab persistent --no-triton --seq 1024 2048 4096 8192 16384 \
-    --head-dim 64 128 2>&1 | tee "$OUT/persistent_ab.log"
+    -k "gpu_persistent or gpu_pingpong" 2>&1 | tee "$OUT/persistent_tests.log" | tail -20
+  timeout 280 python tools/mosaic_bench.py --no-triton --seq 2048 4096 8192 16384 --head-dim 64 128 \
+    --variants default persistent=1 pingpong=1 persistent=1+pingpong=1 2>&1 | tee "$OUT/persistent_ab.log"
 }
 
 stage_bwd_overlap() {
@@ -184,6 +187,22 @@ stage_d256_tests() {
   # head_dim 256 (its swept tiles), masks and bias beside them, packed segments.
   timeout 330 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_gpu.py \
     -k "(bf16_matches_reference and 256) or dense_mask or bias or packed_segments" 2>&1 | tee "$OUT/d256_tests.log" | tail -30
+}
+
+stage_d256_bias() {
+  # The bias tests at head_dim 256 alone (the two-stage cap, session 4).
+  timeout 200 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_gpu.py -k "bias and 256" 2>&1 \
+    | tee "$OUT/d256_bias_tests.log" | tail -10
+}
+
+stage_ragged() {
+  # auto keeps ragged lengths on the Triton kernels until this is timed: the
+  # Mosaic kernels (padded to whole blocks inside) against Triton at 1000 and
+  # 4000, with the whole-block 1024 and 4096 beside them.
+  for causal in false true; do
+    timeout 140 $BENCH --seqlens 1000 1024 4000 4096 --head-dims 64 128 --causal $causal --modes fwd fwd+bwd \
+      --impls flash2-mosaic flash2-triton --no-check --out "$OUT/ragged_causal_$causal" 2>&1 | grep -E "^ +[0-9]+ |== "
+  done
 }
 
 stage_wait() {

@@ -69,6 +69,8 @@ def test_config_defaults_fit_shared_memory():
         (dict(block_q=True), "block_q must be an int"),
         (dict(softmax_overlap=1), "softmax_overlap must be a bool"),
         (dict(persistent=None), "persistent must be a bool"),
+        (dict(pingpong=1), "pingpong must be a bool"),
+        (dict(pingpong=True), "pingpong needs softmax_overlap"),
     ],
 )
 def test_config_rejects(kwargs, match):
@@ -140,6 +142,7 @@ def test_lowers_for_cuda(head_dim, dtype, causal):
         ((1, 1000, 1537, 2, 128), None, MosaicConfig(softmax_overlap=True)),
         ((2, 1000, 1537, 4, 128), 2, MosaicConfig(softmax_overlap=True, persistent=True)),
         ((1, 2048, 1024, 4, 64), None, MosaicConfig(stages=4, persistent=True)),
+        ((2, 1024, 1024, 4, 128), None, MosaicConfig(softmax_overlap=True, persistent=True, pingpong=True)),
     ],
 )
 def test_lowers_for_cuda_variants(shape, kv_heads, config):
@@ -270,6 +273,29 @@ def test_interpreter_persistent(shape, causal, kv_heads, config):
   assert not gpu_callbacks.get_races().races_found
 
 
+# pingpong: (shape, causal, kv_heads, config): the first consumer passes its
+# turns in the drain; persistent CTAs carry the turns across tiles; rows
+# that see no key keep the plain loop (no turns).
+PINGPONG = [
+    ((2, 256, 256, 2, 64), False, None, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, pingpong=True)),
+    ((2, 256, 256, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, stages=3, softmax_overlap=True,
+                                                    persistent=True, pingpong=True)),
+    ((1, 200, 136, 4, 64), False, 2, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, persistent=True,
+                                                  pingpong=True)),
+    ((1, 384, 256, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, pingpong=True)),
+]
+
+
+@pytest.mark.parametrize("shape, causal, kv_heads, config", PINGPONG,
+                         ids=["full", "causal_drain_persistent", "ragged_gqa_persistent", "rows_that_see_nothing"])
+def test_interpreter_pingpong(shape, causal, kv_heads, config):
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=params)
+  assert not gpu_callbacks.get_races().races_found
+
+
 def test_interpreter_rows_that_see_no_key():
   # Causal with seq_q > seq_k: the first seq_q - seq_k rows see nothing and
   # get zeros and lse = -inf, not NaN.
@@ -378,6 +404,20 @@ def test_gpu_softmax_overlap(shape, kv_heads, causal):
 )
 def test_gpu_persistent(shape, kv_heads, causal):
   config = dataclasses.replace(mosaic.default_config(shape[-1]), persistent=True)
+  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+@pytest.mark.parametrize(
+    "shape, kv_heads",
+    [((4, 2048, 2048, 16, 128), None), ((2, 2048, 2048, 32, 64), None), ((3, 1000, 1537, 16, 128), 4)],
+    ids=["d128", "d64", "ragged_gqa"],
+)
+def test_gpu_pingpong(shape, kv_heads, causal, persistent):
+  config = dataclasses.replace(mosaic.default_config(shape[-1]), persistent=persistent, pingpong=True)
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 

@@ -2,8 +2,8 @@
 
   PYTHONPATH=. python tools/mosaic_bench.py                  # d64 and d128, 1k..16k, causal and not
   PYTHONPATH=. python tools/mosaic_bench.py --seq 8192 --head-dim 128 --stages 2 --block-kv 128
-  PYTHONPATH=. python tools/mosaic_bench.py --ab softmax_overlap   # MosaicConfig.softmax_overlap off / on
-  PYTHONPATH=. python tools/mosaic_bench.py --ab persistent --no-triton
+  PYTHONPATH=. python tools/mosaic_bench.py --variants softmax_overlap=0 default   # MosaicConfig options A/B
+  PYTHONPATH=. python tools/mosaic_bench.py --no-triton --variants default persistent=1 pingpong=1 persistent=1+pingpong=1
 
 Same convention as the bench: 16384 tokens per batch (batch = 16384 // seq),
 hidden 2048 (heads = 2048 // head_dim), bf16, TFLOP/s = 4 B H S^2 D / time
@@ -28,6 +28,14 @@ def _time_ms(fn, args) -> float:
   return timing.time_fn_ms(fn, *args, warmup=3, iters=10, calls_per_round=10)
 
 
+def _variant(config: mosaic.MosaicConfig, spec: str) -> mosaic.MosaicConfig:
+  """config with the options of `spec` ('default', or 'name=0+name=1') set."""
+  if spec == "default":
+    return config
+  options = dict(option.split("=") for option in spec.split("+"))
+  return dataclasses.replace(config, **{name: bool(int(value)) for name, value in options.items()})
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384])
@@ -36,14 +44,13 @@ def main() -> None:
   parser.add_argument("--block-kv", type=int, default=None)
   parser.add_argument("--stages", type=int, default=None)
   parser.add_argument("--no-triton", action="store_true", help="time the Mosaic kernel only")
-  parser.add_argument("--ab", choices=["softmax_overlap", "persistent"], default=None,
-                      help="time the Mosaic kernel with this MosaicConfig option off ('mosaic') and on")
+  parser.add_argument("--variants", nargs="*", default=["default"],
+                      help="Mosaic configs to time side by side: 'default', or MosaicConfig bool options set "
+                           "on the default, as NAME=0|1 joined by '+'")
   args = parser.parse_args()
   print(jax.devices()[0].device_kind)
   causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-  header = f"{'d':>4} {'seq':>6} {'causal':>6} {'mosaic ms':>10} {'TFLOP/s':>8}"
-  if args.ab:
-    header += f" {args.ab[:7] + ' ms':>10} {'TFLOP/s':>8}"
+  header = f"{'d':>4} {'seq':>6} {'causal':>6}" + "".join(f" {name + ' ms':>24} {'TFLOP/s':>8}" for name in args.variants)
   print(header + ("" if args.no_triton else f" {'triton ms':>10} {'TFLOP/s':>8}"))
   for head_dim in args.head_dim:
     config = mosaic.default_config(head_dim)
@@ -55,13 +62,11 @@ def main() -> None:
       q, k, v = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16) for key in keys)
       for causal in causals:
         flops = forward_flops(batch, heads, seq, seq, head_dim, causal)
-        first = dataclasses.replace(config, **{args.ab: False}) if args.ab else config
-        ms = _time_ms(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=first), (q, k, v))
-        row = f"{head_dim:>4} {seq:>6} {str(causal):>6} {ms:>10.3f} {flops / ms / 1e9:>8.0f}"
-        if args.ab:
-          second = dataclasses.replace(config, **{args.ab: True})
-          ab_ms = _time_ms(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=second), (q, k, v))
-          row += f" {ab_ms:>10.3f} {flops / ab_ms / 1e9:>8.0f}"
+        row = f"{head_dim:>4} {seq:>6} {str(causal):>6}"
+        for variant in args.variants:
+          variant_config = _variant(config, variant)
+          ms = _time_ms(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=variant_config), (q, k, v))
+          row += f" {ms:>24.3f} {flops / ms / 1e9:>8.0f}"
         if not args.no_triton:
           tms = _time_ms(
               lambda q, k, v: flash_attention(q, k, v, causal=causal, return_lse=True, backend="triton"), (q, k, v)

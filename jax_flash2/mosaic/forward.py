@@ -115,6 +115,12 @@ class MosaicConfig:
       and the next tile's Q is in flight during the output store: the start
       and end of each tile (launch, first loads, store) overlap other work.
       Costs a second Q buffer in shared memory.
+    pingpong: the two consumers take turns on the tensor cores (as
+      FlashAttention-3's warpgroup ping-pong): each issues one step's
+      matmuls only after the other has issued its own, so that one
+      consumer's softmax runs under the other's matmuls rather than both
+      computing softmaxes while the tensor cores idle. Needs softmax_overlap
+      (one turn per step); problems that keep the plain loop ignore it.
   Sequence lengths need not be multiples of the blocks: `forward` pads them
   (ragged lengths; see the module docstring).
   """
@@ -124,11 +130,14 @@ class MosaicConfig:
   stages: int = 2
   softmax_overlap: bool = False
   persistent: bool = False
+  pingpong: bool = False
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "persistent"):
+    for name in ("softmax_overlap", "persistent", "pingpong"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
+    if self.pingpong and not self.softmax_overlap:
+      raise ValueError("MosaicConfig.pingpong needs softmax_overlap=True (a turn is one overlapped step)")
     for name in ("block_q", "block_kv", "stages"):
       if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig.{name} must be an int, got {getattr(self, name)!r}")
@@ -326,7 +335,7 @@ def produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, 
 def _forward_kernel(
     q_ref, k_ref, v_ref, out_ref, lse_ref,
     q_smem, k_smem, v_smem, lse_smem,
-    q_ready, k_ready, v_ready, k_consumed, v_consumed, *p_staging,
+    q_ready, k_ready, v_ready, k_consumed, v_consumed, *extra,
     seq_q: int, seq_k: int, group: int, num_q_blocks: int, heads: int, num_tiles: int,
     num_ctas: int | None, causal: bool, softmax_scale: float, config: MosaicConfig, interpret: bool,
 ):
@@ -340,18 +349,47 @@ def _forward_kernel(
   # q_ready: [buffers * 2] barriers; k_ready, v_ready: [stages] barriers the
   # TMA engine completes; k_consumed, v_consumed: [stages] barriers of 2
   # arrivals.
-  # p_staging (interpret mode only): [2, rows, block_kv], P on its way to wgmma.
+  # extra: turn (with pingpong): [2] barriers of 1 arrival, turn[w] passes
+  # the tensor cores to consumer w; p_staging (interpret mode only): [2,
+  # rows, block_kv], P on its way to wgmma.
   # num_ctas: None for one CTA per tile (grid q x heads x batch); else the
   # persistent grid's size, each CTA taking tiles cta, cta + num_ctas, ...
   rows, block_kv, stages = config.rows_per_consumer, config.block_kv, config.stages
   dtype = q_ref.dtype
-  if interpret:
-    [p_staging] = p_staging
+  extra = list(extra)
+  turn = extra.pop(0) if config.pingpong else None
+  p_staging = extra.pop(0) if interpret else None
   wg = lax.axis_index("wg")
   qk_scale = softmax_scale * LOG2_E
   # Only causal attention with seq_q > seq_k has rows that see no key at
   # all: they keep m_i = -inf and l_i = 0, which needs guards (see below).
   may_see_nothing = causal and seq_q > seq_k
+  overlap = config.softmax_overlap and not may_see_nothing
+  pingpong = config.pingpong and overlap
+
+  # Ping-pong: consumer w waits for turn[w] before it issues a step's
+  # matmuls and passes the turn on right after issuing them, so the
+  # consumers' steps reach the tensor cores alternately. Both take one turn
+  # per K/V block of the tile and one more (block 0's scores alone, then one
+  # step per block, then the last block's P V; a consumer past its diagonal
+  # passes its turn in the drain), so neither waits for a turn that never
+  # comes. Consumer 0 takes the first turn, and observes the last pass at the
+  # end.
+  def take_turn():
+    if pingpong:
+      plgpu.barrier_wait(turn.at[wg])
+
+  def pass_turn():
+    if pingpong:
+      plgpu.barrier_arrive(turn.at[1 - wg])
+
+  def start_turns():
+    if pingpong:
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
+
+  def end_turns():
+    if pingpong:
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
   any_masked = causal or bool(seq_k % block_kv)  # a diagonal, or a last block partly of padding
 
   @dataclasses.dataclass(frozen=True)
@@ -408,7 +446,9 @@ def _forward_kernel(
       plgpu.barrier_wait(k_ready.at[slot])
 
       def qk(s_ref):
+        take_turn()
         issue_scores(s_ref, slot)
+        pass_turn()
         return s_ref[...]  # waits for the wgmma
 
       s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
@@ -449,14 +489,18 @@ def _forward_kernel(
         plgpu.commit_smem()
 
         def pv_fresh(pv_ref):
+          take_turn()
           plgpu.wgmma(pv_ref, p_tile, v_smem.at[slot])
+          pass_turn()
           return pv_ref[...]
 
         return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
 
       # The tensor cores add P V onto the rescaled accumulator in place.
       def pv(acc_ref):
+        take_turn()
         plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+        pass_turn()
 
       return pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
 
@@ -482,12 +526,14 @@ def _forward_kernel(
       plgpu.barrier_wait(v_ready.at[prev])
 
       def body(s_ref, o_ref):
+        take_turn()
         issue_scores(s_ref, slot)
         if interpret:  # P through shared memory (see add_pv); the sum is added below
           plgpu.wgmma(o_ref, p_staging.at[wg], v_smem.at[prev])
         else:
           o_ref[...] = acc
           plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+        pass_turn()
         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_kb done; P V may still run
         plgpu.barrier_arrive(k_consumed.at[slot])
         update = online_softmax(kb, s, m_i, l_i, masked=masked)
@@ -523,11 +569,13 @@ def _forward_kernel(
       plgpu.barrier_arrive(k_consumed.at[slot])
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_arrive(v_consumed.at[slot])
+      take_turn()
+      pass_turn()
 
     acc = plgpu.layout_cast(jnp.zeros((rows, q_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    if config.softmax_overlap and not may_see_nothing:
+    if overlap:
       # Every warpgroup sees at least block 0 here (hi >= 1). Block 0 takes
       # the masked path wherever any block may need it: exact either way.
       carry = first_overlapped_step((acc, m_i, l_i), masked=any_masked)
@@ -580,9 +628,11 @@ def _forward_kernel(
     def _consumer():
       plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
       load_q(tile, 0)
+      start_turns()
       plgpu.barrier_wait(q_ready.at[wg])
       q_tile = q_smem.at[0, wg]
       store_output(tile, q_tile, *attend(tile, q_tile, jnp.int32(0)))
+      end_turns()
       # Shared memory must outlive the copies' reads of it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -612,6 +662,7 @@ def _forward_kernel(
   def _persistent_consumer():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     load_q(tile_number(cta), 0)
+    start_turns()
 
     def consume(i, ring_base):
       tile = tile_number(cta + i * num_ctas)
@@ -631,6 +682,7 @@ def _forward_kernel(
       return ring_base + tile.num_steps
 
     lax.fori_loop(0, my_tiles, consume, jnp.int32(0))
+    end_turns()
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -699,6 +751,8 @@ def forward(
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.stages),
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.stages),
   ]
+  if config.pingpong:
+    scratch.append(plgpu.Barrier(num_barriers=NUM_CONSUMERS))  # turn
   if interpret:
     p_transforms = (
         plgpu.TilingTransform((8, 64)),
