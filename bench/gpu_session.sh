@@ -189,6 +189,13 @@ stage_d256_tests() {
     -k "(bf16_matches_reference and 256) or dense_mask or bias or packed_segments" 2>&1 | tee "$OUT/d256_tests.log" | tail -30
 }
 
+stage_persistent_causal() {
+  # The causal persistent schedule (tiles in pairs of equal work) against the
+  # one-CTA-per-tile grid, kernel alone.
+  timeout 150 python tools/mosaic_bench.py --no-triton --causal yes --seq 2048 4096 8192 16384 --head-dim 64 128 \
+    --variants persistent=0 default 2>&1 | tee "$OUT/persistent_causal_ab.log"
+}
+
 stage_d256_bias() {
   # The bias tests at head_dim 256 alone (the two-stage cap, session 4).
   timeout 200 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_gpu.py -k "bias and 256" 2>&1 \

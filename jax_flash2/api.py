@@ -12,7 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash2 import dropout, reference
-from jax_flash2.config import BlockSizes, HopperChoice, default_block_sizes, hopper_choice, padded_head_dim
+from jax_flash2.config import (
+    HOPPER_RAGGED_MIN_SEQ,
+    BlockSizes,
+    HopperChoice,
+    default_block_sizes,
+    hopper_choice,
+    padded_head_dim,
+)
 from jax_flash2.mosaic import backward as mosaic_backward
 from jax_flash2.mosaic import forward as mosaic_forward
 from jax_flash2.triton.tiles import Problem
@@ -113,7 +120,8 @@ def flash_attention(
       8.0 or newer, else the XLA path with a warning; on Hopper, each pass
       takes the Mosaic kernel where it measured faster, see
       config.hopper_choice, and the Triton one where block_sizes is given or
-      a length is not a whole number of 128-row blocks),
+      a length shorter than config.HOPPER_RAGGED_MIN_SEQ is not a whole
+      number of 128-row blocks),
       "triton" (the Pallas Triton-lowering kernels), "mosaic" (the Hopper
       kernels in Pallas Mosaic GPU for both passes; a pass they cannot
       serve, such as head_dim 256 in the backward, float32 or any of mask,
@@ -181,11 +189,11 @@ def flash_attention(
     if kind is Backend.MOSAIC:
       if Backend(backend) is not Backend.AUTO:
         choice = HopperChoice(forward=True, backward=True)
-      elif block_sizes is None and _whole_blocks(q, k):
+      elif block_sizes is None and _mosaic_pays_for_padding(q, k):
         # "auto" on Hopper: the Mosaic kernels where they measured faster.
         choice = hopper_choice(head_dim, problem.window_right == 0)
       else:
-        # The caller tuned the Triton kernels' tiles, or a length is ragged.
+        # The caller tuned the Triton kernels' tiles, or a short length is ragged.
         choice = HopperChoice(forward=False, backward=False)
       mosaic = _mosaic_config(problem, q) if choice.forward else None
       mosaic_backward = _mosaic_backward_config(problem, q) if choice.backward else None
@@ -364,11 +372,12 @@ def _mosaic_backward_config(problem: Problem, q) -> mosaic_backward.BackwardConf
   return mosaic_backward.default_backward_config(problem.head_dim) if serves and _plain(problem) else None
 
 
-def _whole_blocks(q, k) -> bool:
-  """Whether both lengths are whole 128-row blocks, the only lengths at which
-  the Mosaic kernels have been timed so far: ragged ones are padded to such
-  blocks inside (GPU-tested), a copy whose cost is unmeasured."""
-  return q.shape[1] % mosaic_backward.OUTER_ROWS == 0 and k.shape[1] % mosaic_backward.OUTER_ROWS == 0
+def _mosaic_pays_for_padding(q, k) -> bool:
+  """Whether "auto" may take the Mosaic kernels at these lengths: whole
+  128-row blocks, or sequences long enough to pay for padding to them
+  (config.HOPPER_RAGGED_MIN_SEQ, measured)."""
+  whole = q.shape[1] % mosaic_backward.OUTER_ROWS == 0 and k.shape[1] % mosaic_backward.OUTER_ROWS == 0
+  return whole or min(q.shape[1], k.shape[1]) >= HOPPER_RAGGED_MIN_SEQ
 
 
 def _plain(problem: Problem) -> bool:

@@ -152,6 +152,16 @@ _HOPPER_TABLE: dict[tuple[int, bool], HopperChoice] = {
 }
 
 
+# Ragged lengths reach the Mosaic kernels padded to whole 128-row blocks (a
+# copy of q, k, v and of the outputs, O(tokens)), which the longer loops pay
+# for. Measured on the H200 (bench CLI, 16k tokens, session 5): at 4000 the
+# Mosaic kernels beat the Triton ones in 7 of 8 passes (head_dim 64/128,
+# forward and forward+backward, both masks: +1% to +36%; the d64 non-causal
+# forward -2%); at 1000 the Triton forward wins by 12-35% and forward+backward
+# splits within 5%. "auto" takes them when both lengths are at least this.
+HOPPER_RAGGED_MIN_SEQ = 4000
+
+
 def hopper_choice(head_dim: int, causal: bool) -> HopperChoice:
   """Where backend="auto" uses the Mosaic GPU kernels on a Hopper GPU."""
   return _HOPPER_TABLE.get((head_dim, bool(causal)), HopperChoice(forward=False, backward=False))

@@ -474,10 +474,14 @@ def _captured_call(monkeypatch, capability=(9, 0)):
         (128, True, dict(block_sizes="tuned"), False, False),  # tuned Triton tiles: Triton
         (128, True, dict(dtype=jnp.float32), False, False),  # the Mosaic kernels take fp16/bf16
         (128, True, dict(softcap=30.0), False, False),
-        # Ragged lengths: backend="mosaic" pads them (below); "auto" keeps them
-        # on the Triton kernels until the padded path is timed on a GPU.
+        # Ragged lengths: backend="mosaic" pads them (below); "auto" keeps the
+        # short ones on the Triton kernels (the copy costs more than the Mosaic
+        # kernels gain) and pads the long ones (measured on the H200).
         (128, False, dict(seq=640 + 64), False, False),
         (64, True, dict(seq=1000), False, False),
+        (64, True, dict(seq=3999), False, False),
+        (64, True, dict(seq=4000), True, True),
+        (128, False, dict(seq=5000), True, True),
     ],
 )
 def test_auto_on_hopper_picks_the_measured_kernels(monkeypatch, head_dim, causal, kwargs, forward, backward):

@@ -186,12 +186,13 @@ def _sm_count() -> int:
 
 def default_config(head_dim: int) -> MosaicConfig:
   """The tiling per head_dim: the deepest ring that fits shared memory with
-  128-row K/V blocks (64 for head_dim 256), with the softmax overlapped with
-  P V (bench/NOTES.md, session 4)."""
+  128-row K/V blocks (64 for head_dim 256), the softmax overlapped with P V,
+  and persistent CTAs where their second Q buffer fits (head_dim 64 and 128;
+  bench/NOTES.md, sessions 4 and 5)."""
   if head_dim <= 64:
-    return MosaicConfig(block_q=128, block_kv=128, stages=4, softmax_overlap=True)
+    return MosaicConfig(block_q=128, block_kv=128, stages=4, softmax_overlap=True, persistent=True)
   if head_dim <= 128:
-    return MosaicConfig(block_q=128, block_kv=128, stages=2, softmax_overlap=True)
+    return MosaicConfig(block_q=128, block_kv=128, stages=2, softmax_overlap=True, persistent=True)
   return MosaicConfig(block_q=128, block_kv=64, stages=2, softmax_overlap=True)
 
 
@@ -332,6 +333,18 @@ def produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, 
   observe_last_releases(k_consumed, v_consumed, end_step=num_steps, stages=stages)
 
 
+def _persistent_tile_count(cta, *, num_tiles: int, num_ctas: int, paired: bool):
+  """Tiles of persistent CTA `cta` (int32 scalar): tiles cta, cta + num_ctas,
+  ... of num_tiles, or, `paired`, tiles 2p and 2p + 1 for pairs p = cta,
+  cta + num_ctas, ..."""
+  if not paired:
+    return lax.div(jnp.int32(num_tiles - 1) - cta, jnp.int32(num_ctas)) + 1
+  stride = jnp.int32(2 * num_ctas)
+  firsts = lax.div(jnp.int32(num_tiles - 1) - 2 * cta, stride) + 1  # tiles 2p
+  seconds = lax.div(jnp.maximum(jnp.int32(num_tiles - 2) - 2 * cta, -1) + stride, stride)  # tiles 2p + 1
+  return firsts + seconds
+
+
 def _forward_kernel(
     q_ref, k_ref, v_ref, out_ref, lse_ref,
     q_smem, k_smem, v_smem, lse_smem,
@@ -415,12 +428,27 @@ def _forward_kernel(
     _, num_steps = _kv_block_bounds(q_start + (NUM_CONSUMERS - 1) * rows, rows, seq_q, seq_k, block_kv, causal)
     return Tile(batch, head, q_start, num_steps)
 
-  def tile_number(t) -> Tile:
+  def persistent_tile(i) -> Tile:
+    """The i-th tile of this persistent CTA."""
+    cta = lax.axis_index("cta")
+    if causal:
+      # Tiles differ in work (a Q block sees the K/V blocks up to its
+      # diagonal), and a static schedule cannot even that out the way the
+      # hardware's CTA launcher does. So tiles go in pairs of equal total
+      # work, the heaviest Q block of a (batch, head) with its lightest, the
+      # second heaviest with the second lightest, ..., and CTA c takes pairs
+      # c, c + num_ctas, ...: every CTA gets the same work.
+      t = 2 * (cta + lax.div(i, jnp.int32(2)) * num_ctas) + lax.rem(i, jnp.int32(2))
+      position = lax.rem(t, jnp.int32(num_q_blocks))
+      half = lax.div(position, jnp.int32(2))
+      q_index = jnp.where(lax.rem(position, jnp.int32(2)) == 0, half, num_q_blocks - 1 - half)
+    else:
+      t = cta + i * num_ctas
+      q_index = lax.rem(t, jnp.int32(num_q_blocks))
     # Q blocks vary fastest, so CTAs running together share one (batch,
     # head) and hit the same K/V in L2.
     rest = lax.div(t, jnp.int32(num_q_blocks))
-    return tile_at(lax.rem(t, jnp.int32(num_q_blocks)), lax.rem(rest, jnp.int32(heads)),
-                   lax.div(rest, jnp.int32(heads)))
+    return tile_at(q_index, lax.rem(rest, jnp.int32(heads)), lax.div(rest, jnp.int32(heads)))
 
   def load_q(tile: Tile, buffer):
     plgpu.copy_gmem_to_smem(q_ref.at[tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head],
@@ -638,18 +666,19 @@ def _forward_kernel(
 
     return
 
-  # Persistent: this CTA takes tiles cta, cta + num_ctas, ... One ring runs
-  # through all of them, so the producer fetches the next tile's first K/V
-  # blocks while the consumers finish the current one.
+  # Persistent: this CTA takes tiles cta, cta + num_ctas, ... (causal: pairs
+  # of tiles; see persistent_tile). One ring runs through all of them, so
+  # the producer fetches the next tile's first K/V blocks while the
+  # consumers finish the current one.
   cta = lax.axis_index("cta")
-  my_tiles = lax.div(jnp.int32(num_tiles - 1) - cta, jnp.int32(num_ctas)) + 1
+  my_tiles = _persistent_tile_count(cta, num_tiles=num_tiles, num_ctas=num_ctas, paired=causal)
 
   @pl.when(wg == PRODUCER)
   def _persistent_producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
     def produce(i, ring_base):
-      tile = tile_number(cta + i * num_ctas)
+      tile = persistent_tile(i)
       load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                      batch=tile.batch, kv_head=tile.kv_head, num_steps=tile.num_steps, first_step=ring_base,
                      block_kv=block_kv, stages=stages)
@@ -661,11 +690,11 @@ def _forward_kernel(
   @pl.when(wg < NUM_CONSUMERS)
   def _persistent_consumer():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    load_q(tile_number(cta), 0)
+    load_q(persistent_tile(jnp.int32(0)), 0)
     start_turns()
 
     def consume(i, ring_base):
-      tile = tile_number(cta + i * num_ctas)
+      tile = persistent_tile(i)
       buffer = lax.rem(i, jnp.int32(2))
       plgpu.barrier_wait(q_ready.at[buffer * NUM_CONSUMERS + wg])
       q_tile = q_smem.at[buffer, wg]
@@ -676,7 +705,7 @@ def _forward_kernel(
 
       @pl.when(i + 1 < my_tiles)
       def _():
-        load_q(tile_number(cta + (i + 1) * num_ctas), 1 - buffer)
+        load_q(persistent_tile(i + 1), 1 - buffer)
 
       store_output(tile, q_tile, acc, m_i, l_i)
       return ring_base + tile.num_steps
@@ -760,7 +789,9 @@ def forward(
     )
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, rows, config.block_kv), dtype, transforms=p_transforms))
   if config.persistent:
-    num_ctas = min(num_tiles, _PERSISTENT_INTERPRET_CTAS if interpret else _sm_count())
+    # Causal tiles go in pairs (see the kernel): no CTA without a tile.
+    num_ctas = min(-(-num_tiles // 2) if causal else num_tiles,
+                   _PERSISTENT_INTERPRET_CTAS if interpret else _sm_count())
     grid, grid_names = (num_ctas,), ("cta",)
   else:
     # Q blocks are the fastest-varying grid axis, so CTAs running together
