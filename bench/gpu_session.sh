@@ -189,6 +189,15 @@ stage_d256_tests() {
     -k "(bf16_matches_reference and 256) or dense_mask or bias or packed_segments" 2>&1 | tee "$OUT/d256_tests.log" | tail -30
 }
 
+stage_verify_fwd() {
+  # The Mosaic forward's GPU tests beyond the default-config ones, named one
+  # by one (-v): persistent (causal tiles in pairs, odd Q-block counts),
+  # variants and the overlap, with the session-5 defaults.
+  timeout 300 python -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_mosaic.py \
+    -k "gpu_persistent or gpu_variants or (gpu_softmax_overlap and not bwd)" 2>&1 | tee "$OUT/verify_fwd.log" \
+    | grep -E "PASSED|FAILED|ERROR|passed|failed"
+}
+
 stage_persistent_causal() {
   # The causal persistent schedule (tiles in pairs of equal work) against the
   # one-CTA-per-tile grid, kernel alone.
