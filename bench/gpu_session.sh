@@ -113,6 +113,10 @@ stage_mosaic_api() {
 # determinism case), and backend="auto" (at whole blocks the same kernels).
 stage_mosaic_api_mosaic() { mosaic_api mosaic "mosaic and not auto"; }
 stage_mosaic_api_auto() { mosaic_api auto "mosaic_bf16 and auto"; }
+stage_mosaic_api_auto_v() {  # the same, each test named (-v)
+  timeout 300 python -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_gpu.py -k "mosaic_bf16 and auto" 2>&1 \
+    | tee "$OUT/mosaic_api_auto.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
+}
 
 stage_train_1k() {
   # 1000 steps: past the plateau's seed-dependent escape (steps 200-600), before
@@ -203,6 +207,14 @@ stage_persistent_causal() {
   # one-CTA-per-tile grid, kernel alone.
   timeout 150 python tools/mosaic_bench.py --no-triton --causal yes --seq 2048 4096 8192 16384 --head-dim 64 128 \
     --variants persistent=0 default 2>&1 | tee "$OUT/persistent_causal_ab.log"
+}
+
+stage_d64_tiles() {
+  # head_dim 64 forward (0.96-0.99x cuDNN at 8k-16k, session 5): 256-row Q
+  # tiles over 64-row K/V blocks halve the K/V reads per FLOP and compile
+  # without spills (non-causal; 80 B causal).
+  timeout 200 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 64 \
+    --variants default block_q=256+block_kv=64+stages=3 block_q=256+block_kv=64+stages=4 2>&1 | tee "$OUT/d64_tiles.log"
 }
 
 stage_d256_bias() {

@@ -29,11 +29,13 @@ def _time_ms(fn, args) -> float:
 
 
 def _variant(config: mosaic.MosaicConfig, spec: str) -> mosaic.MosaicConfig:
-  """config with the options of `spec` ('default', or 'name=0+name=1') set."""
+  """config with the fields of `spec` ('default', or 'name=value+...', e.g.
+  'persistent=0+block_q=256'; booleans as 0/1) set."""
   if spec == "default":
     return config
   options = dict(option.split("=") for option in spec.split("+"))
-  return dataclasses.replace(config, **{name: bool(int(value)) for name, value in options.items()})
+  as_type = lambda name, value: type(getattr(config, name))(int(value))
+  return dataclasses.replace(config, **{name: as_type(name, value) for name, value in options.items()})
 
 
 def main() -> None:
@@ -45,8 +47,8 @@ def main() -> None:
   parser.add_argument("--stages", type=int, default=None)
   parser.add_argument("--no-triton", action="store_true", help="time the Mosaic kernel only")
   parser.add_argument("--variants", nargs="*", default=["default"],
-                      help="Mosaic configs to time side by side: 'default', or MosaicConfig bool options set "
-                           "on the default, as NAME=0|1 joined by '+'")
+                      help="Mosaic configs to time side by side: 'default', or MosaicConfig fields set on "
+                           "the default, as NAME=VALUE joined by '+' (booleans 0/1)")
   args = parser.parse_args()
   print(jax.devices()[0].device_kind)
   causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
