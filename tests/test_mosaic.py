@@ -86,6 +86,25 @@ def test_config_is_frozen_and_hashable():
   assert config.rows_per_consumer == 64
 
 
+@pytest.mark.parametrize("num_q_blocks, heads, batch, causal", [
+    (16, 16, 8, False), (16, 16, 8, True), (128, 16, 1, True), (13, 3, 2, True), (7, 1, 1, True), (3, 1, 1, False),
+])
+def test_persistent_schedule_covers_every_tile_once(num_q_blocks, heads, batch, causal):
+  schedule = mosaic.PersistentSchedule.create(num_q_blocks, heads, batch, causal=causal, interpret=False)
+  seen = []
+  work = []  # per CTA: K/V blocks of its tiles (a Q block's causal work grows with its index)
+  for cta in range(schedule.num_ctas):
+    count = int(schedule.tile_count(jnp.int32(cta)))
+    assert count >= 1
+    tiles = [tuple(int(x) for x in schedule.tile(jnp.int32(cta), jnp.int32(i))) for i in range(count)]
+    seen += tiles
+    work.append(sum(num_q_blocks - q_index for q_index, _, _ in tiles))  # a causal kernel reverses q_index
+  assert sorted(seen) == [(q, h, b) for q in range(num_q_blocks) for h in range(heads) for b in range(batch)]
+  if causal and schedule.num_tiles >= 4 * schedule.num_ctas and num_q_blocks % 2 == 0:
+    # Pairs of equal work: every CTA within one pair's work of the others.
+    assert max(work) - min(work) <= num_q_blocks + 1
+
+
 # ---------------------------------------------------------------- errors
 
 

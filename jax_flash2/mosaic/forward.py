@@ -333,24 +333,83 @@ def produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, 
   observe_last_releases(k_consumed, v_consumed, end_step=num_steps, stages=stages)
 
 
-def _persistent_tile_count(cta, *, num_tiles: int, num_ctas: int, paired: bool):
-  """Tiles of persistent CTA `cta` (int32 scalar): tiles cta, cta + num_ctas,
-  ... of num_tiles, or, `paired`, tiles 2p and 2p + 1 for pairs p = cta,
-  cta + num_ctas, ..."""
-  if not paired:
-    return lax.div(jnp.int32(num_tiles - 1) - cta, jnp.int32(num_ctas)) + 1
-  stride = jnp.int32(2 * num_ctas)
-  firsts = lax.div(jnp.int32(num_tiles - 1) - 2 * cta, stride) + 1  # tiles 2p
-  seconds = lax.div(jnp.maximum(jnp.int32(num_tiles - 2) - 2 * cta, -1) + stride, stride)  # tiles 2p + 1
-  return firsts + seconds
+@dataclasses.dataclass(frozen=True)
+class PersistentSchedule:
+  """Which tiles the persistent CTAs of a Q-outer kernel (the forward, dQ)
+  take. A tile is one Q block of one (batch, head), numbered with Q blocks
+  fastest, so CTAs running together share one (batch, head) and hit the same
+  K/V in L2; CTA c takes tiles c, c + num_ctas, ...
+
+  Causal tiles differ in work (a Q block sees the K/V blocks up to its
+  diagonal), and a static schedule cannot even that out the way the
+  hardware's CTA launcher does. So with `paired` the tiles go in pairs of
+  equal total work, the heaviest Q block of a (batch, head) with its
+  lightest, the second heaviest with the second lightest, ..., and CTA c
+  takes pairs c, c + num_ctas, ...: every CTA gets the same work.
+  """
+
+  num_q_blocks: int
+  heads: int
+  batch: int
+  num_ctas: int
+  paired: bool
+
+  @classmethod
+  def create(cls, num_q_blocks: int, heads: int, batch: int, *, causal: bool, interpret: bool):
+    """One CTA per SM (fewer in the interpreter, so that each takes several
+    tiles), and none without a tile."""
+    num_tiles = num_q_blocks * heads * batch
+    num_ctas = min(-(-num_tiles // 2) if causal else num_tiles,
+                   _PERSISTENT_INTERPRET_CTAS if interpret else _sm_count())
+    return cls(num_q_blocks, heads, batch, num_ctas, paired=causal)
+
+  @property
+  def num_tiles(self) -> int:
+    return self.num_q_blocks * self.heads * self.batch
+
+  def tile_count(self, cta):
+    """Tiles of CTA `cta` (int32 scalar)."""
+    if not self.paired:
+      return lax.div(jnp.int32(self.num_tiles - 1) - cta, jnp.int32(self.num_ctas)) + 1
+    stride = jnp.int32(2 * self.num_ctas)
+    firsts = lax.div(jnp.int32(self.num_tiles - 1) - 2 * cta, stride) + 1  # tiles 2p
+    seconds = lax.div(jnp.maximum(jnp.int32(self.num_tiles - 2) - 2 * cta, -1) + stride, stride)  # 2p + 1
+    return firsts + seconds
+
+  def tile(self, cta, i):
+    """(q_index, head, batch) of CTA cta's i-th tile, int32 scalars; q_index
+    counts as a grid's Q axis does (a causal kernel reverses it to launch
+    the heaviest Q blocks first: the pair's first tile is the heavy one)."""
+    nq = jnp.int32(self.num_q_blocks)
+    if self.paired:
+      t = 2 * (cta + lax.div(i, jnp.int32(2)) * self.num_ctas) + lax.rem(i, jnp.int32(2))
+      position = lax.rem(t, nq)
+      half = lax.div(position, jnp.int32(2))
+      q_index = jnp.where(lax.rem(position, jnp.int32(2)) == 0, half, nq - 1 - half)
+    else:
+      t = cta + i * self.num_ctas
+      q_index = lax.rem(t, nq)
+    rest = lax.div(t, nq)
+    return q_index, lax.rem(rest, jnp.int32(self.heads)), lax.div(rest, jnp.int32(self.heads))
+
+
+def q_outer_grid(num_q_blocks: int, heads: int, batch: int, *, persistent: bool, causal: bool, interpret: bool):
+  """(schedule, grid, grid_names) of a Q-outer kernel: persistent CTAs
+  (schedule), or one CTA per tile (schedule None) with Q blocks the
+  fastest-varying grid axis, so that CTAs running together share one (batch,
+  head) and hit the same K/V in L2."""
+  if persistent:
+    schedule = PersistentSchedule.create(num_q_blocks, heads, batch, causal=causal, interpret=interpret)
+    return schedule, (schedule.num_ctas,), ("cta",)
+  return None, (num_q_blocks, heads, batch), ("q", "heads", "batch")
 
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, out_ref, lse_ref,
     q_smem, k_smem, v_smem, lse_smem,
     q_ready, k_ready, v_ready, k_consumed, v_consumed, *extra,
-    seq_q: int, seq_k: int, group: int, num_q_blocks: int, heads: int, num_tiles: int,
-    num_ctas: int | None, causal: bool, softmax_scale: float, config: MosaicConfig, interpret: bool,
+    seq_q: int, seq_k: int, group: int, num_q_blocks: int, schedule: PersistentSchedule | None,
+    causal: bool, softmax_scale: float, config: MosaicConfig, interpret: bool,
 ):
   # q_ref, out_ref: [batch, seq_q', heads, D] in GMEM; k_ref, v_ref: [batch,
   # seq_k', heads // group, D] in GMEM; lse_ref: [batch, heads, seq_q'] f32;
@@ -365,8 +424,8 @@ def _forward_kernel(
   # extra: turn (with pingpong): [2] barriers of 1 arrival, turn[w] passes
   # the tensor cores to consumer w; p_staging (interpret mode only): [2,
   # rows, block_kv], P on its way to wgmma.
-  # num_ctas: None for one CTA per tile (grid q x heads x batch); else the
-  # persistent grid's size, each CTA taking tiles cta, cta + num_ctas, ...
+  # schedule: None for one CTA per tile (grid q x heads x batch); else the
+  # persistent CTAs' tiles.
   rows, block_kv, stages = config.rows_per_consumer, config.block_kv, config.stages
   dtype = q_ref.dtype
   extra = list(extra)
@@ -430,25 +489,7 @@ def _forward_kernel(
 
   def persistent_tile(i) -> Tile:
     """The i-th tile of this persistent CTA."""
-    cta = lax.axis_index("cta")
-    if causal:
-      # Tiles differ in work (a Q block sees the K/V blocks up to its
-      # diagonal), and a static schedule cannot even that out the way the
-      # hardware's CTA launcher does. So tiles go in pairs of equal total
-      # work, the heaviest Q block of a (batch, head) with its lightest, the
-      # second heaviest with the second lightest, ..., and CTA c takes pairs
-      # c, c + num_ctas, ...: every CTA gets the same work.
-      t = 2 * (cta + lax.div(i, jnp.int32(2)) * num_ctas) + lax.rem(i, jnp.int32(2))
-      position = lax.rem(t, jnp.int32(num_q_blocks))
-      half = lax.div(position, jnp.int32(2))
-      q_index = jnp.where(lax.rem(position, jnp.int32(2)) == 0, half, num_q_blocks - 1 - half)
-    else:
-      t = cta + i * num_ctas
-      q_index = lax.rem(t, jnp.int32(num_q_blocks))
-    # Q blocks vary fastest, so CTAs running together share one (batch,
-    # head) and hit the same K/V in L2.
-    rest = lax.div(t, jnp.int32(num_q_blocks))
-    return tile_at(q_index, lax.rem(rest, jnp.int32(heads)), lax.div(rest, jnp.int32(heads)))
+    return tile_at(*schedule.tile(lax.axis_index("cta"), i))
 
   def load_q(tile: Tile, buffer):
     plgpu.copy_gmem_to_smem(q_ref.at[tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head],
@@ -644,7 +685,7 @@ def _forward_kernel(
     plgpu.copy_smem_to_gmem(q_tile, out_ref.at[tile.batch, pl.ds(q_start, rows), tile.head])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile.batch, tile.head, pl.ds(q_start, rows)])
 
-  if num_ctas is None:  # one tile per CTA
+  if schedule is None:  # one tile per CTA
     tile = tile_at(lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch"))
 
     @pl.when(wg == PRODUCER)
@@ -666,12 +707,10 @@ def _forward_kernel(
 
     return
 
-  # Persistent: this CTA takes tiles cta, cta + num_ctas, ... (causal: pairs
-  # of tiles; see persistent_tile). One ring runs through all of them, so
-  # the producer fetches the next tile's first K/V blocks while the
-  # consumers finish the current one.
-  cta = lax.axis_index("cta")
-  my_tiles = _persistent_tile_count(cta, num_tiles=num_tiles, num_ctas=num_ctas, paired=causal)
+  # Persistent: this CTA takes the schedule's tiles in turn. One ring runs
+  # through all of them, so the producer fetches the next tile's first K/V
+  # blocks while the consumers finish the current one.
+  my_tiles = schedule.tile_count(lax.axis_index("cta"))
 
   @pl.when(wg == PRODUCER)
   def _persistent_producer():
@@ -757,7 +796,6 @@ def forward(
   q = pad_seq(q, config.block_q)
   k, v = pad_seq(k, config.block_kv), pad_seq(v, config.block_kv)
   num_q_blocks = q.shape[1] // config.block_q
-  num_tiles = num_q_blocks * heads * batch
   interpret_params, interpret = interpret_params_of(interpret)
   rows, dtype = config.rows_per_consumer, q.dtype
 
@@ -788,19 +826,11 @@ def forward(
         plgpu.SwizzleTransform(128),
     )
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, rows, config.block_kv), dtype, transforms=p_transforms))
-  if config.persistent:
-    # Causal tiles go in pairs (see the kernel): no CTA without a tile.
-    num_ctas = min(-(-num_tiles // 2) if causal else num_tiles,
-                   _PERSISTENT_INTERPRET_CTAS if interpret else _sm_count())
-    grid, grid_names = (num_ctas,), ("cta",)
-  else:
-    # Q blocks are the fastest-varying grid axis, so CTAs running together
-    # share one (batch, head) and hit the same K/V in L2.
-    num_ctas, grid, grid_names = None, (num_q_blocks, heads, batch), ("q", "heads", "batch")
+  schedule, grid, grid_names = q_outer_grid(num_q_blocks, heads, batch, persistent=config.persistent,
+                                            causal=causal, interpret=interpret)
   kernel = functools.partial(
       _forward_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
-      heads=heads, num_tiles=num_tiles, num_ctas=num_ctas, causal=causal, softmax_scale=float(softmax_scale),
-      config=config, interpret=interpret,
+      schedule=schedule, causal=causal, softmax_scale=float(softmax_scale), config=config, interpret=interpret,
   )
   out, lse = plgpu.kernel(
       kernel,
