@@ -25,7 +25,9 @@
 #             mosaic_fwd_tests (the Mosaic forward kernel alone, ~3 min),
 #             d256_tests (head_dim 256, masks, bias, segments; ~6 min), d256_bias.
 #   Speed:    overlap_ab (softmax_overlap off/on, ~2 min), persistent (the
-#             persistent and ping-pong forward: tests, then A/B, ~6 min), bwd_overlap (the
+#             persistent and ping-pong forward: tests, then A/B, ~6 min),
+#             dq_persistent (the persistent dQ kernel: tests, then A/B, ~7 min),
+#             d64_tiles (256-row Q tiles at d64, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
 #             causal at 2k and 16k, ~2 min), gqa_vs_mha (~2 min), tune / tune256
@@ -177,8 +179,8 @@ stage_bwd_overlap() {
   # then off/on in one run against the Triton backward.
   timeout 200 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py \
     -k bwd_gpu_softmax_overlap 2>&1 | tee "$OUT/bwd_overlap_tests.log" | tail -20
-  timeout 300 python tools/mosaic_bwd_bench.py --ab-overlap --seq 2048 8192 16384 --head-dim 64 128 2>&1 \
-    | tee "$OUT/bwd_overlap_ab.log"
+  timeout 300 python tools/mosaic_bwd_bench.py --variants softmax_overlap=0 softmax_overlap=1 --seq 2048 8192 16384 \
+    --head-dim 64 128 2>&1 | tee "$OUT/bwd_overlap_ab.log"
 }
 
 stage_mosaic_fwd_tests() {
@@ -207,6 +209,18 @@ stage_persistent_causal() {
   # one-CTA-per-tile grid, kernel alone.
   timeout 150 python tools/mosaic_bench.py --no-triton --causal yes --seq 2048 4096 8192 16384 --head-dim 64 128 \
     --variants persistent=0 default 2>&1 | tee "$OUT/persistent_causal_ab.log"
+}
+
+stage_dq_persistent() {
+  # BackwardConfig.dq_persistent (session 5, CPU-checked): its GPU tests, then
+  # A/B. At d128 the second set of rows costs a ring slot (stages 3 -> 2), so
+  # stages=2 alone is timed beside it.
+  timeout 200 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py \
+    -k bwd_gpu_dq_persistent 2>&1 | tee "$OUT/dq_persistent_tests.log" | tail -20
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 \
+    --variants default stages=2 stages=2+dq_persistent=1 2>&1 | tee "$OUT/dq_persistent_ab.log"
+  timeout 100 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 \
+    --variants default dq_persistent=1 2>&1 | tail -n +3 | tee -a "$OUT/dq_persistent_ab.log"
 }
 
 stage_d64_tiles() {

@@ -591,9 +591,15 @@ def test_bwd_config():
       (dict(stages=1), "stages must be between 2 and 8"),
       (dict(stages=True), "stages must be an int"),
       (dict(softmax_overlap="yes"), "softmax_overlap must be a bool"),
+      (dict(dq_persistent=0), "dq_persistent must be a bool"),
   ):
     with pytest.raises(ValueError, match=match):
       BackwardConfig(**kwargs)
+  # A persistent dQ kernel keeps two sets of Q, dO, lse and delta rows.
+  plain, persistent = BackwardConfig(64, 64, 2), BackwardConfig(64, 64, 2, dq_persistent=True)
+  rows = 2 * mosaic_bwd.OUTER_ROWS * 128 * 2 + 2 * mosaic_bwd.OUTER_ROWS * 4
+  assert persistent.dq_smem_bytes(128, jnp.bfloat16) == plain.dq_smem_bytes(128, jnp.bfloat16) + rows
+  assert persistent.dq_smem_bytes(128, jnp.bfloat16) <= mosaic.SMEM_LIMIT
 
 
 def test_bwd_rejects():
@@ -709,6 +715,28 @@ def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, confi
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
 
 
+@pytest.mark.parametrize(
+    "shape, dtype, causal, kv_heads, config",
+    # Two CTAs over 4-9 tiles (causal: in pairs; an odd number of Q blocks):
+    # the K/V ring and the row buffers carry across tiles.
+    [
+        ((2, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, dq_persistent=True)),
+        ((1, 200, 136, 4, 64), jnp.bfloat16, False, 2, BackwardConfig(64, 64, 2, dq_persistent=True)),
+        ((1, 384, 128, 3, 64), jnp.float16, True, None,
+         BackwardConfig(128, 64, 2, softmax_overlap=True, dq_persistent=True)),
+    ],
+    ids=["causal_gqa", "ragged_gqa", "seq_q_gt_seq_k"],
+)
+def test_dq_interpreter_persistent(shape, dtype, causal, kv_heads, config):
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  (q, k, v, do, lse, delta), (ref_dq, _, _) = _bwd_problem(*shape, dtype, causal, kv_heads)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  dq = mosaic_bwd.dq(q, k, v, do, lse, delta, causal=causal, config=config, interpret=params)
+  assert rel_err(dq, ref_dq) < 1e-2
+  assert not gpu_callbacks.get_races().races_found
+
+
 @pytest.mark.parametrize("shape, dtype, causal, kv_heads", RAGGED, ids=RAGGED_IDS)
 def test_bwd_interpreter_ragged_matches_reference(shape, dtype, causal, kv_heads):
   """The kernels on the operands padded as `backward` pads them, so that the
@@ -753,6 +781,23 @@ def test_bwd_gpu_matches_reference(seq, head_dim, causal):
 )
 def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape, kv_heads",
+    # More tiles than SMs; ragged GQA; seq_q > seq_k with an odd number of Q blocks.
+    [((8, 2048, 2048, 16, 128), None), ((4, 2048, 2048, 32, 64), None), ((3, 1000, 1537, 16, 128), 4),
+     ((2, 1537, 1000, 16, 64), None)],
+    ids=["d128", "d64", "ragged_gqa", "seq_q_gt_seq_k"],
+)
+def test_bwd_gpu_dq_persistent(shape, kv_heads, causal):
+  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), dq_persistent=True)
+  if config.dq_smem_bytes(shape[-1], jnp.bfloat16) > mosaic.SMEM_LIMIT:
+    config = dataclasses.replace(config, stages=2)  # d128: the second set of rows takes a ring slot's room
+  _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
 @pytest.mark.gpu

@@ -28,8 +28,8 @@ def _time_ms(fn, args) -> float:
   return timing.time_fn_ms(fn, *args, warmup=3, iters=10, calls_per_round=10)
 
 
-def _variant(config: mosaic.MosaicConfig, spec: str) -> mosaic.MosaicConfig:
-  """config with the fields of `spec` ('default', or 'name=value+...', e.g.
+def _variant(config, spec: str):
+  """config (a MosaicConfig or BackwardConfig) with the fields of `spec` ('default', or 'name=value+...', e.g.
   'persistent=0+block_q=256'; booleans as 0/1) set."""
   if spec == "default":
     return config

@@ -2,7 +2,8 @@
 
   PYTHONPATH=. python tools/mosaic_bwd_bench.py                      # d64 and d128, 1k..16k, causal and not
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --seq 8192 --head-dim 128 --block-q 64 --stages 3
-  PYTHONPATH=. python tools/mosaic_bwd_bench.py --ab-overlap   # a row each with softmax_overlap off, on
+  PYTHONPATH=. python tools/mosaic_bwd_bench.py --variants softmax_overlap=0 softmax_overlap=1   # a row each
+  PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default stages=2+dq_persistent=1
 
 Bench convention (as tools/mosaic_bench.py): 16384 tokens per batch, hidden
 2048, bf16; backward TFLOP/s = 2.5 x forward FLOPs / time (5 matmuls; the
@@ -39,12 +40,14 @@ def main() -> None:
   parser.add_argument("--block-q", type=int, default=None)
   parser.add_argument("--block-kv", type=int, default=None)
   parser.add_argument("--stages", type=int, default=None)
-  parser.add_argument("--ab-overlap", action="store_true",
-                      help="time the Mosaic kernels with BackwardConfig.softmax_overlap off and on (column ovl)")
+  parser.add_argument("--variants", nargs="*", default=["default"],
+                      help="BackwardConfigs to time, a row each: 'default', or fields set on the default as "
+                           "NAME=VALUE joined by '+' (booleans 0/1)")
   args = parser.parse_args()
   print(jax.devices()[0].device_kind)
   causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-  print(f"{'d':>4} {'seq':>6} {'causal':>6} {'ovl':>3} {'dkv ms':>8} {'dq ms':>8} {'mosaic ms':>10} {'TFLOP/s':>8}"
+  width = max(map(len, args.variants))
+  print(f"{'d':>4} {'seq':>6} {'causal':>6} {'variant':>{width}} {'dkv ms':>8} {'dq ms':>8} {'mosaic ms':>10} {'TFLOP/s':>8}"
         f" {'triton ms':>10} {'TFLOP/s':>8} {'max rel diff':>12}")
   for head_dim in args.head_dim:
     config = mosaic_bwd.default_backward_config(head_dim)
@@ -52,7 +55,7 @@ def main() -> None:
         config, block_q=args.block_q or config.block_q, block_kv=args.block_kv or config.block_kv,
         stages=args.stages or config.stages,
     )
-    variants = [dataclasses.replace(config, softmax_overlap=o) for o in (False, True)] if args.ab_overlap else [config]
+    variants = {spec: mosaic_bench._variant(config, spec) for spec in args.variants}
     for seq in args.seq:
       batch, heads = max(16384 // seq, 1), 2048 // head_dim
       keys = jax.random.split(jax.random.PRNGKey(seq), 4)
@@ -69,7 +72,7 @@ def main() -> None:
 
         tms = _time_ms(triton_fwd_bwd, (q, k, v, do)) - _time_ms(lambda *a: fwd(*a), (q, k, v))
         want = jax.jit(triton_fwd_bwd)(q, k, v, do)
-        for variant in variants:
+        for spec, variant in variants.items():
           kw = dict(causal=causal, config=variant)
 
           def mosaic_grads(q, k, v, do, out, lse, kw=kw):
@@ -86,7 +89,7 @@ def main() -> None:
                     / np.linalg.norm(np.asarray(w, np.float32)))
               for g, w in zip(got, want)
           )
-          print(f"{head_dim:>4} {seq:>6} {str(causal):>6} {int(variant.softmax_overlap):>3} {dkv_ms:>8.3f}"
+          print(f"{head_dim:>4} {seq:>6} {str(causal):>6} {spec:>{width}} {dkv_ms:>8.3f}"
                 f" {dq_ms:>8.3f} {ms:>10.3f} {flops / ms / 1e9:>8.0f} {tms:>10.3f} {flops / tms / 1e9:>8.0f}"
                 f" {diff:>12.2e}", flush=True)
 

@@ -1,8 +1,9 @@
 """FlashAttention-2 backward pass for Hopper (sm_90a) in Pallas's Mosaic GPU backend.
 
-Draft, not yet run on a GPU and not wired into the API: two kernels that take
-the forward's natural-log `lse` and `delta = rowsum(dO * O)` (float32,
-[batch, heads, seq_q]) and return the gradients.
+Two kernels that take the forward's natural-log `lse` and `delta =
+rowsum(dO * O)` (float32, [batch, heads, seq_q]) and return the gradients;
+flash_attention's backward on Hopper (backend "mosaic", and "auto" where
+config.hopper_choice says so).
 
 `dkv` (K/V-outer). One CTA owns `OUTER_ROWS` = 128 key rows of one (batch,
 kv head), split between two consumer warpgroups of 64 rows each; each keeps
@@ -27,7 +28,10 @@ loaded once), a producer streams K and V blocks of `block_kv` rows:
 
   S = Q K^T and dP = dO V^T (one wgmma group), P = exp2(S * scale*log2e -
   lse*log2e), dS = P * (dP - delta), dQ += dS K (wgmma, dS from registers),
-  dQ *= softmax_scale at the end.
+  dQ *= softmax_scale at the end. With `BackwardConfig.dq_persistent` it
+  runs as the forward's persistent CTAs (forward.PersistentSchedule: one per
+  SM over many tiles, causal tiles in pairs of equal work; off by default
+  until timed).
 
 Causal attention is bottom-right aligned (query i sees key j iff
 j <= i + seq_k - seq_q): blocks entirely outside are skipped, only blocks
@@ -96,10 +100,14 @@ from jax_flash2.mosaic.forward import (
     SUPPORTED_DTYPES,
     WGMMA_M,
     _SMEM_RESERVE,
+    PersistentSchedule,
     _kv_block_bounds,
     interpret_params_of,
+    load_kv_blocks,
+    observe_last_releases,
     pad_seq,
     produce_kv_ring,
+    q_outer_grid,
     unpad_seq,
     visible,
 )
@@ -123,6 +131,11 @@ class BackwardConfig:
       option of that name): dkv computes P^T while dP^T = V dO^T runs and
       dS^T while dV += P^T dO runs; dq computes P while dP runs. Not yet
       timed on a GPU, hence off by default.
+    dq_persistent: run the dQ kernel (Q-outer, the forward's structure) as
+      the forward's persistent CTAs (forward.MosaicConfig.persistent): one
+      per SM over many tiles, each tile's start and end overlapping the
+      neighbouring tiles' work. Costs a second set of Q, dO, lse and delta
+      rows in shared memory. Not yet timed on a GPU, hence off by default.
   The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
   Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
   lengths; see the module docstring).
@@ -132,10 +145,12 @@ class BackwardConfig:
   block_kv: int = 64
   stages: int = 2
   softmax_overlap: bool = False
+  dq_persistent: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.softmax_overlap, bool):
-      raise ValueError(f"BackwardConfig.softmax_overlap must be a bool, got {self.softmax_overlap!r}")
+    for name in ("softmax_overlap", "dq_persistent"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool):
@@ -152,9 +167,14 @@ class BackwardConfig:
     ring = self.stages * (2 * self.block_q * head_dim * item + 2 * self.block_q * 4)
     return kv + ring + _SMEM_RESERVE
 
+  @property
+  def dq_buffers(self) -> int:
+    """Sets of Q, dO, lse and delta rows the dQ kernel keeps."""
+    return 2 if self.dq_persistent else 1
+
   def dq_smem_bytes(self, head_dim: int, dtype) -> int:
     item = jnp.dtype(dtype).itemsize
-    q = 2 * OUTER_ROWS * head_dim * item + 2 * OUTER_ROWS * 4
+    q = self.dq_buffers * (2 * OUTER_ROWS * head_dim * item + 2 * OUTER_ROWS * 4)
     ring = self.stages * 2 * self.block_kv * head_dim * item
     return q + ring + _SMEM_RESERVE
 
@@ -570,56 +590,66 @@ def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     q_ready, k_ready, v_ready, k_consumed, v_consumed, *staging,
-    seq_q: int, seq_k: int, group: int, num_q_blocks: int, causal: bool, softmax_scale: float,
-    config: BackwardConfig, interpret: bool,
+    seq_q: int, seq_k: int, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, causal: bool,
+    softmax_scale: float, config: BackwardConfig, interpret: bool,
 ):
   # Arrays in GMEM as in _dkv_kernel (padded to multiples of OUTER_ROWS).
-  # q_smem, do_smem: [2, 64, D] (per consumer; Q's tile stages dQ at the end);
-  # lse_smem, delta_smem: [2, 64]; k_smem, v_smem: [stages, block_kv, D].
-  # q_ready: [2] barriers of 4 arrivals (Q, dO, lse, delta); k_ready,
-  # v_ready: [stages] (TMA); k_consumed, v_consumed: [stages], 2 arrivals.
-  # staging (interpret mode only): [2, 64, block_kv], dS for wgmma.
+  # q_smem, do_smem: [buffers, 2, 64, D] (per consumer; Q's tile stages dQ
+  # at the end; two buffers in a persistent CTA, which loads the next tile's
+  # rows while the current one's dQ is stored); lse_smem, delta_smem:
+  # [buffers, 2, 64]; k_smem, v_smem: [stages, block_kv, D].
+  # q_ready: [buffers * 2] barriers of 4 arrivals (Q, dO, lse, delta);
+  # k_ready, v_ready: [stages] (TMA); k_consumed, v_consumed: [stages], 2
+  # arrivals. staging (interpret mode only): [2, 64, block_kv], dS for wgmma.
+  # schedule: None for one CTA per tile (grid q x heads x batch), else the
+  # persistent CTAs' tiles (forward.PersistentSchedule).
   rows, block_kv, stages = WGMMA_M, config.block_kv, config.stages
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   if interpret:
     [staging] = staging
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("heads")
-  kv_head = lax.div(head, jnp.int32(group))
   wg = lax.axis_index("wg")
-  q_block = lax.axis_index("q")
-  if causal:
-    q_block = jnp.int32(num_q_blocks - 1) - q_block  # the heaviest CTAs first
-  cta_start = q_block * OUTER_ROWS
-  _, num_steps = _kv_block_bounds(cta_start + (NUM_CONSUMERS - 1) * rows, rows, seq_q, seq_k, block_kv, causal)
+  qk_scale = softmax_scale * LOG2_E
 
-  def slot_of(step):
-    return lax.rem(step, jnp.int32(stages))
+  @dataclasses.dataclass(frozen=True)
+  class Tile:
+    """OUTER_ROWS query rows of one (batch, head): a CTA's unit of work."""
+    batch: jax.Array
+    head: jax.Array
+    q_start: jax.Array  # first query row
+    num_steps: jax.Array  # K/V blocks the producer loads for it
 
-  @pl.when(wg == PRODUCER)
-  def _producer():
-    produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
-                    batch=batch, kv_head=kv_head, num_steps=num_steps, block_kv=block_kv, stages=stages)
+  def tile_at(q_index, head, batch) -> Tile:
+    if causal:
+      q_index = jnp.int32(num_q_blocks - 1) - q_index  # the heaviest tiles first
+    q_start = q_index * OUTER_ROWS
+    _, num_steps = _kv_block_bounds(q_start + (NUM_CONSUMERS - 1) * rows, rows, seq_q, seq_k, block_kv, causal)
+    return Tile(batch, head, q_start, num_steps)
 
-  @pl.when(wg < NUM_CONSUMERS)
-  def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    q_start = cta_start + wg * rows
-    q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
-    q_rows = (batch, pl.ds(q_start, rows), head)
-    vec = (batch, head, pl.ds(q_start, rows))
-    plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_tile, q_ready.at[wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_tile, q_ready.at[wg])
-    plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[wg], q_ready.at[wg])
-    plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[wg], q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
+  def load_rows(tile: Tile, buffer):
+    """Starts the copies of this consumer's Q, dO, lse and delta rows of
+    `tile` into `buffer`."""
+    q_rows = (tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head)
+    vec = (tile.batch, tile.head, pl.ds(tile.q_start + wg * rows, rows))
+    ready = q_ready.at[buffer * NUM_CONSUMERS + wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[buffer, wg], ready)
+    plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[buffer, wg], ready)
+    plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[buffer, wg], ready)
+    plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[buffer, wg], ready)
+
+  def gradient(tile: Tile, buffer, ring_base):
+    """This consumer's rows of dQ for `tile` (unscaled), its K/V blocks at the
+    ring's steps ring_base, ring_base + 1, ...; its rows are in `buffer`."""
+    q_start = tile.q_start + wg * rows
+    q_tile, do_tile = q_smem.at[buffer, wg], do_smem.at[buffer, wg]
+    plgpu.barrier_wait(q_ready.at[buffer * NUM_CONSUMERS + wg])
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
-    lse = plgpu.load(lse_smem.at[wg], layout=row_layout) * LOG2_E
-    delta = plgpu.load(delta_smem.at[wg], layout=row_layout)
-
-    qk_scale = softmax_scale * LOG2_E
+    lse = plgpu.load(lse_smem.at[buffer, wg], layout=row_layout) * LOG2_E
+    delta = plgpu.load(delta_smem.at[buffer, wg], layout=row_layout)
     full_hi, hi = _kv_block_bounds(q_start, rows, seq_q, seq_k, block_kv, causal)
+
+    def slot_of(kb):
+      return lax.rem(ring_base + kb, jnp.int32(stages))
 
     def probs(s, kb, *, masked: bool):
       p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
@@ -670,12 +700,12 @@ def _dq_kernel(
         p = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), kb, masked=masked)
         return p, dp_ref[...]
 
-      tile = plgpu.ACC((rows, block_kv), jnp.float32)
+      tile_acc = plgpu.ACC((rows, block_kv), jnp.float32)
       if config.softmax_overlap:
-        p, dp = pl.run_scoped(probs_under_dp, tile, tile)
+        p, dp = pl.run_scoped(probs_under_dp, tile_acc, tile_acc)
         plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
       else:
-        s, dp = pl.run_scoped(scores, tile, tile)
+        s, dp = pl.run_scoped(scores, tile_acc, tile_acc)
         plgpu.barrier_arrive(v_consumed.at[slot])
         p = probs(s, kb, masked=masked)
       ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
@@ -695,11 +725,76 @@ def _dq_kernel(
     if causal or seq_k % block_kv:  # a diagonal, or a last block partly of padding
       dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
     if causal:
-      lax.fori_loop(hi, num_steps, drain, None)
+      lax.fori_loop(hi, tile.num_steps, drain, None)
+    return dq
 
+  def store_dq(tile: Tile, buffer, dq):
+    """Scales dQ and starts its TMA store, staged in the Q tile (every wgmma
+    reading it has completed)."""
+    q_tile = q_smem.at[buffer, wg]
     q_tile[...] = (dq * softmax_scale).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[q_rows])
+    plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head])
+
+  if schedule is None:  # one tile per CTA
+    tile = tile_at(lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch"))
+
+    @pl.when(wg == PRODUCER)
+    def _producer():
+      produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
+                      batch=tile.batch, kv_head=lax.div(tile.head, jnp.int32(group)), num_steps=tile.num_steps,
+                      block_kv=block_kv, stages=stages)
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      load_rows(tile, 0)
+      store_dq(tile, 0, gradient(tile, 0, jnp.int32(0)))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return
+
+  # Persistent, as the forward: one K/V ring through all of the CTA's tiles,
+  # the next tile's rows loaded while the current one's dQ is stored.
+  cta = lax.axis_index("cta")
+  my_tiles = schedule.tile_count(cta)
+  tile_number = lambda i: tile_at(*schedule.tile(cta, i))
+
+  @pl.when(wg == PRODUCER)
+  def _persistent_producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    def produce(i, ring_base):
+      tile = tile_number(i)
+      load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
+                     batch=tile.batch, kv_head=lax.div(tile.head, jnp.int32(group)), num_steps=tile.num_steps,
+                     first_step=ring_base, block_kv=block_kv, stages=stages)
+      return ring_base + tile.num_steps
+
+    ring_end = lax.fori_loop(0, my_tiles, produce, jnp.int32(0))
+    observe_last_releases(k_consumed, v_consumed, end_step=ring_end, stages=stages)
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _persistent_consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    load_rows(tile_number(jnp.int32(0)), 0)
+
+    def consume(i, ring_base):
+      tile = tile_number(i)
+      buffer = lax.rem(i, jnp.int32(2))
+      dq = gradient(tile, buffer, ring_base)
+      # The next tile's rows go to the other buffer, whose Q tile staged the
+      # previous tile's dQ: its store must have read it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      @pl.when(i + 1 < my_tiles)
+      def _():
+        load_rows(tile_number(i + 1), 1 - buffer)
+
+      store_dq(tile, buffer, dq)
+      return ring_base + tile.num_steps
+
+    lax.fori_loop(0, my_tiles, consume, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -729,14 +824,15 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
   interpret_params, interpret = interpret_params_of(interpret)
   dtype, stages, block_kv = q.dtype, config.stages, config.block_kv
   transforms = _swizzled(head_dim, dtype)
+  buffers = config.dq_buffers
   scratch = [
-      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # Q
-      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # dO
-      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M), jnp.float32),  # lse
-      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M), jnp.float32),  # delta
+      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # Q
+      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # dO
+      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M), jnp.float32),  # lse
+      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M), jnp.float32),  # delta
       plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),  # K
       plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),  # V
-      plgpu.Barrier(num_arrivals=4, num_barriers=NUM_CONSUMERS),  # Q, dO, lse, delta
+      plgpu.Barrier(num_arrivals=4, num_barriers=buffers * NUM_CONSUMERS),  # Q, dO, lse, delta
       plgpu.Barrier(num_barriers=stages),  # K ready
       plgpu.Barrier(num_barriers=stages),  # V ready
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # K consumed
@@ -745,16 +841,18 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
   if interpret:
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_kv), dtype, transforms=_swizzled(block_kv, dtype)))
   num_q_blocks = q.shape[1] // OUTER_ROWS
+  schedule, grid, grid_names = q_outer_grid(num_q_blocks, heads, batch, persistent=config.dq_persistent,
+                                            causal=causal, interpret=interpret)
   kernel = functools.partial(
       _dq_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
-      causal=causal, softmax_scale=softmax_scale, config=config, interpret=interpret,
+      schedule=schedule, causal=causal, softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),
       scratch_types=scratch,
-      grid=(num_q_blocks, heads, batch),
-      grid_names=("q", "heads", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
