@@ -102,11 +102,11 @@ from jax_flash2.mosaic.forward import (
     _SMEM_RESERVE,
     PersistentSchedule,
     _kv_block_bounds,
+    consume_tiles_persistent,
     interpret_params_of,
-    load_kv_blocks,
-    observe_last_releases,
     pad_seq,
     produce_kv_ring,
+    produce_kv_ring_persistent,
     q_outer_grid,
     unpad_seq,
     visible,
@@ -762,40 +762,17 @@ def _dq_kernel(
 
   @pl.when(wg == PRODUCER)
   def _persistent_producer():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-    def produce(i, ring_base):
+    def kv_blocks_of(i):
       tile = tile_number(i)
-      load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
-                     batch=tile.batch, kv_head=lax.div(tile.head, jnp.int32(group)), num_steps=tile.num_steps,
-                     first_step=ring_base, block_kv=block_kv, stages=stages)
-      return ring_base + tile.num_steps
+      return tile.batch, lax.div(tile.head, jnp.int32(group)), tile.num_steps
 
-    ring_end = lax.fori_loop(0, my_tiles, produce, jnp.int32(0))
-    observe_last_releases(k_consumed, v_consumed, end_step=ring_end, stages=stages)
+    produce_kv_ring_persistent(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
+                               num_tiles=my_tiles, kv_blocks_of=kv_blocks_of, block_kv=block_kv, stages=stages)
 
   @pl.when(wg < NUM_CONSUMERS)
   def _persistent_consumer():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    load_rows(tile_number(jnp.int32(0)), 0)
-
-    def consume(i, ring_base):
-      tile = tile_number(i)
-      buffer = lax.rem(i, jnp.int32(2))
-      dq = gradient(tile, buffer, ring_base)
-      # The next tile's rows go to the other buffer, whose Q tile staged the
-      # previous tile's dQ: its store must have read it.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      @pl.when(i + 1 < my_tiles)
-      def _():
-        load_rows(tile_number(i + 1), 1 - buffer)
-
-      store_dq(tile, buffer, dq)
-      return ring_base + tile.num_steps
-
-    lax.fori_loop(0, my_tiles, consume, jnp.int32(0))
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    consume_tiles_persistent(my_tiles, tile_of=tile_number, load=load_rows, compute=gradient, store=store_dq)
 
 
 def dq(

@@ -333,6 +333,54 @@ def produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, 
   observe_last_releases(k_consumed, v_consumed, end_step=num_steps, stages=stages)
 
 
+def produce_kv_ring_persistent(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, *,
+                               num_tiles, kv_blocks_of, block_kv: int, stages: int) -> None:
+  """The producer warpgroup's work in a persistent CTA: the K/V blocks of
+  its tiles 0..num_tiles-1 in turn, through one ring, so that the next
+  tile's first blocks load while the consumers finish the current tile.
+  kv_blocks_of(i) gives tile i's (batch, kv_head, num_steps). Shared by the
+  forward and the backward dQ kernel."""
+  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+  def produce(i, ring_base):
+    batch, kv_head, num_steps = kv_blocks_of(i)
+    load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, batch=batch,
+                   kv_head=kv_head, num_steps=num_steps, first_step=ring_base, block_kv=block_kv, stages=stages)
+    return ring_base + num_steps
+
+  ring_end = lax.fori_loop(0, num_tiles, produce, jnp.int32(0))
+  observe_last_releases(k_consumed, v_consumed, end_step=ring_end, stages=stages)
+
+
+def consume_tiles_persistent(num_tiles, *, tile_of, load, compute, store) -> None:
+  """A consumer warpgroup's loop in a persistent CTA, over tiles
+  0..num_tiles-1 with their rows double-buffered: load(tile, buffer) starts
+  the copies of a tile's rows, compute(tile, buffer, ring_base) waits for
+  them and returns the tile's result from the K/V blocks at the ring's steps
+  ring_base, ..., and store(tile, buffer, result) starts its TMA stores,
+  staged in the buffer's tiles. The next tile's rows load during the store.
+  tile_of(i) gives tile i, with a num_steps field (its K/V blocks)."""
+  load(tile_of(jnp.int32(0)), 0)
+
+  def consume(i, ring_base):
+    tile = tile_of(i)
+    buffer = lax.rem(i, jnp.int32(2))
+    result = compute(tile, buffer, ring_base)
+    # The next tile's rows go to the other buffer, which staged the previous
+    # tile's results: their stores, issued a whole tile ago, must have read it.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(i + 1 < num_tiles)
+    def _():
+      load(tile_of(i + 1), 1 - buffer)
+
+    store(tile, buffer, result)
+    return ring_base + tile.num_steps
+
+  lax.fori_loop(0, num_tiles, consume, jnp.int32(0))
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # shared memory must outlive the stores' reads
+
+
 @dataclasses.dataclass(frozen=True)
 class PersistentSchedule:
   """Which tiles the persistent CTAs of a Q-outer kernel (the forward, dQ)
@@ -714,44 +762,27 @@ def _forward_kernel(
 
   @pl.when(wg == PRODUCER)
   def _persistent_producer():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-    def produce(i, ring_base):
+    def kv_blocks_of(i):
       tile = persistent_tile(i)
-      load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
-                     batch=tile.batch, kv_head=tile.kv_head, num_steps=tile.num_steps, first_step=ring_base,
-                     block_kv=block_kv, stages=stages)
-      return ring_base + tile.num_steps
+      return tile.batch, tile.kv_head, tile.num_steps
 
-    ring_end = lax.fori_loop(0, my_tiles, produce, jnp.int32(0))
-    observe_last_releases(k_consumed, v_consumed, end_step=ring_end, stages=stages)
+    produce_kv_ring_persistent(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
+                               num_tiles=my_tiles, kv_blocks_of=kv_blocks_of, block_kv=block_kv, stages=stages)
 
   @pl.when(wg < NUM_CONSUMERS)
   def _persistent_consumer():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    load_q(persistent_tile(jnp.int32(0)), 0)
     start_turns()
 
-    def consume(i, ring_base):
-      tile = persistent_tile(i)
-      buffer = lax.rem(i, jnp.int32(2))
+    def compute(tile, buffer, ring_base):
       plgpu.barrier_wait(q_ready.at[buffer * NUM_CONSUMERS + wg])
-      q_tile = q_smem.at[buffer, wg]
-      acc, m_i, l_i = attend(tile, q_tile, ring_base)
-      # The next tile's Q goes to the other buffer, which staged the previous
-      # tile's output: its stores, issued a whole tile ago, must have read it.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      return attend(tile, q_smem.at[buffer, wg], ring_base)
 
-      @pl.when(i + 1 < my_tiles)
-      def _():
-        load_q(persistent_tile(i + 1), 1 - buffer)
+    def store(tile, buffer, result):
+      store_output(tile, q_smem.at[buffer, wg], *result)
 
-      store_output(tile, q_tile, acc, m_i, l_i)
-      return ring_base + tile.num_steps
-
-    lax.fori_loop(0, my_tiles, consume, jnp.int32(0))
+    consume_tiles_persistent(my_tiles, tile_of=persistent_tile, load=load_q, compute=compute, store=store)
     end_turns()
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def forward(
