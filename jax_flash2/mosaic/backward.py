@@ -101,6 +101,7 @@ from jax_flash2.mosaic.forward import (
     WGMMA_M,
     _SMEM_RESERVE,
     PersistentSchedule,
+    QTile,
     _kv_block_bounds,
     consume_tiles_persistent,
     interpret_params_of,
@@ -611,22 +612,10 @@ def _dq_kernel(
   wg = lax.axis_index("wg")
   qk_scale = softmax_scale * LOG2_E
 
-  @dataclasses.dataclass(frozen=True)
-  class Tile:
-    """OUTER_ROWS query rows of one (batch, head): a CTA's unit of work."""
-    batch: jax.Array
-    head: jax.Array
-    q_start: jax.Array  # first query row
-    num_steps: jax.Array  # K/V blocks the producer loads for it
+  tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=OUTER_ROWS, block_kv=block_kv,
+                              seq_q=seq_q, seq_k=seq_k, causal=causal)
 
-  def tile_at(q_index, head, batch) -> Tile:
-    if causal:
-      q_index = jnp.int32(num_q_blocks - 1) - q_index  # the heaviest tiles first
-    q_start = q_index * OUTER_ROWS
-    _, num_steps = _kv_block_bounds(q_start + (NUM_CONSUMERS - 1) * rows, rows, seq_q, seq_k, block_kv, causal)
-    return Tile(batch, head, q_start, num_steps)
-
-  def load_rows(tile: Tile, buffer):
+  def load_rows(tile: QTile, buffer):
     """Starts the copies of this consumer's Q, dO, lse and delta rows of
     `tile` into `buffer`."""
     q_rows = (tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head)
@@ -637,7 +626,7 @@ def _dq_kernel(
     plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[buffer, wg], ready)
     plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[buffer, wg], ready)
 
-  def gradient(tile: Tile, buffer, ring_base):
+  def gradient(tile: QTile, buffer, ring_base):
     """This consumer's rows of dQ for `tile` (unscaled), its K/V blocks at the
     ring's steps ring_base, ring_base + 1, ...; its rows are in `buffer`."""
     q_start = tile.q_start + wg * rows
@@ -728,7 +717,7 @@ def _dq_kernel(
       lax.fori_loop(hi, tile.num_steps, drain, None)
     return dq
 
-  def store_dq(tile: Tile, buffer, dq):
+  def store_dq(tile: QTile, buffer, dq):
     """Scales dQ and starts its TMA store, staged in the Q tile (every wgmma
     reading it has completed)."""
     q_tile = q_smem.at[buffer, wg]
@@ -742,7 +731,7 @@ def _dq_kernel(
     @pl.when(wg == PRODUCER)
     def _producer():
       produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
-                      batch=tile.batch, kv_head=lax.div(tile.head, jnp.int32(group)), num_steps=tile.num_steps,
+                      batch=tile.batch, kv_head=tile.kv_head(group), num_steps=tile.num_steps,
                       block_kv=block_kv, stages=stages)
 
     @pl.when(wg < NUM_CONSUMERS)
@@ -764,7 +753,7 @@ def _dq_kernel(
   def _persistent_producer():
     def kv_blocks_of(i):
       tile = tile_number(i)
-      return tile.batch, lax.div(tile.head, jnp.int32(group)), tile.num_steps
+      return tile.batch, tile.kv_head(group), tile.num_steps
 
     produce_kv_ring_persistent(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                num_tiles=my_tiles, kv_blocks_of=kv_blocks_of, block_kv=block_kv, stages=stages)

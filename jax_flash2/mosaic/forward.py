@@ -382,6 +382,37 @@ def consume_tiles_persistent(num_tiles, *, tile_of, load, compute, store) -> Non
 
 
 @dataclasses.dataclass(frozen=True)
+class QTile:
+  """block_q query rows of one (batch, head): the unit of work of a Q-outer
+  kernel's CTA (the forward, dQ). Fields are int32 scalars."""
+
+  batch: jax.Array
+  head: jax.Array
+  q_start: jax.Array  # first query row
+  num_steps: jax.Array  # K/V blocks the producer loads for it
+
+  @classmethod
+  def at(cls, q_index, head, batch, *, num_q_blocks: int, block_q: int, block_kv: int, seq_q: int, seq_k: int,
+         causal: bool) -> QTile:
+    """The tile of grid position q_index (a causal kernel runs Q blocks
+    heaviest first: those near the end of the sequence visit the most K/V
+    blocks, and taking them first keeps them off the critical path at the
+    tail)."""
+    if causal:
+      q_index = jnp.int32(num_q_blocks - 1) - q_index
+    q_start = q_index * block_q
+    # The producer must load every block any consumer needs; the second
+    # consumer's rows are the later ones, so its bound covers both.
+    rows = block_q // NUM_CONSUMERS
+    _, num_steps = _kv_block_bounds(q_start + (NUM_CONSUMERS - 1) * rows, rows, seq_q, seq_k, block_kv, causal)
+    return cls(batch, head, q_start, num_steps)
+
+  def kv_head(self, group: int) -> jax.Array:
+    """The K/V head of this tile's query head (grouped-query attention)."""
+    return lax.div(self.head, jnp.int32(group))
+
+
+@dataclasses.dataclass(frozen=True)
 class PersistentSchedule:
   """Which tiles the persistent CTAs of a Q-outer kernel (the forward, dQ)
   take. A tile is one Q block of one (batch, head), numbered with Q blocks
@@ -512,38 +543,18 @@ def _forward_kernel(
       pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
   any_masked = causal or bool(seq_k % block_kv)  # a diagonal, or a last block partly of padding
 
-  @dataclasses.dataclass(frozen=True)
-  class Tile:
-    """block_q query rows of one (batch, head): a CTA's unit of work."""
-    batch: jax.Array
-    head: jax.Array
-    q_start: jax.Array  # first query row
-    num_steps: jax.Array  # K/V blocks the producer loads for it
+  tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=config.block_q, block_kv=block_kv,
+                              seq_q=seq_q, seq_k=seq_k, causal=causal)
 
-    @property
-    def kv_head(self):
-      return lax.div(self.head, jnp.int32(group))
-
-  def tile_at(q_index, head, batch) -> Tile:
-    if causal:
-      # Causal tiles near the end of the sequence visit the most K/V blocks;
-      # taking them first keeps them off the critical path at the tail.
-      q_index = jnp.int32(num_q_blocks - 1) - q_index
-    q_start = q_index * config.block_q
-    # The producer must load every block any consumer needs; the second
-    # consumer's rows are the later ones, so its bound covers both.
-    _, num_steps = _kv_block_bounds(q_start + (NUM_CONSUMERS - 1) * rows, rows, seq_q, seq_k, block_kv, causal)
-    return Tile(batch, head, q_start, num_steps)
-
-  def persistent_tile(i) -> Tile:
+  def persistent_tile(i) -> QTile:
     """The i-th tile of this persistent CTA."""
     return tile_at(*schedule.tile(lax.axis_index("cta"), i))
 
-  def load_q(tile: Tile, buffer):
+  def load_q(tile: QTile, buffer):
     plgpu.copy_gmem_to_smem(q_ref.at[tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head],
                             q_smem.at[buffer, wg], q_ready.at[buffer * NUM_CONSUMERS + wg])
 
-  def attend(tile: Tile, q_tile, ring_base):
+  def attend(tile: QTile, q_tile, ring_base):
     """One consumer's rows of `tile` against its K/V blocks, which occupy the
     ring's steps ring_base, ring_base + 1, ...: (acc, m_i, l_i), acc not yet
     divided by l_i."""
@@ -713,7 +724,7 @@ def _forward_kernel(
       lax.fori_loop(hi, tile.num_steps, drain, None)
     return acc, m_i, l_i
 
-  def store_output(tile: Tile, q_tile, acc, m_i, l_i):
+  def store_output(tile: QTile, q_tile, acc, m_i, l_i):
     """Divides acc by l_i and starts the TMA stores of the output and lse,
     staged in shared memory (q_tile, whose Q every wgmma has read by now)."""
     # One division per row at the end (a reciprocal, then multiplies).
@@ -739,7 +750,8 @@ def _forward_kernel(
     @pl.when(wg == PRODUCER)
     def _producer():
       produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, batch=tile.batch,
-                      kv_head=tile.kv_head, num_steps=tile.num_steps, block_kv=block_kv, stages=stages)
+                      kv_head=tile.kv_head(group), num_steps=tile.num_steps, block_kv=block_kv,
+                      stages=stages)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -764,7 +776,7 @@ def _forward_kernel(
   def _persistent_producer():
     def kv_blocks_of(i):
       tile = persistent_tile(i)
-      return tile.batch, tile.kv_head, tile.num_steps
+      return tile.batch, tile.kv_head(group), tile.num_steps
 
     produce_kv_ring_persistent(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                num_tiles=my_tiles, kv_blocks_of=kv_blocks_of, block_kv=block_kv, stages=stages)
