@@ -751,12 +751,8 @@ def _dq_kernel(
 
   @pl.when(wg == PRODUCER)
   def _persistent_producer():
-    def kv_blocks_of(i):
-      tile = tile_number(i)
-      return tile.batch, tile.kv_head(group), tile.num_steps
-
     produce_kv_ring_persistent(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
-                               num_tiles=my_tiles, kv_blocks_of=kv_blocks_of, block_kv=block_kv, stages=stages)
+                               num_tiles=my_tiles, tile_of=tile_number, group=group, block_kv=block_kv, stages=stages)
 
   @pl.when(wg < NUM_CONSUMERS)
   def _persistent_consumer():

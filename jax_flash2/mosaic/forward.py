@@ -334,19 +334,20 @@ def produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, 
 
 
 def produce_kv_ring_persistent(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, *,
-                               num_tiles, kv_blocks_of, block_kv: int, stages: int) -> None:
+                               num_tiles, tile_of, group: int, block_kv: int, stages: int) -> None:
   """The producer warpgroup's work in a persistent CTA: the K/V blocks of
-  its tiles 0..num_tiles-1 in turn, through one ring, so that the next
-  tile's first blocks load while the consumers finish the current tile.
-  kv_blocks_of(i) gives tile i's (batch, kv_head, num_steps). Shared by the
-  forward and the backward dQ kernel."""
+  its tiles tile_of(0), ..., tile_of(num_tiles - 1) (QTiles) in turn,
+  through one ring, so that the next tile's first blocks load while the
+  consumers finish the current tile. Shared by the forward and the backward
+  dQ kernel."""
   plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
   def produce(i, ring_base):
-    batch, kv_head, num_steps = kv_blocks_of(i)
-    load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, batch=batch,
-                   kv_head=kv_head, num_steps=num_steps, first_step=ring_base, block_kv=block_kv, stages=stages)
-    return ring_base + num_steps
+    tile = tile_of(i)
+    load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, batch=tile.batch,
+                   kv_head=tile.kv_head(group), num_steps=tile.num_steps, first_step=ring_base, block_kv=block_kv,
+                   stages=stages)
+    return ring_base + tile.num_steps
 
   ring_end = lax.fori_loop(0, num_tiles, produce, jnp.int32(0))
   observe_last_releases(k_consumed, v_consumed, end_step=ring_end, stages=stages)
@@ -774,12 +775,8 @@ def _forward_kernel(
 
   @pl.when(wg == PRODUCER)
   def _persistent_producer():
-    def kv_blocks_of(i):
-      tile = persistent_tile(i)
-      return tile.batch, tile.kv_head(group), tile.num_steps
-
     produce_kv_ring_persistent(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
-                               num_tiles=my_tiles, kv_blocks_of=kv_blocks_of, block_kv=block_kv, stages=stages)
+                               num_tiles=my_tiles, tile_of=persistent_tile, group=group, block_kv=block_kv, stages=stages)
 
   @pl.when(wg < NUM_CONSUMERS)
   def _persistent_consumer():
