@@ -517,6 +517,27 @@ def test_auto_on_hopper_picks_the_measured_kernels(monkeypatch, head_dim, causal
   assert (call.mosaic is not None, call.mosaic_backward is not None) == (forward, backward)
 
 
+def test_layers_share_one_kernel_lowering(monkeypatch):
+  """A model calling flash_attention in several identical layers lowers
+  each kernel once, not once per layer (a shared jit inside the library): the
+  lowered module of three layers holds as many kernels as that of one."""
+  from jax_flash2 import api
+
+  monkeypatch.setattr(api, "_gpu_capability", lambda: (9, 0))
+  q = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+
+  def kernels_in_module(layers):
+    def model(q, k, v):
+      for _ in range(layers):
+        q = flash_attention(q, k, v, causal=True)
+      return q
+
+    text = jax.jit(model).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("flash2_fwd_mosaic")
+
+  assert kernels_in_module(3) == kernels_in_module(1) > 0
+
+
 def test_auto_off_hopper_is_triton(monkeypatch):
   calls = _captured_call(monkeypatch, capability=(8, 0))
   q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
