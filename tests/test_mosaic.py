@@ -277,11 +277,14 @@ PERSISTENT = [
     ((2, 256, 256, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, stages=3, persistent=True)),
     ((1, 384, 256, 3, 64), True, 1, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, persistent=True)),
     ((1, 200, 136, 4, 64), False, 2, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, persistent=True)),
+    # 256-row tiles (128 rows a consumer), the d64 candidate of stage d64_tiles.
+    ((1, 512, 512, 2, 64), True, None, MosaicConfig(block_q=256, block_kv=64, stages=3, softmax_overlap=True,
+                                                    persistent=True)),
 ]
 
 
 @pytest.mark.parametrize("shape, causal, kv_heads, config", PERSISTENT,
-                         ids=["full_overlap", "causal_drain", "gqa_rows_that_see_nothing", "ragged_gqa"])
+                         ids=["full_overlap", "causal_drain", "gqa_rows_that_see_nothing", "ragged_gqa", "block_q_256"])
 def test_interpreter_persistent(shape, causal, kv_heads, config):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
