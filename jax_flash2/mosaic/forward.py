@@ -25,6 +25,15 @@ in FlashAttention-3: one step issues S = Q K^T of its block and P V of the
 previous block back to back and computes its softmax while the tensor cores
 still run that P V.
 
+With `persistent` (the default at head_dim 64 and 128) the grid is one CTA
+per SM instead of one per tile, and each CTA takes tiles in turn
+(`PersistentSchedule`; causal tiles in pairs of equal work). The K/V ring
+runs on from tile to tile, so the producer loads the next tile's blocks while
+the consumers finish the current one, and the next tile's Q arrives during
+the current one's output store: a tile's start and end overlap other work
+(+31% at 2k, bench/NOTES.md). The dQ kernel (backward.py) shares this
+machinery.
+
 The softmax is online and in base 2: the softmax scale and log2(e) fold into
 one factor, `m_i` is kept in that scaled domain, and p = exp2(s * scale - m).
 The output is divided by `l_i` once, at the end; the log-sum-exp is written in
@@ -52,8 +61,8 @@ extra of the Triton path (masks, windows, softcap, ALiBi, bias, segment ids,
 dropout). The backward kernels are in backward.py.
 
 Status: runs on the H200 and passes its GPU tests at the Triton path's bar,
-ragged lengths and the softmax overlap included (session 4; speed in
-bench/NOTES.md). Checked on CPU: lowering for CUDA, compilation
+ragged lengths, the softmax overlap and persistent CTAs included (sessions
+4-5; speed in bench/NOTES.md). Checked on CPU: lowering for CUDA, compilation
 to sm_90a SASS through Mosaic's own compiler (tools/mosaic_cpu_compile.py:
 HGMMA, TMA, setmaxnreg, no spills), and the numbers through Mosaic's
 interpreter with its race detector (tests/test_mosaic.py, bench/NOTES.md).
