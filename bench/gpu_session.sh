@@ -26,7 +26,7 @@
 #             d256_tests (head_dim 256, masks, bias, segments; ~6 min), d256_bias.
 #   Speed:    overlap_ab (softmax_overlap off/on, ~2 min), persistent (the
 #             persistent and ping-pong forward: tests, then A/B, ~6 min),
-#             dq_persistent (the persistent dQ kernel: tests, then A/B, ~7 min),
+#             bwd_persistent (the persistent dQ and dK/dV kernels: tests, then A/B, ~9 min),
 #             d64_tiles (256-row Q tiles at d64, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
@@ -211,16 +211,17 @@ stage_persistent_causal() {
     --variants persistent=0 default 2>&1 | tee "$OUT/persistent_causal_ab.log"
 }
 
-stage_dq_persistent() {
-  # BackwardConfig.dq_persistent (session 5, CPU-checked): its GPU tests, then
-  # A/B. At d128 the second set of rows costs a ring slot (stages 3 -> 2), so
-  # stages=2 alone is timed beside it.
+stage_bwd_persistent() {
+  # BackwardConfig.dq_persistent and .dkv_persistent (session 5, CPU-checked):
+  # their GPU tests, then A/B. At d128 the second buffers cost a ring slot
+  # (stages 3 -> 2), so stages=2 alone is timed beside them.
   timeout 200 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py \
-    -k bwd_gpu_dq_persistent 2>&1 | tee "$OUT/dq_persistent_tests.log" | tail -20
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 \
-    --variants default stages=2 stages=2+dq_persistent=1 2>&1 | tee "$OUT/dq_persistent_ab.log"
-  timeout 100 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 \
-    --variants default dq_persistent=1 2>&1 | tail -n +3 | tee -a "$OUT/dq_persistent_ab.log"
+    -k bwd_gpu_persistent 2>&1 | tee "$OUT/bwd_persistent_tests.log" | tail -20
+  timeout 200 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+    stages=2 stages=2+dq_persistent=1 stages=2+dkv_persistent=1 stages=2+dq_persistent=1+dkv_persistent=1 2>&1 \
+    | tee "$OUT/bwd_persistent_ab.log"
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
+    dq_persistent=1 dkv_persistent=1 dq_persistent=1+dkv_persistent=1 2>&1 | tail -n +3 | tee -a "$OUT/bwd_persistent_ab.log"
 }
 
 stage_d64_tiles() {

@@ -616,6 +616,7 @@ def test_bwd_config():
       (dict(stages=True), "stages must be an int"),
       (dict(softmax_overlap="yes"), "softmax_overlap must be a bool"),
       (dict(dq_persistent=0), "dq_persistent must be a bool"),
+      (dict(dkv_persistent="no"), "dkv_persistent must be a bool"),
   ):
     with pytest.raises(ValueError, match=match):
       BackwardConfig(**kwargs)
@@ -624,6 +625,11 @@ def test_bwd_config():
   rows = 2 * mosaic_bwd.OUTER_ROWS * 128 * 2 + 2 * mosaic_bwd.OUTER_ROWS * 4
   assert persistent.dq_smem_bytes(128, jnp.bfloat16) == plain.dq_smem_bytes(128, jnp.bfloat16) + rows
   assert persistent.dq_smem_bytes(128, jnp.bfloat16) <= mosaic.SMEM_LIMIT
+  # A persistent dK/dV kernel keeps two sets of K and V tiles.
+  persistent_dkv = BackwardConfig(64, 64, 2, dkv_persistent=True)
+  tiles = 2 * mosaic_bwd.OUTER_ROWS * 128 * 2
+  assert persistent_dkv.dkv_smem_bytes(128, jnp.bfloat16) == plain.dkv_smem_bytes(128, jnp.bfloat16) + tiles
+  assert persistent_dkv.dkv_smem_bytes(128, jnp.bfloat16) <= mosaic.SMEM_LIMIT
 
 
 def test_bwd_rejects():
@@ -739,25 +745,30 @@ def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, confi
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
 
 
+@pytest.mark.parametrize("kernel", ["dq", "dkv"])
 @pytest.mark.parametrize(
     "shape, dtype, causal, kv_heads, config",
-    # Two CTAs over 4-9 tiles (causal: in pairs; an odd number of Q blocks):
-    # the K/V ring and the row buffers carry across tiles.
+    # Two CTAs over 4-9 tiles (causal: in pairs; an odd number of outer
+    # blocks): the ring and the outer tiles' buffers carry across tiles.
     [
-        ((2, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, dq_persistent=True)),
-        ((1, 200, 136, 4, 64), jnp.bfloat16, False, 2, BackwardConfig(64, 64, 2, dq_persistent=True)),
-        ((1, 384, 128, 3, 64), jnp.float16, True, None,
-         BackwardConfig(128, 64, 2, softmax_overlap=True, dq_persistent=True)),
+        ((2, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3)),
+        ((1, 200, 136, 4, 64), jnp.bfloat16, False, 2, BackwardConfig(64, 64, 2)),
+        ((1, 384, 128, 3, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, softmax_overlap=True)),
+        ((1, 128, 384, 3, 64), jnp.bfloat16, True, None, BackwardConfig(64, 64, 2)),
     ],
-    ids=["causal_gqa", "ragged_gqa", "seq_q_gt_seq_k"],
+    ids=["causal_gqa", "ragged_gqa", "seq_q_gt_seq_k", "seq_q_lt_seq_k"],
 )
-def test_dq_interpreter_persistent(shape, dtype, causal, kv_heads, config):
+def test_bwd_interpreter_persistent(kernel, shape, dtype, causal, kv_heads, config):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
-  (q, k, v, do, lse, delta), (ref_dq, _, _) = _bwd_problem(*shape, dtype, causal, kv_heads)
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  dq = mosaic_bwd.dq(q, k, v, do, lse, delta, causal=causal, config=config, interpret=params)
-  assert rel_err(dq, ref_dq) < 1e-2
+  (q, k, v, do, lse, delta), (ref_dq, ref_dk, ref_dv) = _bwd_problem(*shape, dtype, causal, kv_heads)
+  config = dataclasses.replace(config, **{f"{kernel}_persistent": True})
+  kwargs = dict(causal=causal, config=config, interpret=plgpu.InterpretGPUParams(detect_races=True))
+  if kernel == "dq":
+    assert rel_err(mosaic_bwd.dq(q, k, v, do, lse, delta, **kwargs), ref_dq) < 1e-2
+  else:
+    dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kwargs)
+    assert rel_err(dk, ref_dk) < 1e-2 and rel_err(dv, ref_dv) < 1e-2
   assert not gpu_callbacks.get_races().races_found
 
 
@@ -817,10 +828,13 @@ def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
      ((2, 1537, 1000, 16, 64), None)],
     ids=["d128", "d64", "ragged_gqa", "seq_q_gt_seq_k"],
 )
-def test_bwd_gpu_dq_persistent(shape, kv_heads, causal):
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), dq_persistent=True)
-  if config.dq_smem_bytes(shape[-1], jnp.bfloat16) > mosaic.SMEM_LIMIT:
-    config = dataclasses.replace(config, stages=2)  # d128: the second set of rows takes a ring slot's room
+@pytest.mark.parametrize("kernels", ["dq+dkv"])
+def test_bwd_gpu_persistent(shape, kv_heads, causal, kernels):
+  options = {f"{kernel}_persistent": True for kernel in kernels.split("+")}
+  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), **options)
+  head_dim = shape[-1]
+  if max(config.dq_smem_bytes(head_dim, jnp.bfloat16), config.dkv_smem_bytes(head_dim, jnp.bfloat16)) > mosaic.SMEM_LIMIT:
+    config = dataclasses.replace(config, stages=2)  # d128: the second buffers take a ring slot's room
   _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 

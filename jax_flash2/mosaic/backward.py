@@ -28,10 +28,12 @@ loaded once), a producer streams K and V blocks of `block_kv` rows:
 
   S = Q K^T and dP = dO V^T (one wgmma group), P = exp2(S * scale*log2e -
   lse*log2e), dS = P * (dP - delta), dQ += dS K (wgmma, dS from registers),
-  dQ *= softmax_scale at the end. With `BackwardConfig.dq_persistent` it
-  runs as the forward's persistent CTAs (forward.PersistentSchedule: one per
-  SM over many tiles, causal tiles in pairs of equal work; off by default
-  until timed).
+  dQ *= softmax_scale at the end.
+
+With `BackwardConfig.dq_persistent` / `dkv_persistent` either kernel runs as
+the forward's persistent CTAs (forward.PersistentSchedule: one per SM over
+many tiles, causal tiles in pairs of equal work; the ring runs on across
+tiles and the outer tiles are double-buffered). Off by default until timed.
 
 Causal attention is bottom-right aligned (query i sees key j iff
 j <= i + seq_k - seq_q): blocks entirely outside are skipped, only blocks
@@ -108,7 +110,7 @@ from jax_flash2.mosaic.forward import (
     pad_seq,
     produce_kv_ring,
     produce_kv_ring_persistent,
-    q_outer_grid,
+    outer_grid,
     unpad_seq,
     visible,
 )
@@ -137,6 +139,10 @@ class BackwardConfig:
       per SM over many tiles, each tile's start and end overlapping the
       neighbouring tiles' work. Costs a second set of Q, dO, lse and delta
       rows in shared memory. Not yet timed on a GPU, hence off by default.
+    dkv_persistent: the same for the dK/dV kernel (K/V-outer; causal tiles
+      paired K/V block 0 with the last, ...). Costs a second set of K and V
+      tiles (at head_dim 128 room for a ring slot: stages 2). Not yet timed
+      on a GPU, hence off by default.
   The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
   Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
   lengths; see the module docstring).
@@ -147,9 +153,10 @@ class BackwardConfig:
   stages: int = 2
   softmax_overlap: bool = False
   dq_persistent: bool = False
+  dkv_persistent: bool = False
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "dq_persistent"):
+    for name in ("softmax_overlap", "dq_persistent", "dkv_persistent"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages"):
@@ -162,9 +169,14 @@ class BackwardConfig:
     if not 2 <= self.stages <= 8:
       raise ValueError(f"BackwardConfig.stages must be between 2 and 8, got {self.stages}")
 
+  @property
+  def dkv_buffers(self) -> int:
+    """Sets of K and V tiles the dK/dV kernel keeps."""
+    return 2 if self.dkv_persistent else 1
+
   def dkv_smem_bytes(self, head_dim: int, dtype) -> int:
     item = jnp.dtype(dtype).itemsize
-    kv = 2 * OUTER_ROWS * head_dim * item
+    kv = self.dkv_buffers * 2 * OUTER_ROWS * head_dim * item
     ring = self.stages * (2 * self.block_q * head_dim * item + 2 * self.block_q * 4)
     return kv + ring + _SMEM_RESERVE
 
@@ -257,85 +269,108 @@ def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
     kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_consumed, do_consumed, *staging,
-    seq_q: int, seq_k: int, group: int, causal: bool, softmax_scale: float,
+    seq_q: int, seq_k: int, group: int, schedule: PersistentSchedule | None, causal: bool, softmax_scale: float,
     config: BackwardConfig, interpret: bool,
 ):
   # q_ref, do_ref: [batch, seq_q', heads, D]; k_ref, v_ref, dk_ref, dv_ref:
   # [batch, seq_k', kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q'];
   # seq_q', seq_k': the real seq_q, seq_k padded to multiples of OUTER_ROWS.
-  # k_smem, v_smem: [2, 64, D] (one tile per consumer, reused for dK, dV);
-  # q_smem, do_smem: [stages, block_q, D]; lse_smem, delta_smem: [stages, block_q].
-  # kv_ready: [2] barriers of 2 arrivals (K and V copies); *_ready: [stages]
-  # (TMA); q_consumed (Q, lse), do_consumed (dO, delta): [stages], 2 arrivals.
+  # k_smem, v_smem: [buffers, 2, 64, D] (one tile per consumer, reused for
+  # dK, dV; two buffers in a persistent CTA, which loads the next tile's K
+  # and V while the current one's gradients are stored); q_smem, do_smem:
+  # [stages, block_q, D]; lse_smem, delta_smem: [stages, block_q].
+  # kv_ready: [buffers * 2] barriers of 2 arrivals (K and V copies);
+  # *_ready: [stages] (TMA); q_consumed (Q, lse), do_consumed (dO, delta):
+  # [stages], 2 arrivals.
   # staging (interpret mode only): [2, 64, block_q], P^T and dS^T for wgmma.
+  # schedule: None for one CTA per tile (grid kv x heads x batch), else the
+  # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks).
   rows, block_q, stages = WGMMA_M, config.block_q, config.stages
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   if interpret:
     [staging] = staging
-  batch = lax.axis_index("batch")
-  kv_head = lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  cta_start = lax.axis_index("kv") * OUTER_ROWS
   num_q = pl.cdiv(seq_q, block_q)
-  # The first consumer's keys come first, so it sees the most Q blocks.
-  lo_cta, _ = _q_block_bounds(cta_start, rows, seq_q, seq_k, block_q, causal)
-  steps_per_head = jnp.int32(num_q) - lo_cta
+  qk_scale = softmax_scale * LOG2_E
 
-  def step_of(g, qb):
-    return g * steps_per_head + (qb - lo_cta)
+  @dataclasses.dataclass(frozen=True)
+  class KVTile:
+    """OUTER_ROWS key rows of one (batch, kv head): a CTA's unit of work. It
+    visits Q blocks [lo, num_q) of every query head of the group: the first
+    consumer's keys come first, so its range covers both. int32 scalars."""
+    batch: jax.Array
+    kv_head: jax.Array
+    k_start: jax.Array  # first key row
+    lo: jax.Array
+    num_steps: jax.Array  # ring steps: Q blocks the producer loads for it
 
-  def slot_of(step):
-    return lax.rem(step, jnp.int32(stages))
+    def step_of(self, g, qb):
+      """The tile's ring step of Q block qb of query head g of the group."""
+      return g * (jnp.int32(num_q) - self.lo) + (qb - self.lo)
 
-  @pl.when(wg == PRODUCER)
-  def _producer():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-    num_steps = group * steps_per_head
+  def tile_at(kv_index, kv_head, batch) -> KVTile:
+    # K/V block 0 sees the most Q blocks when causal: in grid order it runs
+    # first, the heaviest-first order of the Q-outer kernels.
+    k_start = kv_index * OUTER_ROWS
+    lo, _ = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
+    return KVTile(batch, kv_head, k_start, lo, group * (jnp.int32(num_q) - lo))
 
-    @pl.loop(0, num_steps)
+  def load_q_blocks(tile: KVTile, ring_base):
+    """The producer's work for one tile: TMA copies of Q, dO, lse and delta
+    of its Q blocks into the ring's steps ring_base, ring_base + 1, ..."""
+    steps_per_head = jnp.int32(num_q) - tile.lo
+
+    @pl.loop(0, tile.num_steps)
     def _load(step):
-      slot = slot_of(step)
-      g = lax.div(step, steps_per_head)
-      head = kv_head * group + g
-      q0 = (lo_cta + lax.rem(step, steps_per_head)) * block_q
-      q_rows = (batch, pl.ds(q0, block_q), head)
-      vec = (batch, head, pl.ds(q0, block_q))
+      ring_step = ring_base + step
+      slot = lax.rem(ring_step, jnp.int32(stages))
+      head = tile.kv_head * group + lax.div(step, steps_per_head)
+      q0 = (tile.lo + lax.rem(step, steps_per_head)) * block_q
+      q_rows = (tile.batch, pl.ds(q0, block_q), head)
+      vec = (tile.batch, head, pl.ds(q0, block_q))
 
-      @pl.when(step >= stages)
+      @pl.when(ring_step >= stages)
       def _():
         plgpu.barrier_wait(q_consumed.at[slot])
 
       plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[slot], q_ready.at[slot])
       plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], lse_ready.at[slot])
 
-      @pl.when(step >= stages)
+      @pl.when(ring_step >= stages)
       def _():
         plgpu.barrier_wait(do_consumed.at[slot])
 
       plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[slot], do_ready.at[slot])
       plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], delta_ready.at[slot])
 
+  def observe_last_releases(end_step):
     # Observe the last releases as well (Mosaic's interpreter checks that
     # every waiting thread sees every barrier phase; see forward.py).
-    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-    def _last_releases(step):
-      plgpu.barrier_wait(q_consumed.at[slot_of(step)])
-      plgpu.barrier_wait(do_consumed.at[slot_of(step)])
+    @pl.loop(jnp.maximum(end_step - stages, 0), end_step)
+    def _release(ring_step):
+      slot = lax.rem(ring_step, jnp.int32(stages))
+      plgpu.barrier_wait(q_consumed.at[slot])
+      plgpu.barrier_wait(do_consumed.at[slot])
 
-  @pl.when(wg < NUM_CONSUMERS)
-  def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    k_start = cta_start + wg * rows
-    k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
-    kv_rows = (batch, pl.ds(k_start, rows), kv_head)
-    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_tile, kv_ready.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_tile, kv_ready.at[wg])
-    plgpu.barrier_wait(kv_ready.at[wg])
+  def load_kv(tile: KVTile, buffer):
+    """Starts the copies of this consumer's K and V rows of `tile`."""
+    kv_rows = (tile.batch, pl.ds(tile.k_start + wg * rows, rows), tile.kv_head)
+    ready = kv_ready.at[buffer * NUM_CONSUMERS + wg]
+    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[buffer, wg], ready)
+    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[buffer, wg], ready)
 
-    qk_scale = softmax_scale * LOG2_E
+  def gradients(tile: KVTile, buffer, ring_base):
+    """(dK unscaled, dV) of this consumer's rows of `tile`, its Q blocks at
+    the ring's steps from ring_base; its K and V rows are in `buffer`."""
+    k_start = tile.k_start + wg * rows
+    k_tile, v_tile = k_smem.at[buffer, wg], v_smem.at[buffer, wg]
+    plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + wg])
     lo, full_lo = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
     vec_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
+
+    def slot_of(g, qb):
+      return lax.rem(ring_base + tile.step_of(g, qb), jnp.int32(stages))
 
     def probs_t(s_t, qb, slot, *, masked: bool):
       """P^T [keys, queries] from S^T and the lse of the Q block in `slot`."""
@@ -358,7 +393,7 @@ def _dkv_kernel(
 
     def wait_q_block(qb, g):
       """(slot, Q tile, dO tile) of Q block qb of head g, once loaded."""
-      slot = slot_of(step_of(g, qb))
+      slot = slot_of(g, qb)
       plgpu.barrier_wait(q_ready.at[slot])
       plgpu.barrier_wait(do_ready.at[slot])
       return slot, q_smem.at[slot], do_smem.at[slot]
@@ -383,8 +418,8 @@ def _dkv_kernel(
         issue_scores(s_ref, dp_ref, q_tile, do_tile)
         return s_ref[...], dp_ref[...]  # waits for both
 
-      tile = plgpu.ACC((rows, block_q), jnp.float32)
-      s_t, dp_t = pl.run_scoped(scores, tile, tile)  # [keys, queries]
+      score_acc = plgpu.ACC((rows, block_q), jnp.float32)
+      s_t, dp_t = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
       p_t = probs_t(s_t, qb, slot, masked=masked)
       ds_t = grad_scores_t(p_t, dp_t, slot)
 
@@ -448,15 +483,15 @@ def _dkv_kernel(
         dk_new = plgpu.wgmma_accumulator_load(dk_ref, wait_n=0)
         return dk_new, plgpu.wgmma_accumulator_load(dv_ref, wait_n=None)  # both complete
 
-      tile, acc_tile = plgpu.ACC((rows, block_q), jnp.float32), plgpu.ACC(dk.shape, jnp.float32)
-      dk, dv = pl.run_scoped(body, tile, tile, acc_tile, acc_tile)
+      score_acc, grad_acc = plgpu.ACC((rows, block_q), jnp.float32), plgpu.ACC(dk.shape, jnp.float32)
+      dk, dv = pl.run_scoped(body, score_acc, score_acc, grad_acc, grad_acc)
       release_q_block(slot)
       return dk, dv
 
     def drain(qb, _, *, g):
       # Q blocks before this warpgroup's diagonal that the other consumer
       # needs: release their slots without computing (see forward.py).
-      slot = slot_of(step_of(g, qb))
+      slot = slot_of(g, qb)
       plgpu.barrier_wait(q_ready.at[slot])
       plgpu.barrier_wait(lse_ready.at[slot])
       plgpu.barrier_wait(do_ready.at[slot])
@@ -470,7 +505,7 @@ def _dkv_kernel(
     def one_head(g, carry):
       # Query head kv_head * group + g: its Q blocks, in the producer's order.
       if causal:
-        lax.fori_loop(lo_cta, lo, functools.partial(drain, g=g), None)
+        lax.fori_loop(tile.lo, lo, functools.partial(drain, g=g), None)
         carry = lax.fori_loop(lo, full_lo, functools.partial(block_step, g=g, masked=True), carry)
       return lax.fori_loop(full_lo, num_q, functools.partial(block_step, g=g, masked=False), carry)
 
@@ -486,13 +521,60 @@ def _dkv_kernel(
       key = k_start + plgpu.broadcasted_iota(jnp.int32, dk.shape, 0, layout=plgpu.Layout.WGMMA)
       dk, dv = (jnp.where(key < seq_k, x, 0.0) for x in (dk, dv))
 
-    # Every wgmma reading the K and V tiles has completed: they stage dK, dV.
+    return dk, dv
+
+  def store_gradients(tile: KVTile, buffer, result):
+    """Scales dK and starts the TMA stores of dK and dV, staged in the K and
+    V tiles (every wgmma reading them has completed)."""
+    dk, dv = result
+    k_tile, v_tile = k_smem.at[buffer, wg], v_smem.at[buffer, wg]
+    kv_rows = (tile.batch, pl.ds(tile.k_start + wg * rows, rows), tile.kv_head)
     k_tile[...] = (dk * softmax_scale).astype(dtype)
     v_tile[...] = dv.astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv_rows])
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  if schedule is None:  # one tile per CTA
+    tile = tile_at(lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch"))
+
+    @pl.when(wg == PRODUCER)
+    def _producer():
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+      load_q_blocks(tile, jnp.int32(0))
+      observe_last_releases(tile.num_steps)
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      load_kv(tile, 0)
+      store_gradients(tile, 0, gradients(tile, 0, jnp.int32(0)))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return
+
+  # Persistent, as the forward: one Q/dO ring through all of the CTA's
+  # tiles, the next tile's K and V loaded while the current one's gradients
+  # are stored.
+  cta = lax.axis_index("cta")
+  my_tiles = schedule.tile_count(cta)
+  tile_number = lambda i: tile_at(*schedule.tile(cta, i))
+
+  @pl.when(wg == PRODUCER)
+  def _persistent_producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    def produce(i, ring_base):
+      tile = tile_number(i)
+      load_q_blocks(tile, ring_base)
+      return ring_base + tile.num_steps
+
+    observe_last_releases(lax.fori_loop(0, my_tiles, produce, jnp.int32(0)))
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _persistent_consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    consume_tiles_persistent(my_tiles, tile_of=tile_number, load=load_kv, compute=gradients, store=store_gradients)
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):
@@ -549,33 +631,36 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   interpret_params, interpret = interpret_params_of(interpret)
   dtype, stages, block_q = q.dtype, config.stages, config.block_q
   transforms = _swizzled(head_dim, dtype)
+  buffers = config.dkv_buffers
   scratch = [
-      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # K
-      plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # V
+      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # K
+      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # V
       plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),  # Q
       plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),  # dO
       plgpu.SMEM((stages, block_q), jnp.float32),  # lse
       plgpu.SMEM((stages, block_q), jnp.float32),  # delta
-      plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS),  # K and V tiles
+      plgpu.Barrier(num_arrivals=2, num_barriers=buffers * NUM_CONSUMERS),  # K and V tiles
       *[plgpu.Barrier(num_barriers=stages) for _ in range(4)],  # Q, dO, lse, delta ready
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # Q, lse consumed
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # dO, delta consumed
   ]
   if interpret:
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)))
+  # K/V blocks fastest: CTAs running together share one (batch, kv head) and
+  # read the same Q and dO from L2. Block 0 (causal: the most Q blocks) runs
+  # first.
+  schedule, grid, grid_names = outer_grid(k.shape[1] // OUTER_ROWS, kv_heads, batch, axis="kv",
+                                          persistent=config.dkv_persistent, causal=causal, interpret=interpret)
   kernel = functools.partial(
-      _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, causal=causal,
+      _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, schedule=schedule, causal=causal,
       softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
       scratch_types=scratch,
-      # K/V blocks fastest: CTAs running together share one (batch, kv head)
-      # and read the same Q and dO from L2. Block 0 (causal: the most Q
-      # blocks) launches first.
-      grid=(k.shape[1] // OUTER_ROWS, kv_heads, batch),
-      grid_names=("kv", "heads", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -803,8 +888,8 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
   if interpret:
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_kv), dtype, transforms=_swizzled(block_kv, dtype)))
   num_q_blocks = q.shape[1] // OUTER_ROWS
-  schedule, grid, grid_names = q_outer_grid(num_q_blocks, heads, batch, persistent=config.dq_persistent,
-                                            causal=causal, interpret=interpret)
+  schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.dq_persistent,
+                                          causal=causal, interpret=interpret)
   kernel = functools.partial(
       _dq_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
       schedule=schedule, causal=causal, softmax_scale=softmax_scale, config=config, interpret=interpret,

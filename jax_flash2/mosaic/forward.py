@@ -424,17 +424,19 @@ class QTile:
 
 @dataclasses.dataclass(frozen=True)
 class PersistentSchedule:
-  """Which tiles the persistent CTAs of a Q-outer kernel (the forward, dQ)
-  take. A tile is one Q block of one (batch, head), numbered with Q blocks
-  fastest, so CTAs running together share one (batch, head) and hit the same
-  K/V in L2; CTA c takes tiles c, c + num_ctas, ...
+  """Which tiles the persistent CTAs of a kernel take. A tile is one outer
+  block (a Q block of the forward and dQ, a K/V block of dK/dV) of one
+  (batch, head), numbered with outer blocks fastest, so CTAs running together
+  share one (batch, head) and read the same inner blocks from L2; CTA c
+  takes tiles c, c + num_ctas, ...
 
   Causal tiles differ in work (a Q block sees the K/V blocks up to its
-  diagonal), and a static schedule cannot even that out the way the
-  hardware's CTA launcher does. So with `paired` the tiles go in pairs of
-  equal total work, the heaviest Q block of a (batch, head) with its
-  lightest, the second heaviest with the second lightest, ..., and CTA c
-  takes pairs c, c + num_ctas, ...: every CTA gets the same work.
+  diagonal, a K/V block the Q blocks from it), and a static schedule cannot
+  even that out the way the hardware's CTA launcher does. So with `paired`
+  the tiles go in pairs of equal total work, the heaviest block of a (batch,
+  head) with its lightest, the second heaviest with the second lightest, ...,
+  and CTA c takes pairs c, c + num_ctas, ...: every CTA gets the same work.
+  (`num_q_blocks` counts the outer blocks, whichever they are.)
   """
 
   num_q_blocks: int
@@ -467,8 +469,9 @@ class PersistentSchedule:
 
   def tile(self, cta, i):
     """(q_index, head, batch) of CTA cta's i-th tile, int32 scalars; q_index
-    counts as a grid's Q axis does (a causal kernel reverses it to launch
-    the heaviest Q blocks first: the pair's first tile is the heavy one)."""
+    counts as the grid's outer axis does: a pair's first tile is block `half`,
+    the heavy one where block 0 is the heaviest (K/V blocks; the Q-outer
+    kernels reverse their index to run the heaviest Q blocks first)."""
     nq = jnp.int32(self.num_q_blocks)
     if self.paired:
       t = 2 * (cta + lax.div(i, jnp.int32(2)) * self.num_ctas) + lax.rem(i, jnp.int32(2))
@@ -482,15 +485,17 @@ class PersistentSchedule:
     return q_index, lax.rem(rest, jnp.int32(self.heads)), lax.div(rest, jnp.int32(self.heads))
 
 
-def q_outer_grid(num_q_blocks: int, heads: int, batch: int, *, persistent: bool, causal: bool, interpret: bool):
-  """(schedule, grid, grid_names) of a Q-outer kernel: persistent CTAs
-  (schedule), or one CTA per tile (schedule None) with Q blocks the
-  fastest-varying grid axis, so that CTAs running together share one (batch,
-  head) and hit the same K/V in L2."""
+def outer_grid(num_blocks: int, heads: int, batch: int, *, axis: str, persistent: bool, causal: bool,
+               interpret: bool):
+  """(schedule, grid, grid_names) of a kernel over outer blocks (Q blocks of
+  the forward and dQ, axis "q"; K/V blocks of dK/dV, axis "kv"): persistent
+  CTAs (schedule), or one CTA per tile (schedule None) with the outer blocks
+  the fastest-varying grid axis, so that CTAs running together share one
+  (batch, head) and read the same inner blocks from L2."""
   if persistent:
-    schedule = PersistentSchedule.create(num_q_blocks, heads, batch, causal=causal, interpret=interpret)
+    schedule = PersistentSchedule.create(num_blocks, heads, batch, causal=causal, interpret=interpret)
     return schedule, (schedule.num_ctas,), ("cta",)
-  return None, (num_q_blocks, heads, batch), ("q", "heads", "batch")
+  return None, (num_blocks, heads, batch), (axis, "heads", "batch")
 
 
 def _forward_kernel(
@@ -875,8 +880,8 @@ def forward(
         plgpu.SwizzleTransform(128),
     )
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, rows, config.block_kv), dtype, transforms=p_transforms))
-  schedule, grid, grid_names = q_outer_grid(num_q_blocks, heads, batch, persistent=config.persistent,
-                                            causal=causal, interpret=interpret)
+  schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.persistent,
+                                          causal=causal, interpret=interpret)
   kernel = functools.partial(
       _forward_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
       schedule=schedule, causal=causal, softmax_scale=float(softmax_scale), config=config, interpret=interpret,
