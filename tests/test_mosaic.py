@@ -413,17 +413,21 @@ def test_gpu_softmax_overlap(shape, kv_heads, causal):
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
+# Persistent kernels on the GPU: more tiles than SMs (132 on an H200), so
+# that each CTA takes several; ragged lengths with GQA; causal seq_q > seq_k
+# (rows that see no key) with an odd number of Q blocks.
+PERSISTENT_GPU_SHAPES = dict(
+    argnames="shape, kv_heads",
+    argvalues=[((8, 2048, 2048, 16, 128), None), ((4, 2048, 2048, 32, 64), None), ((3, 1000, 1537, 16, 128), 4),
+               ((2, 1537, 1000, 16, 64), None)],
+    ids=["d128", "d64", "ragged_gqa", "seq_q_gt_seq_k"],
+)
+
+
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "shape, kv_heads",
-    # More tiles than SMs (132 on an H200): each CTA takes several. Ragged
-    # lengths with GQA; causal seq_q > seq_k (rows that see no key).
-    [((8, 2048, 2048, 16, 128), None), ((4, 2048, 2048, 32, 64), None), ((3, 1000, 1537, 16, 128), 4),
-     ((2, 1537, 1000, 16, 64), None)],
-    ids=["d128", "d64", "ragged_gqa", "seq_q_gt_seq_k"],
-)
+@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
 def test_gpu_persistent(shape, kv_heads, causal):
   config = dataclasses.replace(mosaic.default_config(shape[-1]), persistent=True)
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
@@ -821,13 +825,7 @@ def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "shape, kv_heads",
-    # More tiles than SMs; ragged GQA; seq_q > seq_k with an odd number of Q blocks.
-    [((8, 2048, 2048, 16, 128), None), ((4, 2048, 2048, 32, 64), None), ((3, 1000, 1537, 16, 128), 4),
-     ((2, 1537, 1000, 16, 64), None)],
-    ids=["d128", "d64", "ragged_gqa", "seq_q_gt_seq_k"],
-)
+@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
 @pytest.mark.parametrize("kernels", ["dq+dkv"])
 def test_bwd_gpu_persistent(shape, kv_heads, causal, kernels):
   options = {f"{kernel}_persistent": True for kernel in kernels.split("+")}

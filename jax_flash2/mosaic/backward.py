@@ -93,11 +93,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash2.mosaic.forward import (
-    CONSUMER_REGISTERS,
     LOG2_E,
     NUM_CONSUMERS,
-    PRODUCER,
-    PRODUCER_REGISTERS,
     SMEM_LIMIT,
     SUPPORTED_DTYPES,
     WGMMA_M,
@@ -105,12 +102,11 @@ from jax_flash2.mosaic.forward import (
     PersistentSchedule,
     QTile,
     _kv_block_bounds,
-    consume_tiles_persistent,
     interpret_params_of,
-    pad_seq,
-    produce_kv_ring,
-    produce_kv_ring_persistent,
+    kv_ring_producer,
     outer_grid,
+    pad_seq,
+    run_tiles,
     unpad_seq,
     visible,
 )
@@ -535,46 +531,8 @@ def _dkv_kernel(
     plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv_rows])
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
 
-  if schedule is None:  # one tile per CTA
-    tile = tile_at(lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch"))
-
-    @pl.when(wg == PRODUCER)
-    def _producer():
-      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-      load_q_blocks(tile, jnp.int32(0))
-      observe_last_releases(tile.num_steps)
-
-    @pl.when(wg < NUM_CONSUMERS)
-    def _consumer():
-      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-      load_kv(tile, 0)
-      store_gradients(tile, 0, gradients(tile, 0, jnp.int32(0)))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    return
-
-  # Persistent, as the forward: one Q/dO ring through all of the CTA's
-  # tiles, the next tile's K and V loaded while the current one's gradients
-  # are stored.
-  cta = lax.axis_index("cta")
-  my_tiles = schedule.tile_count(cta)
-  tile_number = lambda i: tile_at(*schedule.tile(cta, i))
-
-  @pl.when(wg == PRODUCER)
-  def _persistent_producer():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-    def produce(i, ring_base):
-      tile = tile_number(i)
-      load_q_blocks(tile, ring_base)
-      return ring_base + tile.num_steps
-
-    observe_last_releases(lax.fori_loop(0, my_tiles, produce, jnp.int32(0)))
-
-  @pl.when(wg < NUM_CONSUMERS)
-  def _persistent_consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    consume_tiles_persistent(my_tiles, tile_of=tile_number, load=load_kv, compute=gradients, store=store_gradients)
+  run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe_last_releases, load=load_kv,
+            compute=gradients, store=store_gradients)
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):
@@ -810,39 +768,10 @@ def _dq_kernel(
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head])
 
-  if schedule is None:  # one tile per CTA
-    tile = tile_at(lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch"))
-
-    @pl.when(wg == PRODUCER)
-    def _producer():
-      produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
-                      batch=tile.batch, kv_head=tile.kv_head(group), num_steps=tile.num_steps,
-                      block_kv=block_kv, stages=stages)
-
-    @pl.when(wg < NUM_CONSUMERS)
-    def _consumer():
-      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-      load_rows(tile, 0)
-      store_dq(tile, 0, gradient(tile, 0, jnp.int32(0)))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    return
-
-  # Persistent, as the forward: one K/V ring through all of the CTA's tiles,
-  # the next tile's rows loaded while the current one's dQ is stored.
-  cta = lax.axis_index("cta")
-  my_tiles = schedule.tile_count(cta)
-  tile_number = lambda i: tile_at(*schedule.tile(cta, i))
-
-  @pl.when(wg == PRODUCER)
-  def _persistent_producer():
-    produce_kv_ring_persistent(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
-                               num_tiles=my_tiles, tile_of=tile_number, group=group, block_kv=block_kv, stages=stages)
-
-  @pl.when(wg < NUM_CONSUMERS)
-  def _persistent_consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    consume_tiles_persistent(my_tiles, tile_of=tile_number, load=load_rows, compute=gradient, store=store_dq)
+  produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
+                                      group=group, block_kv=block_kv, stages=stages)
+  run_tiles(schedule, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_rows, compute=gradient,
+            store=store_dq)
 
 
 def dq(

@@ -331,64 +331,103 @@ def observe_last_releases(k_consumed, v_consumed, *, end_step, stages: int) -> N
     plgpu.barrier_wait(v_consumed.at[slot])
 
 
-def produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, *,
-                    batch, kv_head, num_steps, block_kv: int, stages: int) -> None:
-  """The producer warpgroup's work for one tile: TMA copies of K/V blocks
-  0..num_steps-1 of (batch, kv_head) into the ring. Shared by the forward
-  and the backward dQ kernel."""
-  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-  load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, batch=batch,
-                 kv_head=kv_head, num_steps=num_steps, first_step=0, block_kv=block_kv, stages=stages)
-  observe_last_releases(k_consumed, v_consumed, end_step=num_steps, stages=stages)
+def kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, *, group: int,
+                     block_kv: int, stages: int):
+  """(produce, observe) for `run_tiles` in a Q-outer kernel (the forward,
+  dQ): the tile's K/V blocks through the ring, for the K/V head of its query
+  head."""
 
-
-def produce_kv_ring_persistent(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, *,
-                               num_tiles, tile_of, group: int, block_kv: int, stages: int) -> None:
-  """The producer warpgroup's work in a persistent CTA: the K/V blocks of
-  its tiles tile_of(0), ..., tile_of(num_tiles - 1) (QTiles) in turn,
-  through one ring, so that the next tile's first blocks load while the
-  consumers finish the current tile. Shared by the forward and the backward
-  dQ kernel."""
-  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-  def produce(i, ring_base):
-    tile = tile_of(i)
+  def produce(tile: QTile, ring_base):
     load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, batch=tile.batch,
-                   kv_head=tile.kv_head(group), num_steps=tile.num_steps, first_step=ring_base, block_kv=block_kv,
-                   stages=stages)
-    return ring_base + tile.num_steps
+                   kv_head=tile.kv_head(group), num_steps=tile.num_steps, first_step=ring_base,
+                   block_kv=block_kv, stages=stages)
 
-  ring_end = lax.fori_loop(0, num_tiles, produce, jnp.int32(0))
-  observe_last_releases(k_consumed, v_consumed, end_step=ring_end, stages=stages)
+  def observe(end_step):
+    observe_last_releases(k_consumed, v_consumed, end_step=end_step, stages=stages)
+
+  return produce, observe
 
 
-def consume_tiles_persistent(num_tiles, *, tile_of, load, compute, store) -> None:
-  """A consumer warpgroup's loop in a persistent CTA, over tiles
-  0..num_tiles-1 with their rows double-buffered: load(tile, buffer) starts
-  the copies of a tile's rows, compute(tile, buffer, ring_base) waits for
-  them and returns the tile's result from the K/V blocks at the ring's steps
-  ring_base, ..., and store(tile, buffer, result) starts its TMA stores,
-  staged in the buffer's tiles. The next tile's rows load during the store.
-  tile_of(i) gives tile i, with a num_steps field (its K/V blocks)."""
-  load(tile_of(jnp.int32(0)), 0)
+def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, produce, observe, load, compute,
+              store, prologue=lambda: None, epilogue=lambda: None) -> None:
+  """A warp-specialized CTA's two roles over its tiles; the kernels supply
+  the work, as callables of a tile (QTile or the like: num_steps ring steps):
 
-  def consume(i, ring_base):
-    tile = tile_of(i)
-    buffer = lax.rem(i, jnp.int32(2))
-    result = compute(tile, buffer, ring_base)
-    # The next tile's rows go to the other buffer, which staged the previous
-    # tile's results: their stores, issued a whole tile ago, must have read it.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    produce(tile, ring_base): the producer's TMA copies of the tile's inner
+      blocks into the ring's steps ring_base, ring_base + 1, ...;
+    observe(end_step): the producer's wait for the release of the ring's
+      last slots before end_step;
+    load(tile, buffer): a consumer starts the copies of its outer rows;
+    compute(tile, buffer, ring_base): waits for them and returns its result;
+    store(tile, buffer, result): starts the result's TMA stores;
+    prologue(), epilogue(): a consumer's work before its first tile and
+      after its last.
 
-    @pl.when(i + 1 < num_tiles)
-    def _():
-      load(tile_of(i + 1), 1 - buffer)
+  With schedule None the CTA takes the one tile of its grid position
+  (tile_at(index on `axis`, head, batch)); else the schedule's tiles, with
+  one ring through all of them and the outer rows double-buffered, the next
+  tile's rows loading while the current one's results are stored. wg: the
+  warpgroup index."""
+  if schedule is None:
+    tile = tile_at(lax.axis_index(axis), lax.axis_index("heads"), lax.axis_index("batch"))
 
-    store(tile, buffer, result)
-    return ring_base + tile.num_steps
+    @pl.when(wg == PRODUCER)
+    def _producer():
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+      produce(tile, jnp.int32(0))
+      observe(tile.num_steps)
 
-  lax.fori_loop(0, num_tiles, consume, jnp.int32(0))
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # shared memory must outlive the stores' reads
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      load(tile, 0)
+      prologue()
+      store(tile, 0, compute(tile, 0, jnp.int32(0)))
+      epilogue()
+      # Shared memory must outlive the stores' reads of it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return
+
+  num_tiles = schedule.tile_count(lax.axis_index("cta"))
+  tile_of = lambda i: tile_at(*schedule.tile(lax.axis_index("cta"), i))
+
+  @pl.when(wg == PRODUCER)
+  def _persistent_producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    def produce_tile(i, ring_base):
+      tile = tile_of(i)
+      produce(tile, ring_base)
+      return ring_base + tile.num_steps
+
+    observe(lax.fori_loop(0, num_tiles, produce_tile, jnp.int32(0)))
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _persistent_consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    prologue()
+    load(tile_of(jnp.int32(0)), 0)
+
+    def consume(i, ring_base):
+      tile = tile_of(i)
+      buffer = lax.rem(i, jnp.int32(2))
+      result = compute(tile, buffer, ring_base)
+      # The next tile's rows go to the other buffer, which staged the
+      # previous tile's results: their stores, issued a whole tile ago, must
+      # have read it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      @pl.when(i + 1 < num_tiles)
+      def _():
+        load(tile_of(i + 1), 1 - buffer)
+
+      store(tile, buffer, result)
+      return ring_base + tile.num_steps
+
+    lax.fori_loop(0, num_tiles, consume, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # shared memory must outlive the stores' reads
+    epilogue()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -560,10 +599,6 @@ def _forward_kernel(
 
   tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=config.block_q, block_kv=block_kv,
                               seq_q=seq_q, seq_k=seq_k, causal=causal)
-
-  def persistent_tile(i) -> QTile:
-    """The i-th tile of this persistent CTA."""
-    return tile_at(*schedule.tile(lax.axis_index("cta"), i))
 
   def load_q(tile: QTile, buffer):
     plgpu.copy_gmem_to_smem(q_ref.at[tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head],
@@ -759,53 +794,17 @@ def _forward_kernel(
     plgpu.copy_smem_to_gmem(q_tile, out_ref.at[tile.batch, pl.ds(q_start, rows), tile.head])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile.batch, tile.head, pl.ds(q_start, rows)])
 
-  if schedule is None:  # one tile per CTA
-    tile = tile_at(lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch"))
+  def compute(tile: QTile, buffer, ring_base):
+    plgpu.barrier_wait(q_ready.at[buffer * NUM_CONSUMERS + wg])
+    return attend(tile, q_smem.at[buffer, wg], ring_base)
 
-    @pl.when(wg == PRODUCER)
-    def _producer():
-      produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, batch=tile.batch,
-                      kv_head=tile.kv_head(group), num_steps=tile.num_steps, block_kv=block_kv,
-                      stages=stages)
+  def store(tile: QTile, buffer, result):
+    store_output(tile, q_smem.at[buffer, wg], *result)
 
-    @pl.when(wg < NUM_CONSUMERS)
-    def _consumer():
-      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-      load_q(tile, 0)
-      start_turns()
-      plgpu.barrier_wait(q_ready.at[wg])
-      q_tile = q_smem.at[0, wg]
-      store_output(tile, q_tile, *attend(tile, q_tile, jnp.int32(0)))
-      end_turns()
-      # Shared memory must outlive the copies' reads of it.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    return
-
-  # Persistent: this CTA takes the schedule's tiles in turn. One ring runs
-  # through all of them, so the producer fetches the next tile's first K/V
-  # blocks while the consumers finish the current one.
-  my_tiles = schedule.tile_count(lax.axis_index("cta"))
-
-  @pl.when(wg == PRODUCER)
-  def _persistent_producer():
-    produce_kv_ring_persistent(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
-                               num_tiles=my_tiles, tile_of=persistent_tile, group=group, block_kv=block_kv, stages=stages)
-
-  @pl.when(wg < NUM_CONSUMERS)
-  def _persistent_consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    start_turns()
-
-    def compute(tile, buffer, ring_base):
-      plgpu.barrier_wait(q_ready.at[buffer * NUM_CONSUMERS + wg])
-      return attend(tile, q_smem.at[buffer, wg], ring_base)
-
-    def store(tile, buffer, result):
-      store_output(tile, q_smem.at[buffer, wg], *result)
-
-    consume_tiles_persistent(my_tiles, tile_of=persistent_tile, load=load_q, compute=compute, store=store)
-    end_turns()
+  produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
+                                      group=group, block_kv=block_kv, stages=stages)
+  run_tiles(schedule, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_q, compute=compute,
+            store=store, prologue=start_turns, epilogue=end_turns)
 
 
 def forward(
