@@ -252,6 +252,16 @@ OVERLAP = [
 ]
 
 
+def _check_without_races(shape, causal, kv_heads, config):
+  """The forward in Mosaic's interpreter with its race detector, against the
+  reference, bf16."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the race detector's state
+
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=params)
+  assert not gpu_callbacks.get_races().races_found
+
+
 @pytest.mark.parametrize("shape, causal, kv_heads, config", OVERLAP,
                          ids=["causal_drain", "gqa_seq_q_lt_seq_k", "ragged", "one_row"])
 def test_interpreter_softmax_overlap(shape, causal, kv_heads, config):
@@ -260,11 +270,7 @@ def test_interpreter_softmax_overlap(shape, causal, kv_heads, config):
   # detector. Mosaic's interpreter runs each wgmma when it is issued, so the
   # overlap itself (what may run while P V is in flight) is only checked on
   # the GPU (test_gpu_softmax_overlap).
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the race detector's state
-
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=params)
-  assert not gpu_callbacks.get_races().races_found
+  _check_without_races(shape, causal, kv_heads, config)
 
 
 # persistent: (shape, causal, kv_heads, config). Two CTAs over 4-8 tiles, so
@@ -286,13 +292,9 @@ PERSISTENT = [
 @pytest.mark.parametrize("shape, causal, kv_heads, config", PERSISTENT,
                          ids=["full_overlap", "causal_drain", "gqa_rows_that_see_nothing", "ragged_gqa", "block_q_256"])
 def test_interpreter_persistent(shape, causal, kv_heads, config):
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
   batch, seq_q, _, heads, _ = shape
   assert batch * heads * -(-seq_q // config.block_q) >= 2 * mosaic._PERSISTENT_INTERPRET_CTAS
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=params)
-  assert not gpu_callbacks.get_races().races_found
+  _check_without_races(shape, causal, kv_heads, config)
 
 
 # pingpong: (shape, causal, kv_heads, config): the first consumer passes its
@@ -311,11 +313,7 @@ PINGPONG = [
 @pytest.mark.parametrize("shape, causal, kv_heads, config", PINGPONG,
                          ids=["full", "causal_drain_persistent", "ragged_gqa_persistent", "rows_that_see_nothing"])
 def test_interpreter_pingpong(shape, causal, kv_heads, config):
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=params)
-  assert not gpu_callbacks.get_races().races_found
+  _check_without_races(shape, causal, kv_heads, config)
 
 
 def test_interpreter_rows_that_see_no_key():
