@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +103,7 @@ from jax_flash2.mosaic.forward import (
     _kv_block_bounds,
     interpret_params_of,
     kv_ring_producer,
+    observe_last_releases,
     outer_grid,
     pad_seq,
     run_tiles,
@@ -340,14 +340,9 @@ def _dkv_kernel(
       plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[slot], do_ready.at[slot])
       plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], delta_ready.at[slot])
 
-  def observe_last_releases(end_step):
-    # Observe the last releases as well (Mosaic's interpreter checks that
-    # every waiting thread sees every barrier phase; see forward.py).
-    @pl.loop(jnp.maximum(end_step - stages, 0), end_step)
-    def _release(ring_step):
-      slot = lax.rem(ring_step, jnp.int32(stages))
-      plgpu.barrier_wait(q_consumed.at[slot])
-      plgpu.barrier_wait(do_consumed.at[slot])
+  def observe(end_step):
+    # Q and lse are released on q_consumed, dO and delta on do_consumed.
+    observe_last_releases(q_consumed, do_consumed, end_step=end_step, stages=stages)
 
   def load_kv(tile: KVTile, buffer):
     """Starts the copies of this consumer's K and V rows of `tile`."""
@@ -531,7 +526,7 @@ def _dkv_kernel(
     plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv_rows])
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
 
-  run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe_last_releases, load=load_kv,
+  run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
             compute=gradients, store=store_gradients)
 
 

@@ -475,27 +475,26 @@ class PersistentSchedule:
   the tiles go in pairs of equal total work, the heaviest block of a (batch,
   head) with its lightest, the second heaviest with the second lightest, ...,
   and CTA c takes pairs c, c + num_ctas, ...: every CTA gets the same work.
-  (`num_q_blocks` counts the outer blocks, whichever they are.)
   """
 
-  num_q_blocks: int
+  num_blocks: int
   heads: int
   batch: int
   num_ctas: int
   paired: bool
 
   @classmethod
-  def create(cls, num_q_blocks: int, heads: int, batch: int, *, causal: bool, interpret: bool):
+  def create(cls, num_blocks: int, heads: int, batch: int, *, causal: bool, interpret: bool):
     """One CTA per SM (fewer in the interpreter, so that each takes several
     tiles), and none without a tile."""
-    num_tiles = num_q_blocks * heads * batch
+    num_tiles = num_blocks * heads * batch
     num_ctas = min(-(-num_tiles // 2) if causal else num_tiles,
                    _PERSISTENT_INTERPRET_CTAS if interpret else _sm_count())
-    return cls(num_q_blocks, heads, batch, num_ctas, paired=causal)
+    return cls(num_blocks, heads, batch, num_ctas, paired=causal)
 
   @property
   def num_tiles(self) -> int:
-    return self.num_q_blocks * self.heads * self.batch
+    return self.num_blocks * self.heads * self.batch
 
   def tile_count(self, cta):
     """Tiles of CTA `cta` (int32 scalar)."""
@@ -507,21 +506,21 @@ class PersistentSchedule:
     return firsts + seconds
 
   def tile(self, cta, i):
-    """(q_index, head, batch) of CTA cta's i-th tile, int32 scalars; q_index
+    """(block, head, batch) of CTA cta's i-th tile, int32 scalars; block
     counts as the grid's outer axis does: a pair's first tile is block `half`,
     the heavy one where block 0 is the heaviest (K/V blocks; the Q-outer
     kernels reverse their index to run the heaviest Q blocks first)."""
-    nq = jnp.int32(self.num_q_blocks)
+    nb = jnp.int32(self.num_blocks)
     if self.paired:
       t = 2 * (cta + lax.div(i, jnp.int32(2)) * self.num_ctas) + lax.rem(i, jnp.int32(2))
-      position = lax.rem(t, nq)
+      position = lax.rem(t, nb)
       half = lax.div(position, jnp.int32(2))
-      q_index = jnp.where(lax.rem(position, jnp.int32(2)) == 0, half, nq - 1 - half)
+      block = jnp.where(lax.rem(position, jnp.int32(2)) == 0, half, nb - 1 - half)
     else:
       t = cta + i * self.num_ctas
-      q_index = lax.rem(t, nq)
-    rest = lax.div(t, nq)
-    return q_index, lax.rem(rest, jnp.int32(self.heads)), lax.div(rest, jnp.int32(self.heads))
+      block = lax.rem(t, nb)
+    rest = lax.div(t, nb)
+    return block, lax.rem(rest, jnp.int32(self.heads)), lax.div(rest, jnp.int32(self.heads))
 
 
 def outer_grid(num_blocks: int, heads: int, batch: int, *, axis: str, persistent: bool, causal: bool,
