@@ -205,7 +205,8 @@ def test_mosaic_bf16_matches_reference(shape, causal, backend):
 
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [MOSAIC_SHAPES[0], MOSAIC_SHAPES[4], MOSAIC_SHAPES[8]],
+# Three of MOSAIC_SHAPES: whole blocks, rows that see no key, and ragged.
+@pytest.mark.parametrize("shape", [(2, 1024, 1024, 4, 64), (1, 2048, 1024, 4, 128), (1, 1537, 1000, 3, 128)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_mosaic_fp16_matches_reference(shape, causal):
   _check(shape, jnp.float16, causal, backend="mosaic")
