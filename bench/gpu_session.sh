@@ -27,6 +27,7 @@
 #   Speed:    overlap_ab (softmax_overlap off/on, ~2 min), persistent (the
 #             persistent and ping-pong forward: tests, then A/B, ~6 min),
 #             bwd_persistent (the persistent dQ and dK/dV kernels: tests, then A/B, ~9 min),
+#             fused (dQ folded into the dK/dV kernel: tests, then A/B, ~9 min),
 #             d64_tiles (256-row Q tiles at d64, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
@@ -222,6 +223,31 @@ stage_bwd_persistent() {
     | tee "$OUT/bwd_persistent_ab.log"
   timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
     dq_persistent=1 dkv_persistent=1 dq_persistent=1+dkv_persistent=1 2>&1 | tail -n +3 | tee -a "$OUT/bwd_persistent_ab.log"
+}
+
+stage_fused() {
+  # BackwardConfig.fused_dq (session 6, CPU-checked; its semaphores and TMA
+  # reduce-adds run only here): GPU tests (a deadlock shows as the timeout),
+  # then A/B against the two-kernel backward.
+  timeout 240 python -m pytest -m gpu -q --maxfail=2 -rfE -p no:cacheprovider tests/test_mosaic.py \
+    -k bwd_gpu_fused 2>&1 | tee "$OUT/fused_tests.log" | tail -20
+  [ "${PIPESTATUS[0]}" = 124 ] && { echo "fused tests timed out (a deadlock?): no timing"; return; }
+  timeout 170 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+    fused_dq=1+stages=2 2>&1 | tee "$OUT/fused_ab.log"
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
+    fused_dq=1+dkv_persistent=1 fused_dq=1 2>&1 | tail -n +3 | tee -a "$OUT/fused_ab.log"
+}
+
+stage_bwd_tests() {
+  # The two-kernel Mosaic backward's GPU tests (plain and variants).
+  timeout 200 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py \
+    -k "bwd_gpu_matches or bwd_gpu_variants" 2>&1 | tee "$OUT/bwd_tests.log" | tail -20
+}
+
+stage_bwd_persistent_rest() {
+  # The rows bwd_persistent's time limit cut (session 6): 8k causal, 16k.
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 16384 --head-dim 128 64 --variants default \
+    stages=2+dq_persistent=1+dkv_persistent=1 dq_persistent=1+dkv_persistent=1 2>&1 | tee "$OUT/bwd_persistent_rest.log"
 }
 
 stage_d64_tiles() {

@@ -717,11 +717,15 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
   (q, k, v, do, lse, delta), (ref_dq, ref_dk, ref_dv) = _bwd_problem(
       batch, seq_q, seq_k, heads, head_dim, dtype, causal, kv_heads)
   kwargs = dict(causal=causal, config=config, interpret=interpret)
-  dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kwargs)
-  dq = mosaic_bwd.dq(q, k, v, do, lse, delta, **kwargs)
+  if config is not None and config.fused_dq:
+    dq, dk, dv = mosaic_bwd.backward(q, k, v, do, lse, delta, **kwargs)
+  else:
+    dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kwargs)
+    dq = mosaic_bwd.dq(q, k, v, do, lse, delta, **kwargs)
   for name, x, ref, like in (("dq", dq, ref_dq, q), ("dk", dk, ref_dk, k), ("dv", dv, ref_dv, v)):
     assert x.shape == like.shape and x.dtype == like.dtype, name
     assert rel_err(x, ref) < tol, name
+  return dq, dk, dv
 
 
 @pytest.mark.parametrize(
@@ -772,6 +776,92 @@ def test_bwd_interpreter_persistent(kernel, shape, dtype, causal, kv_heads, conf
     dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kwargs)
     assert rel_err(dk, ref_dk) < 1e-2 and rel_err(dv, ref_dv) < 1e-2
   assert not gpu_callbacks.get_races().races_found
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, causal, kv_heads",
+    # One CTA takes every tile in turn (see _fused_schedule): the ring, the
+    # dS^T buffers and the additions into dQ carry across tiles and heads.
+    [
+        ((1, 256, 256, 1, 128), jnp.bfloat16, False, None),  # each consumer adds half of dQ's columns
+        ((1, 384, 384, 2, 64), jnp.bfloat16, True, None),  # the consumers take turns; climbing and descending tiles
+        ((1, 256, 384, 2, 128), jnp.float16, True, 1),  # grouped-query, seq_q < seq_k
+        ((1, 384, 128, 1, 64), jnp.float16, True, None),  # seq_q > seq_k: rows that see no key, dQ 0
+        ((1, 200, 136, 2, 64), jnp.bfloat16, False, None),  # ragged
+    ],
+    ids=["d128", "d64_causal", "gqa_seq_q_lt_seq_k", "seq_q_gt_seq_k", "ragged"],
+)
+def test_bwd_interpreter_fused_dq(shape, dtype, causal, kv_heads):
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  config = mosaic_bwd.fused_backward_config(shape[-1])
+  config = dataclasses.replace(config, stages=2)  # wraps the ring more often
+  _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config,
+                               interpret=plgpu.InterpretGPUParams(detect_races=True))
+  assert not gpu_callbacks.get_races().races_found
+
+
+def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None):
+  """(ranks, events): the fused kernel's order of additions into dQ and, per
+  (query head, Q block), the (time, cta, rank) of its additions in the
+  schedule's model, from the kernel's own tile order (PersistentSchedule)."""
+  num_kv = -(-seq_k // mosaic_bwd.OUTER_ROWS)
+  schedule = mosaic_bwd._fused_schedule(num_kv, 1, 1, causal=causal, interpret=False)
+  if num_ctas is not None:
+    schedule = dataclasses.replace(schedule, num_ctas=num_ctas)
+  ranks = mosaic_bwd._dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=64, group=group, causal=causal)
+  num_q = -(-seq_q // 64)
+  starts = jnp.arange(num_kv) * mosaic_bwd.OUTER_ROWS
+  lo = np.broadcast_to(np.asarray(mosaic_bwd._q_block_bounds(starts, 64, seq_q, seq_k, 64, causal)[0]), (num_kv,))
+  events = {}
+  for cta in range(schedule.num_ctas):
+    time = 0
+    for i in range(int(schedule.tile_count(jnp.int32(cta)))):
+      j, _, _ = (int(x) for x in schedule.tile(jnp.int32(cta), jnp.int32(i)))
+      visits = num_q - int(lo[j])
+      for step in range(group * visits):
+        qb = int(mosaic_bwd._visit(j, step % visits, visits, int(lo[j]), num_q=num_q, num_kv=num_kv, causal=causal,
+                                   where=np.where, div=np.floor_divide, rem=np.remainder))
+        events.setdefault((step // visits, qb), []).append((time + step, cta, int(ranks[j, step])))
+      time += group * visits
+  return ranks, events
+
+
+@pytest.mark.parametrize(
+    "seq_q, seq_k, causal, group, num_ctas",
+    [(1024, 1024, False, 1, None), (1024, 1024, True, 1, None), (1000, 1537, True, 2, None),
+     (1537, 1000, True, 1, None), (384, 1024, False, 1, None), (2048, 2048, False, 1, 4), (2048, 2048, True, 2, 3)],
+)
+def test_dq_order_is_deadlock_free(seq_q, seq_k, causal, group, num_ctas):
+  """Each Q block's additions are ranked 0, 1, ... in the order of the
+  schedule's model (time, then CTA), so a CTA only ever waits for additions
+  that come before its own in one total order that each CTA's steps follow:
+  with all CTAs resident, the earliest pending addition can always go. The
+  model is replayed here from the kernel's own tile order."""
+  _, events = _dq_order_model(seq_q, seq_k, causal, group, num_ctas)
+  for key, additions in events.items():
+    additions.sort()
+    assert [rank for _, _, rank in additions] == list(range(len(additions))), key
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dq_order_spreads_the_adders(causal):
+  """At equal lengths no two tiles add into one Q block at one time, and
+  successive adders are two steps apart (non-causal; causal: at least one),
+  so that an adder seldom waits for the one before it."""
+  _, events = _dq_order_model(4096, 4096, causal)
+  gaps = [b[0] - a[0] for additions in events.values() for a, b in zip(sorted(additions), sorted(additions)[1:])]
+  assert min(gaps) == (1 if causal else 2)
+
+
+@pytest.mark.parametrize("shape, causal", [((2, 1024, 1024, 4, 128), True), ((1, 1000, 1537, 8, 64), False)])
+def test_bwd_fused_lowers_for_cuda(shape, causal):
+  """One kernel, with a semaphore per Q block and piece of dQ, and no dQ kernel."""
+  head_dim = shape[-1]
+  structs = _bwd_structs(*shape)
+  f = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=causal, config=mosaic_bwd.fused_backward_config(head_dim)))
+  text = f.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flash2_bwd_dkv_mosaic" in text and "flash2_bwd_dq_mosaic" not in text
 
 
 @pytest.mark.parametrize("shape, dtype, causal, kv_heads", RAGGED, ids=RAGGED_IDS)
@@ -832,6 +922,22 @@ def test_bwd_gpu_persistent(shape, kv_heads, causal, kernels):
   if max(config.dq_smem_bytes(head_dim, jnp.bfloat16), config.dkv_smem_bytes(head_dim, jnp.bfloat16)) > mosaic.SMEM_LIMIT:
     config = dataclasses.replace(config, stages=2)  # d128: the second buffers take a ring slot's room
   _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
+def test_bwd_gpu_fused_dq(shape, kv_heads, causal):
+  """The fused kernel against the reference, over several rounds of
+  persistent CTAs; and deterministic: a second run gives the same bits."""
+  config = mosaic_bwd.fused_backward_config(shape[-1])
+  grads = _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config,
+                                       interpret=False)
+  (q, k, v, do, lse, delta), _ = _bwd_problem(*shape, jnp.bfloat16, causal, kv_heads)
+  again = mosaic_bwd.backward(q, k, v, do, lse, delta, causal=causal, config=config)
+  for name, x, y in zip(("dq", "dk", "dv"), grads, again):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), err_msg=name)
 
 
 @pytest.mark.gpu

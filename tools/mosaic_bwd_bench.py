@@ -8,8 +8,9 @@
 Bench convention (as tools/mosaic_bench.py): 16384 tokens per batch, hidden
 2048, bf16; backward TFLOP/s = 2.5 x forward FLOPs / time (5 matmuls; the
 Mosaic pair recomputes S and dP in both kernels, 7 matmuls, not counted).
-Mosaic: delta = rowsum(dO * O) (XLA) + dkv + dq, from the Triton forward's
-out and lse. Triton: the vjp's backward, timed as (forward + backward) -
+Mosaic: delta = rowsum(dO * O) (XLA) + dkv + dq (with fused_dq: the dK/dV
+kernel, which adds dQ as well, and dQ's scaling; dq ms 0), from the Triton
+forward's out and lse. Triton: the vjp's backward, timed as (forward + backward) -
 forward. Also prints each Mosaic kernel alone and the largest relative
 difference of its gradients to Triton's.
 """
@@ -77,11 +78,11 @@ def main() -> None:
 
           def mosaic_grads(q, k, v, do, out, lse, kw=kw):
             delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
-            dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kw)
-            return mosaic_bwd.dq(q, k, v, do, lse, delta, **kw), dk, dv
+            return mosaic_bwd.backward(q, k, v, do, lse, delta, **kw)
 
+          # With fused_dq the dK/dV kernel computes dQ as well, and there is no dQ kernel.
           dkv_ms = _time_ms(lambda *a: mosaic_bwd.dkv(*a, **kw), (q, k, v, do, lse, delta))
-          dq_ms = _time_ms(lambda *a: mosaic_bwd.dq(*a, **kw), (q, k, v, do, lse, delta))
+          dq_ms = 0.0 if variant.fused_dq else _time_ms(lambda *a: mosaic_bwd.dq(*a, **kw), (q, k, v, do, lse, delta))
           ms = _time_ms(mosaic_grads, (q, k, v, do, out, lse))
           got = jax.jit(mosaic_grads)(q, k, v, do, out, lse)
           diff = max(

@@ -87,6 +87,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -101,6 +102,7 @@ from jax_flash2.mosaic.forward import (
     PersistentSchedule,
     QTile,
     _kv_block_bounds,
+    _sm_count,
     interpret_params_of,
     kv_ring_producer,
     observe_last_releases,
@@ -138,7 +140,13 @@ class BackwardConfig:
     dkv_persistent: the same for the dK/dV kernel (K/V-outer; causal tiles
       paired K/V block 0 with the last, ...). Costs a second set of K and V
       tiles (at head_dim 128 room for a ring slot: stages 2). Not yet timed
-      on a GPU, hence off by default.
+      on a GPU, hence off by default. With fused_dq (whose CTAs are
+      persistent anyway) it says whether they keep that second set.
+    fused_dq: fold dQ into the dK/dV kernel (FlashAttention-2's single
+      backward kernel): each K/V tile adds dS K into a float32 dQ in global
+      memory, in an order fixed per Q block (semaphores; see `_dq_order`),
+      so that gradients stay deterministic; S and dP are computed once, not
+      twice. Needs block_q 64. Not yet run on a GPU, hence off by default.
   The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
   Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
   lengths; see the module docstring).
@@ -150,9 +158,10 @@ class BackwardConfig:
   softmax_overlap: bool = False
   dq_persistent: bool = False
   dkv_persistent: bool = False
+  fused_dq: bool = False
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "dq_persistent", "dkv_persistent"):
+    for name in ("softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages"):
@@ -164,6 +173,8 @@ class BackwardConfig:
         raise ValueError(f"BackwardConfig.{name} must be 64 or 128, got {getattr(self, name)}")
     if not 2 <= self.stages <= 8:
       raise ValueError(f"BackwardConfig.stages must be between 2 and 8, got {self.stages}")
+    if self.fused_dq and self.block_q != WGMMA_M:
+      raise ValueError(f"BackwardConfig.fused_dq needs block_q {WGMMA_M}, got {self.block_q}")
 
   @property
   def dkv_buffers(self) -> int:
@@ -174,7 +185,10 @@ class BackwardConfig:
     item = jnp.dtype(dtype).itemsize
     kv = self.dkv_buffers * 2 * OUTER_ROWS * head_dim * item
     ring = self.stages * (2 * self.block_q * head_dim * item + 2 * self.block_q * 4)
-    return kv + ring + _SMEM_RESERVE
+    fused = 0
+    if self.fused_dq:  # dS^T, double-buffered; each consumer's piece of dQ (float32)
+      fused = 2 * OUTER_ROWS * self.block_q * item + NUM_CONSUMERS * self.block_q * _dq_piece(head_dim)[0] * 4
+    return kv + ring + fused + _SMEM_RESERVE
 
   @property
   def dq_buffers(self) -> int:
@@ -196,6 +210,15 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   if head_dim <= 64:
     return BackwardConfig(block_q=64, block_kv=128, stages=4)
   return BackwardConfig(block_q=64, block_kv=64, stages=3)
+
+
+def fused_backward_config(head_dim: int) -> BackwardConfig:
+  """The tiling of the fused kernel (dQ folded into dK/dV): the deepest ring
+  beside its dS^T and dQ staging, and, at head_dim 64, room for a second set
+  of K and V tiles."""
+  if head_dim <= 64:
+    return BackwardConfig(block_q=64, block_kv=128, stages=4, dkv_persistent=True, fused_dq=True)
+  return BackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True)
 
 
 def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tuple[str, ...]) -> None:
@@ -258,13 +281,110 @@ def _swizzled(head_or_cols: int, dtype):
   )
 
 
+# ------------------------------------------------- dQ in the dK/dV kernel
+
+
+def _dq_piece(head_dim: int) -> tuple[int, bool]:
+  """(columns, split) of the dQ piece a consumer of the fused kernel adds per
+  Q block. wgmma reads its K operand with 128-byte swizzling, so a column
+  slice of K must be 64 columns wide: at head_dim 128 each consumer adds its
+  half of the columns at every step (split); at head_dim 64 a consumer adds
+  all the columns at every other step, taking turns."""
+  return (head_dim // 2, True) if head_dim >= 2 * 64 else (head_dim, False)
+
+
+def _visit(kv_index, position, num_visits, lo, *, num_q, num_kv, causal: bool, where=jnp.where,
+           div=lax.div, rem=lax.rem):
+  """The Q block a K/V tile of the fused kernel visits at `position` of its
+  num_visits = num_q - lo blocks per query head (int32 scalars in the kernel,
+  numpy arrays in `_dq_order`, which passes numpy's where, div and rem).
+
+  Every tile adds into every Q block it visits, so the tiles that run
+  together should visit different Q blocks at any one time, and each Q block
+  should see its adders a few steps apart (the order of the additions is
+  fixed; an adder that comes too soon waits). Not causal: tile j starts at
+  Q block j * num_q / num_kv and wraps around. Causal (tiles paired heavy
+  with light, forward.PersistentSchedule): the heavy tile j (2j < num_kv)
+  climbs from its diagonal, the light tile, which runs second, descends to
+  it; at equal lengths tile j's heavy walk is at block lo + t at time t,
+  two blocks apart from its neighbours, and light walks meet neither each
+  other nor a heavy one (odd against even blocks)."""
+  if causal:
+    return where(2 * kv_index >= num_kv, lo + num_visits - 1 - position, lo + position)
+  return rem(position + div(kv_index * num_q, num_kv), num_visits)
+
+
+def _fused_schedule(num_kv: int, kv_heads: int, batch: int, *, causal: bool, interpret: bool) -> PersistentSchedule:
+  """The fused kernel's persistent CTAs, which wait on each other: all of them
+  must be resident at once (one per SM), and the tiles of one (batch, kv
+  head) must run in the same round(s) so that the order of additions into
+  its dQ (`_dq_order`, computed for one head) holds for every head. So the
+  CTA count is a multiple of the CTAs one head needs (tiles or pairs of
+  tiles), or divides it. Causal tiles pair only within a head: an odd
+  number of K/V blocks runs unpaired. In the interpreter one CTA takes every
+  tile in turn (no semaphores there; see _dkv_kernel)."""
+  paired = causal and num_kv % 2 == 0
+  per_head = num_kv // 2 if paired else num_kv
+  if interpret:
+    num_ctas = 1
+  elif per_head <= _sm_count():
+    num_ctas = per_head * min(_sm_count() // per_head, kv_heads * batch)
+  else:
+    num_ctas = max(d for d in range(1, _sm_count() + 1) if per_head % d == 0)
+  return PersistentSchedule(num_kv, kv_heads, batch, num_ctas, paired)
+
+
+def _dq_order(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: int, group: int,
+              causal: bool) -> np.ndarray:
+  """rank[j, s]: how many additions into the dQ block that K/V block j adds
+  into at its step s (of `group` query heads x its Q blocks) come before its
+  own, int32 [num_kv, group * num_q] (unused steps 0).
+
+  The order is that of a model of the schedule in which every step takes
+  one unit of time: CTA c's tiles run one after another, and additions into
+  one Q block go by time, then by CTA. A CTA waits, before adding, for its
+  rank's worth of additions (one semaphore per Q block and piece). The order
+  is a total one that every CTA's own sequence of steps follows, so with
+  all CTAs resident the earliest addition not yet made can always be made:
+  no deadlock, whatever the real timing; the model only decides how often
+  an adder waits. One (batch, kv head) is modelled: the others run the same
+  pattern in later rounds (`_fused_schedule`)."""
+  num_kv = schedule.num_blocks
+  num_ctas = min(schedule.num_ctas, num_kv // 2 if schedule.paired else num_kv)  # those of one head
+  num_q = -(-seq_q // block_q)
+  with jax.ensure_compile_time_eval():  # numbers, also under a trace
+    k_starts = jnp.arange(num_kv, dtype=jnp.int32) * OUTER_ROWS
+    lo = np.asarray(_q_block_bounds(k_starts, WGMMA_M, seq_q, seq_k, block_q, causal)[0])
+  lo = np.broadcast_to(lo, (num_kv,))
+  if schedule.paired:
+    pairs = [range(c, num_kv // 2, num_ctas) for c in range(num_ctas)]
+    tiles_of = [[j for p in ps for j in (p, num_kv - 1 - p)] for ps in pairs]
+  else:
+    tiles_of = [list(range(c, num_kv, num_ctas)) for c in range(num_ctas)]
+  events = []  # (tile, step, Q block of query head g, time, cta)
+  for cta, tiles in enumerate(tiles_of):
+    time = 0
+    for j in tiles:
+      visits = num_q - int(lo[j])
+      step = np.arange(group * visits)
+      qb = _visit(j, step % visits, visits, int(lo[j]), num_q=num_q, num_kv=num_kv, causal=causal, where=np.where,
+                  div=np.floor_divide, rem=np.remainder)
+      key = (step // visits) * num_q + qb
+      events.append(np.stack([np.full_like(step, j), step, key, time + step, np.full_like(step, cta)]))
+      time += group * visits
+  tile, step, key, time, cta = np.concatenate(events, axis=1)
+  order = np.lexsort((cta, time, key))
+  first = np.searchsorted(key[order], key[order], side="left")
+  ranks = np.zeros((num_kv, group * num_q), np.int32)
+  ranks[tile[order], step[order]] = np.arange(order.size) - first
+  return ranks
+
+
 # ---------------------------------------------------------------- dK, dV
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-    kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_consumed, do_consumed, *staging,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
     seq_q: int, seq_k: int, group: int, schedule: PersistentSchedule | None, causal: bool, softmax_scale: float,
     config: BackwardConfig, interpret: bool,
 ):
@@ -278,16 +398,33 @@ def _dkv_kernel(
   # kv_ready: [buffers * 2] barriers of 2 arrivals (K and V copies);
   # *_ready: [stages] (TMA); q_consumed (Q, lse), do_consumed (dO, delta):
   # [stages], 2 arrivals.
-  # staging (interpret mode only): [2, 64, block_q], P^T and dS^T for wgmma.
+  # With fused_dq (see `_add_dq`): ranks_ref, an input, int32 [num_kv,
+  # group * num_q] (`_dq_order`); dq_ref, an output, float32 [batch,
+  # seq_q', heads, D], dQ unscaled; ds_smem: [2, 2, 64, block_q], dS^T of
+  # both consumers, double-buffered by step; dq_smem: [2, block_q, piece
+  # columns] f32; ds_ready: [2] barriers of 2 arrivals; tile_done: a barrier
+  # of 2 arrivals (neither consumer reads the other's K tile any more).
+  # staging (interpret mode only): [2, 64, block_q], P^T and dS^T for wgmma;
+  # with fused_dq also dq_loaded, a barrier.
   # schedule: None for one CTA per tile (grid kv x heads x batch), else the
   # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks).
+  fused = config.fused_dq
+  refs = list(refs)
+  ranks_ref = refs.pop(0) if fused else None
+  dk_ref, dv_ref = refs.pop(0), refs.pop(0)
+  dq_ref = refs.pop(0) if fused else None
+  (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+   kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_consumed, do_consumed) = refs[:13]
+  refs = refs[13:]
+  ds_smem, dq_smem, ds_ready, tile_done = (refs.pop(0) for _ in range(4)) if fused else (None,) * 4
+  staging = refs.pop(0) if interpret else None
+  dq_loaded = refs.pop(0) if interpret and fused else None
   rows, block_q, stages = WGMMA_M, config.block_q, config.stages
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
-  if interpret:
-    [staging] = staging
   wg = lax.axis_index("wg")
   num_q = pl.cdiv(seq_q, block_q)
+  num_kv = k_ref.shape[1] // OUTER_ROWS
   qk_scale = softmax_scale * LOG2_E
 
   @dataclasses.dataclass(frozen=True)
@@ -297,20 +434,34 @@ def _dkv_kernel(
     consumer's keys come first, so its range covers both. int32 scalars."""
     batch: jax.Array
     kv_head: jax.Array
+    kv_index: jax.Array  # K/V block
     k_start: jax.Array  # first key row
     lo: jax.Array
     num_steps: jax.Array  # ring steps: Q blocks the producer loads for it
 
+    @property
+    def visits(self):
+      """Q blocks visited per query head."""
+      return jnp.int32(num_q) - self.lo
+
+    def q_block(self, position):
+      """The Q block at `position` of the visits for one query head: in
+      order from lo, or as `_visit` spreads the fused kernel's tiles."""
+      if not fused:
+        return self.lo + position
+      return _visit(self.kv_index, position, self.visits, self.lo, num_q=jnp.int32(num_q), num_kv=jnp.int32(num_kv),
+                    causal=causal)
+
     def step_of(self, g, qb):
       """The tile's ring step of Q block qb of query head g of the group."""
-      return g * (jnp.int32(num_q) - self.lo) + (qb - self.lo)
+      return g * self.visits + (qb - self.lo)
 
   def tile_at(kv_index, kv_head, batch) -> KVTile:
     # K/V block 0 sees the most Q blocks when causal: in grid order it runs
     # first, the heaviest-first order of the Q-outer kernels.
     k_start = kv_index * OUTER_ROWS
     lo, _ = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
-    return KVTile(batch, kv_head, k_start, lo, group * (jnp.int32(num_q) - lo))
+    return KVTile(batch, kv_head, kv_index, k_start, lo, group * (jnp.int32(num_q) - lo))
 
   def load_q_blocks(tile: KVTile, ring_base):
     """The producer's work for one tile: TMA copies of Q, dO, lse and delta
@@ -322,7 +473,7 @@ def _dkv_kernel(
       ring_step = ring_base + step
       slot = lax.rem(ring_step, jnp.int32(stages))
       head = tile.kv_head * group + lax.div(step, steps_per_head)
-      q0 = (tile.lo + lax.rem(step, steps_per_head)) * block_q
+      q0 = tile.q_block(lax.rem(step, steps_per_head)) * block_q
       q_rows = (tile.batch, pl.ds(q0, block_q), head)
       vec = (tile.batch, head, pl.ds(q0, block_q))
 
@@ -350,6 +501,77 @@ def _dkv_kernel(
     ready = kv_ready.at[buffer * NUM_CONSUMERS + wg]
     plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[buffer, wg], ready)
     plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[buffer, wg], ready)
+
+  piece_cols, split = _dq_piece(head_dim)
+  pieces = NUM_CONSUMERS if split else 1
+  heads = q_ref.shape[2]
+  if fused and not interpret:
+    # One counter per Q block and piece of dQ: the additions made into it.
+    # Zero at every call (Mosaic GPU zero-fills its global scratch).
+    additions = pl.get_global(plgpu.SemaphoreType.REGULAR((q_ref.shape[0] * heads * num_q * pieces,)))
+
+  def finish_addition(pending):
+    """Waits for the addition into dQ counted by semaphore `pending` (-1:
+    none) to land, then counts it, so that the next adder may go."""
+    if interpret:
+      return  # the interpreter's additions are complete when issued
+
+    @pl.when(pending >= 0)
+    def _():
+      plgpu.wait_smem_to_gmem(0)  # written, not only read from shared memory
+      plgpu.semaphore_signal(additions.at[pending], 1, memory_scope="gpu")
+
+  def add_dq(tile: KVTile, buffer, g, qb, ring_step, rank, pending):
+    """Adds this consumer's piece of dQ_qb += dS K (Q block qb of query
+    head g, float32, unscaled) into dq_ref, after the `rank` additions that
+    precede it (`_dq_order`); returns the semaphore that will count it.
+
+    dS comes from both consumers' dS^T rows in ds_smem[ring_step % 2], K
+    from both K tiles; the piece is half of the columns at every step
+    (split) or all of them at every other step (`_dq_piece`). The addition
+    is a TMA reduce-add (the first, rank 0, a plain store), left running:
+    the next step's `finish_addition` waits for it. Mosaic's interpreter
+    has neither semaphores nor reduce-adds: there one CTA takes every tile
+    in turn and adds by load, add and store."""
+    finish_addition(pending)
+    buf = lax.rem(ring_step, jnp.int32(2))
+    head = tile.kv_head * group + g
+    col0 = wg * piece_cols if split else 0
+    counter = ((tile.batch * heads + head) * num_q + qb) * pieces + (wg if split else 0)
+    target = dq_ref.at[tile.batch, pl.ds(qb * block_q, block_q), head, pl.ds(col0, piece_cols)]
+    staged = dq_smem.at[wg]
+
+    def piece():
+      plgpu.barrier_wait(ds_ready.at[buf])
+
+      def product(acc_ref):
+        for c in range(NUM_CONSUMERS):
+          k_cols = k_smem.at[buffer, c, :, pl.ds(col0, piece_cols)]
+          plgpu.wgmma(acc_ref, ds_smem.at[buf, c].transpose((1, 0)), k_cols)
+        return acc_ref[...]
+
+      dq = pl.run_scoped(product, plgpu.ACC((block_q, piece_cols), jnp.float32))
+      if interpret:
+        plgpu.copy_gmem_to_smem(target, staged, dq_loaded.at[wg])
+        plgpu.barrier_wait(dq_loaded.at[wg])
+        dq = dq + jnp.where(rank > 0, staged[...], 0.0)  # rank 0 finds no dQ there yet
+        staged[...] = dq
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(staged, target)
+        plgpu.wait_smem_to_gmem(0)
+        return
+      staged[...] = dq
+      plgpu.commit_smem()
+      plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
+      plgpu.copy_smem_to_gmem(staged, target, predicate=rank == 0)
+      plgpu.copy_smem_to_gmem(staged, target, predicate=rank > 0, reduction_op="add")
+
+    if split:
+      piece()
+      return jnp.int32(-1) if interpret else counter
+    owner = lax.rem(ring_step, jnp.int32(NUM_CONSUMERS)) == wg
+    pl.when(owner)(piece)
+    return jnp.where(owner & (not interpret), counter, -1)
 
   def gradients(tile: KVTile, buffer, ring_base):
     """(dK unscaled, dV) of this consumer's rows of `tile`, its Q blocks at
@@ -399,11 +621,14 @@ def _dkv_kernel(
       plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
       plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
 
-    def step(qb, carry, *, g, masked: bool):
+    def update(qb, slot, dk, dv, *, masked: bool, on_ds=lambda ds_t: None):
+      """dK and dV with Q block qb (in `slot`) added; on_ds(dS^T in the
+      input dtype) runs before the products that read it."""
       # Two wgmma groups per block, one wait each: (S^T, dP^T) with both
       # operands in SMEM, then (dV, dK) with P^T and dS^T from registers.
-      dk, dv = carry
-      slot, q_tile, do_tile = wait_q_block(qb, g)
+      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(do_ready.at[slot])
+      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
       def scores(s_ref, dp_ref):
         issue_scores(s_ref, dp_ref, q_tile, do_tile)
@@ -412,7 +637,8 @@ def _dkv_kernel(
       score_acc = plgpu.ACC((rows, block_q), jnp.float32)
       s_t, dp_t = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
       p_t = probs_t(s_t, qb, slot, masked=masked)
-      ds_t = grad_scores_t(p_t, dp_t, slot)
+      ds_t = grad_scores_t(p_t, dp_t, slot).astype(dtype)
+      on_ds(ds_t)
 
       if interpret:
         stage = staging.at[wg]
@@ -424,7 +650,7 @@ def _dkv_kernel(
           return acc_ref[...]
 
         dv = dv + pl.run_scoped(dv_fresh, plgpu.ACC(dv.shape, jnp.float32))
-        stage[...] = ds_t.astype(dtype)  # the dV product above is complete
+        stage[...] = ds_t  # the dV product above is complete
         plgpu.commit_smem()
 
         def dk_fresh(acc_ref):
@@ -436,11 +662,15 @@ def _dkv_kernel(
         def grads(refs):
           dv_ref, dk_ref = refs
           plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
-          plgpu.wgmma(dk_ref, ds_t.astype(dtype), q_tile)
+          plgpu.wgmma(dk_ref, ds_t, q_tile)
 
         dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))  # one wait
       release_q_block(slot)
       return dk, dv
+
+    def step(qb, carry, *, g, masked: bool):
+      dk, dv = carry
+      return update(qb, slot_of(g, qb), dk, dv, masked=masked)
 
     def overlapped_step(qb, carry, *, g, masked: bool):
       # Four wgmma groups retiring in order, S^T, dP^T, dV, dK; each wait
@@ -489,6 +719,26 @@ def _dkv_kernel(
       plgpu.barrier_wait(delta_ready.at[slot])
       release_q_block(slot)
 
+    def fused_step(position, carry, *, g, masked: bool):
+      # `step` on the Q block at `position` of the tile's visits, which then
+      # adds this step's piece of dQ (`add_dq`).
+      dk, dv, pending = carry
+      qb = tile.q_block(position)
+      step_index = g * tile.visits + position
+      ring_step = ring_base + step_index
+      rank = ranks_ref[tile.kv_index, step_index]  # loaded early: its latency hides under the step
+      buf = lax.rem(ring_step, jnp.int32(2))
+
+      def stage_ds(ds_t):
+        # Both consumers' dS^T rows make the dS of dQ = dS K.
+        ds_smem.at[buf, wg][...] = ds_t
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_ready.at[buf])
+
+      dk, dv = update(qb, lax.rem(ring_step, jnp.int32(stages)), dk, dv, masked=masked, on_ds=stage_ds)
+      pending = add_dq(tile, buffer, g, qb, ring_step, rank, pending)
+      return dk, dv, pending
+
     acc = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
 
     block_step = overlapped_step if config.softmax_overlap else step
@@ -500,7 +750,34 @@ def _dkv_kernel(
         carry = lax.fori_loop(lo, full_lo, functools.partial(block_step, g=g, masked=True), carry)
       return lax.fori_loop(full_lo, num_q, functools.partial(block_step, g=g, masked=False), carry)
 
-    if group == 1:
+    def one_head_fused(g, carry):
+      # Both consumers take every step of the tile (their pieces of dQ need
+      # each other's dS^T), so the second one computes, masked, the Q blocks
+      # before its own diagonal (P = 0 there). The masked blocks come first
+      # when the tile climbs, last when it descends (`_visit`).
+      visit = functools.partial(fused_step, g=g)
+      if not causal:
+        return lax.fori_loop(0, tile.visits, functools.partial(visit, masked=False), carry)
+      num_masked = full_lo - tile.lo
+      descending = 2 * tile.kv_index >= num_kv
+      first = jnp.where(descending, 0, num_masked)
+      last = jnp.where(descending, tile.visits - num_masked, tile.visits)
+      carry = lax.fori_loop(0, first, functools.partial(visit, masked=True), carry)
+      carry = lax.fori_loop(first, last, functools.partial(visit, masked=False), carry)
+      return lax.fori_loop(last, tile.visits, functools.partial(visit, masked=True), carry)
+
+    if fused:
+      # The other consumer's K rows take part in this consumer's dQ products.
+      plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + 1 - wg])
+      carry = (acc, acc, jnp.int32(-1))
+      carry = one_head_fused(jnp.int32(0), carry) if group == 1 else lax.fori_loop(0, group, one_head_fused, carry)
+      dk, dv, pending = carry
+      finish_addition(pending)
+      # dK and dV are staged in the K and V tiles next: the other consumer
+      # must be done reading this one's K.
+      plgpu.barrier_arrive(tile_done)
+      plgpu.barrier_wait(tile_done)
+    elif group == 1:
       dk, dv = one_head(jnp.int32(0), (acc, acc))
     else:
       dk, dv = lax.fori_loop(0, group, one_head, (acc, acc))
@@ -527,7 +804,7 @@ def _dkv_kernel(
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
 
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
-            compute=gradients, store=store_gradients)
+            compute=gradients, store=store_gradients, buffers=config.dkv_buffers)
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):
@@ -571,14 +848,16 @@ def dkv(
   config, softmax_scale = _settings(q, config, softmax_scale)
   _check_inputs(q, k, v, do, lse, delta, config, ("dkv",))
   seq_q, seq_k = q.shape[1], k.shape[1]
-  dk, dv = _dkv_call(*_pad(q, k, v, do, lse, delta), seq_q=seq_q, seq_k=seq_k, causal=causal,
-                     softmax_scale=softmax_scale, config=config, interpret=interpret)
+  dk, dv, *_ = _dkv_call(*_pad(q, k, v, do, lse, delta), seq_q=seq_q, seq_k=seq_k, causal=causal,
+                         softmax_scale=softmax_scale, config=config, interpret=interpret)
   return unpad_seq(dk, seq_k), unpad_seq(dv, seq_k)
 
 
 def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float,
-              config: BackwardConfig, interpret) -> tuple[jax.Array, jax.Array]:
-  """The dK/dV kernel on operands padded by `_pad`, of real lengths seq_q, seq_k."""
+              config: BackwardConfig, interpret) -> tuple[jax.Array, ...]:
+  """The dK/dV kernel on operands padded by `_pad`, of real lengths seq_q,
+  seq_k: (dk, dv), and with config.fused_dq also dQ (float32, unscaled; Q
+  blocks that no key is visible to are left unwritten, see `_finish_dq`)."""
   batch, _, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   interpret_params, interpret = interpret_params_of(interpret)
@@ -597,20 +876,40 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # Q, lse consumed
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # dO, delta consumed
   ]
+  num_kv = k.shape[1] // OUTER_ROWS
+  group = heads // kv_heads
+  out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
+  operands = [q, k, v, do, lse, delta]
+  if config.fused_dq:
+    piece_cols, _ = _dq_piece(head_dim)
+    scratch += [
+        plgpu.SMEM((2, NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)),  # dS^T
+        plgpu.SMEM((NUM_CONSUMERS, block_q, piece_cols), jnp.float32, transforms=_swizzled(piece_cols, jnp.float32)),
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),  # dS^T staged
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # tile done
+    ]
+    schedule = _fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=interpret)
+    grid, grid_names = (schedule.num_ctas,), ("cta",)
+    ranks = _dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal)
+    operands.append(jnp.asarray(ranks))
+    out_type.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))
+  else:
+    # K/V blocks fastest: CTAs running together share one (batch, kv head)
+    # and read the same Q and dO from L2. Block 0 (causal: the most Q
+    # blocks) runs first.
+    schedule, grid, grid_names = outer_grid(num_kv, kv_heads, batch, axis="kv", persistent=config.dkv_persistent,
+                                            causal=causal, interpret=interpret)
   if interpret:
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)))
-  # K/V blocks fastest: CTAs running together share one (batch, kv head) and
-  # read the same Q and dO from L2. Block 0 (causal: the most Q blocks) runs
-  # first.
-  schedule, grid, grid_names = outer_grid(k.shape[1] // OUTER_ROWS, kv_heads, batch, axis="kv",
-                                          persistent=config.dkv_persistent, causal=causal, interpret=interpret)
+    if config.fused_dq:
+      scratch.append(plgpu.Barrier(num_barriers=NUM_CONSUMERS))  # dQ loaded
   kernel = functools.partial(
-      _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, schedule=schedule, causal=causal,
+      _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=group, schedule=schedule, causal=causal,
       softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
   return plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+      out_type=tuple(out_type),
       scratch_types=scratch,
       grid=grid,
       grid_names=grid_names,
@@ -619,7 +918,17 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret_params,
       kernel_name="flash2_bwd_dkv_mosaic",
-  )(q, k, v, do, lse, delta)
+  )(*operands)
+
+
+def _finish_dq(dq, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float, dtype) -> jax.Array:
+  """dQ from the fused kernel's float32 sum: scaled, cast, and 0 in the rows
+  that see no key (causal, seq_q > seq_k: their Q blocks may be unwritten)."""
+  dq = dq * softmax_scale
+  if causal and seq_q > seq_k:
+    sees_a_key = jnp.arange(dq.shape[1]) + (seq_k - seq_q) >= 0
+    dq = jnp.where(sees_a_key[None, :, None, None], dq, 0.0)
+  return dq.astype(dtype)
 
 
 # ---------------------------------------------------------------- dQ
@@ -847,11 +1156,15 @@ def backward(
     (dq, dk, dv), each like its primal.
   """
   config, softmax_scale = _settings(q, config, softmax_scale)
-  _check_inputs(q, k, v, do, lse, delta, config, ("dkv", "dq"))
+  _check_inputs(q, k, v, do, lse, delta, config, ("dkv",) if config.fused_dq else ("dkv", "dq"))
   seq_q, seq_k = q.shape[1], k.shape[1]
   padded = _pad(q, k, v, do, lse, delta)
   kwargs = dict(seq_q=seq_q, seq_k=seq_k, causal=causal, softmax_scale=softmax_scale, config=config,
                 interpret=interpret)
-  dk, dv = _dkv_call(*padded, **kwargs)
-  dq = _dq_call(*padded, **kwargs)
+  if config.fused_dq:
+    dk, dv, dq = _dkv_call(*padded, **kwargs)
+    dq = _finish_dq(dq, seq_q=seq_q, seq_k=seq_k, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype)
+  else:
+    dk, dv = _dkv_call(*padded, **kwargs)
+    dq = _dq_call(*padded, **kwargs)
   return unpad_seq(dq, seq_q), unpad_seq(dk, seq_k), unpad_seq(dv, seq_k)

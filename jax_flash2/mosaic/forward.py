@@ -349,7 +349,7 @@ def kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed,
 
 
 def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, produce, observe, load, compute,
-              store, prologue=lambda: None, epilogue=lambda: None) -> None:
+              store, prologue=lambda: None, epilogue=lambda: None, buffers: int = 2) -> None:
   """A warp-specialized CTA's two roles over its tiles; the kernels supply
   the work, as callables of a tile (QTile or the like: num_steps ring steps):
 
@@ -366,8 +366,9 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
   With schedule None the CTA takes the one tile of its grid position
   (tile_at(index on `axis`, head, batch)); else the schedule's tiles, with
   one ring through all of them and the outer rows double-buffered, the next
-  tile's rows loading while the current one's results are stored. wg: the
-  warpgroup index."""
+  tile's rows loading while the current one's results are stored (with
+  `buffers` 1, where shared memory has no room for a second set: after the
+  stores have read them). wg: the warpgroup index."""
   if schedule is None:
     tile = tile_at(lax.axis_index(axis), lax.axis_index("heads"), lax.axis_index("batch"))
 
@@ -411,6 +412,16 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
 
     def consume(i, ring_base):
       tile = tile_of(i)
+      if buffers == 1:
+        result = compute(tile, 0, ring_base)
+        store(tile, 0, result)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the rows' buffer
+
+        @pl.when(i + 1 < num_tiles)
+        def _():
+          load(tile_of(i + 1), 0)
+
+        return ring_base + tile.num_steps
       buffer = lax.rem(i, jnp.int32(2))
       result = compute(tile, buffer, ring_base)
       # The next tile's rows go to the other buffer, which staged the
