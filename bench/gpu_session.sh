@@ -246,8 +246,10 @@ stage_bwd_tests() {
 
 stage_bwd_persistent_rest() {
   # The rows bwd_persistent's time limit cut (session 6): 8k causal, 16k.
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 16384 --head-dim 128 64 --variants default \
-    stages=2+dq_persistent=1+dkv_persistent=1 dq_persistent=1+dkv_persistent=1 2>&1 | tee "$OUT/bwd_persistent_rest.log"
+  timeout 100 python tools/mosaic_bwd_bench.py --seq 16384 --head-dim 128 --variants default \
+    stages=2+dq_persistent=1+dkv_persistent=1 2>&1 | tee "$OUT/bwd_persistent_rest.log"
+  timeout 100 python tools/mosaic_bwd_bench.py --seq 8192 16384 --head-dim 64 --variants default \
+    dq_persistent=1+dkv_persistent=1 2>&1 | tail -n +3 | tee -a "$OUT/bwd_persistent_rest.log"
 }
 
 stage_d64_tiles() {
