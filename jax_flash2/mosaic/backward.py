@@ -30,6 +30,18 @@ loaded once), a producer streams K and V blocks of `block_kv` rows:
   lse*log2e), dS = P * (dP - delta), dQ += dS K (wgmma, dS from registers),
   dQ *= softmax_scale at the end.
 
+With `BackwardConfig.fused_dq` there is one kernel: `dkv` computes dQ too,
+as FlashAttention-2's backward does, instead of `dq` recomputing S and dP
+(5 matmuls per block instead of 7). Both consumers stage their dS^T in
+shared memory; each then computes its piece of dQ_i = dS_i K (half the
+columns at head_dim 128; all of them every other step at head_dim 64) and
+adds it to a float32 dQ in global memory with a TMA reduce-add. No atomics
+in an arbitrary order: every Q block's additions come in an order fixed by
+`_dq_order` (a model of the persistent schedule in which tiles visit their
+Q blocks staggered, `_visit`), enforced by a semaphore per Q block and
+piece that counts the additions made, so the gradients are deterministic.
+The CTAs are persistent, one per SM, all resident, which the waits need.
+
 With `BackwardConfig.dq_persistent` / `dkv_persistent` either kernel runs as
 the forward's persistent CTAs (forward.PersistentSchedule: one per SM over
 many tiles, causal tiles in pairs of equal work; the ring runs on across
@@ -203,13 +215,16 @@ class BackwardConfig:
 
 
 def default_backward_config(head_dim: int) -> BackwardConfig:
-  """A starting point (not tuned on a GPU). dkv keeps dK and dV in registers
-  (128 per thread at head_dim 128), so its Q blocks stay at 64 rows: ptxas
-  spills the causal dkv at block_q 128 even at head_dim 64. dq holds only dQ
-  and takes 128-row K/V blocks at head_dim 64."""
+  """The tiling per head_dim, measured on the H200 (bench/NOTES.md, sessions
+  5-6). dkv keeps dK and dV in registers (128 per thread at head_dim 128),
+  so its Q blocks stay at 64 rows: ptxas spills the causal dkv at block_q
+  128 even at head_dim 64. dq holds only dQ and takes 128-row K/V blocks at
+  head_dim 64. Both kernels run as persistent CTAs (2-13% faster at head_dim
+  64, 0-6% at 128 up to 8k, within 2% at 16k), whose second outer buffers
+  leave room for two ring slots at head_dim 128."""
   if head_dim <= 64:
-    return BackwardConfig(block_q=64, block_kv=128, stages=4)
-  return BackwardConfig(block_q=64, block_kv=64, stages=3)
+    return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_persistent=True, dkv_persistent=True)
+  return BackwardConfig(block_q=64, block_kv=64, stages=2, dq_persistent=True, dkv_persistent=True)
 
 
 def fused_backward_config(head_dim: int) -> BackwardConfig:
