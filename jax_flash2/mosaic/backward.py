@@ -34,13 +34,16 @@ With `BackwardConfig.fused_dq` there is one kernel: `dkv` computes dQ too,
 as FlashAttention-2's backward does, instead of `dq` recomputing S and dP
 (5 matmuls per block instead of 7). Both consumers stage their dS^T in
 shared memory; each then computes its piece of dQ_i = dS_i K (half the
-columns at head_dim 128; all of them every other step at head_dim 64) and
-adds it to a float32 dQ in global memory with a TMA reduce-add. No atomics
-in an arbitrary order: every Q block's additions come in an order fixed by
-`_dq_order` (a model of the persistent schedule in which tiles visit their
-Q blocks staggered, `_visit`), enforced by a semaphore per Q block and
-piece that counts the additions made, so the gradients are deterministic.
-The CTAs are persistent, one per SM, all resident, which the waits need.
+columns at head_dim 128, in the wgmma group of dV and dK; all of them every
+other step at head_dim 64) and hands it, through shared memory, to the
+producer warpgroup, which adds it to a float32 dQ in global memory with a
+TMA reduce-add, so that the consumers never wait on global memory. No
+atomics in an arbitrary order: every Q block's additions come in an order
+fixed by `_dq_order` (a model of the persistent schedule in which tiles
+visit their Q blocks staggered, `_visit`), enforced by a semaphore per Q
+block and piece that counts the additions made, so the gradients are
+deterministic. The CTAs are persistent, one per SM, all resident, which
+the waits need.
 
 With `BackwardConfig.dq_persistent` / `dkv_persistent` either kernel runs as
 the forward's persistent CTAs (forward.PersistentSchedule: one per SM over
@@ -158,7 +161,8 @@ class BackwardConfig:
       backward kernel): each K/V tile adds dS K into a float32 dQ in global
       memory, in an order fixed per Q block (semaphores; see `_dq_order`),
       so that gradients stay deterministic; S and dP are computed once, not
-      twice. Needs block_q 64. Not yet run on a GPU, hence off by default.
+      twice. Needs block_q 64. Off by default: slower than the two kernels
+      on the H200 so far (bench/NOTES.md, session 6).
   The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
   Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
   lengths; see the module docstring).
@@ -413,14 +417,18 @@ def _dkv_kernel(
   # kv_ready: [buffers * 2] barriers of 2 arrivals (K and V copies);
   # *_ready: [stages] (TMA); q_consumed (Q, lse), do_consumed (dO, delta):
   # [stages], 2 arrivals.
-  # With fused_dq (see `_add_dq`): ranks_ref, an input, int32 [num_kv,
-  # group * num_q] (`_dq_order`); dq_ref, an output, float32 [batch,
-  # seq_q', heads, D], dQ unscaled; ds_smem: [2, 2, 64, block_q], dS^T of
-  # both consumers, double-buffered by step; dq_smem: [2, block_q, piece
-  # columns] f32; ds_ready: [2] barriers of 2 arrivals; tile_done: a barrier
-  # of 2 arrivals (neither consumer reads the other's K tile any more).
+  # With fused_dq: ranks_ref, an input, int32 [num_kv, group * num_q]
+  # (`_dq_order`); dq_ref, an output, float32 [batch, seq_q', heads, D], dQ
+  # unscaled; ds_smem: [2, 2, 64, block_q], dS^T of both consumers,
+  # double-buffered by step; dq_smem: [2, block_q, piece columns] f32, each
+  # consumer's piece of dQ on its way out; ds_ready: [2] barriers of 2
+  # arrivals; tile_done: a barrier of 2 arrivals (neither consumer reads the
+  # other's K tile any more); dq_staged, dq_free: [2] barriers of 1 arrival
+  # (a consumer's piece is in dq_smem; the producer has read it).
   # staging (interpret mode only): [2, 64, block_q], P^T and dS^T for wgmma;
-  # with fused_dq also dq_loaded, a barrier.
+  # with fused_dq also dq_old: [2, block_q, piece columns] f32 and
+  # dq_loaded, [2] barriers (the interpreter adds into dQ by load, add and
+  # store).
   # schedule: None for one CTA per tile (grid kv x heads x batch), else the
   # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks).
   fused = config.fused_dq
@@ -431,9 +439,12 @@ def _dkv_kernel(
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
    kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_consumed, do_consumed) = refs[:13]
   refs = refs[13:]
-  ds_smem, dq_smem, ds_ready, tile_done = (refs.pop(0) for _ in range(4)) if fused else (None,) * 4
+  if fused:
+    ds_smem, dq_smem, ds_ready, tile_done, dq_staged, dq_free = refs[:6]
+    refs = refs[6:]
   staging = refs.pop(0) if interpret else None
-  dq_loaded = refs.pop(0) if interpret and fused else None
+  if interpret and fused:
+    dq_old, dq_loaded = refs
   rows, block_q, stages = WGMMA_M, config.block_q, config.stages
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
@@ -480,11 +491,13 @@ def _dkv_kernel(
 
   def load_q_blocks(tile: KVTile, ring_base):
     """The producer's work for one tile: TMA copies of Q, dO, lse and delta
-    of its Q blocks into the ring's steps ring_base, ring_base + 1, ..."""
+    of its Q blocks into the ring's steps ring_base, ring_base + 1, ...;
+    with fused_dq also the additions of the consumers' pieces of dQ
+    (`add_pieces`), `stages` steps behind the copies: the step whose slot a
+    copy waits for is the one whose pieces come next."""
     steps_per_head = jnp.int32(num_q) - tile.lo
 
-    @pl.loop(0, tile.num_steps)
-    def _load(step):
+    def load(step):
       ring_step = ring_base + step
       slot = lax.rem(ring_step, jnp.int32(stages))
       head = tile.kv_head * group + lax.div(step, steps_per_head)
@@ -506,6 +519,21 @@ def _dkv_kernel(
       plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[slot], do_ready.at[slot])
       plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], delta_ready.at[slot])
 
+    if not fused:
+      pl.loop(0, tile.num_steps)(load)
+      return
+    lag = jnp.minimum(jnp.int32(stages), tile.num_steps)
+    pl.loop(0, lag)(load)
+
+    def load_and_add(step, pending):
+      load(step)
+      return add_pieces(tile, ring_base, step - stages, pending)
+
+    pending = lax.fori_loop(lag, tile.num_steps, load_and_add, (jnp.int32(-1),) * pieces)
+    pending = lax.fori_loop(tile.num_steps - lag, tile.num_steps,
+                            lambda step, pending: add_pieces(tile, ring_base, step, pending), pending)
+    count_additions(pending)
+
   def observe(end_step):
     # Q and lse are released on q_consumed, dO and delta on do_consumed.
     observe_last_releases(q_consumed, do_consumed, end_step=end_step, stages=stages)
@@ -518,75 +546,96 @@ def _dkv_kernel(
     plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[buffer, wg], ready)
 
   piece_cols, split = _dq_piece(head_dim)
-  pieces = NUM_CONSUMERS if split else 1
+  pieces = NUM_CONSUMERS if split else 1  # pieces of dQ per step
   heads = q_ref.shape[2]
   if fused and not interpret:
     # One counter per Q block and piece of dQ: the additions made into it.
     # Zero at every call (Mosaic GPU zero-fills its global scratch).
     additions = pl.get_global(plgpu.SemaphoreType.REGULAR((q_ref.shape[0] * heads * num_q * pieces,)))
 
-  def finish_addition(pending):
-    """Waits for the addition into dQ counted by semaphore `pending` (-1:
-    none) to land, then counts it, so that the next adder may go."""
+  def count_additions(pending):
+    """The producer's wait for the additions into dQ it issued last (one
+    semaphore index per piece, -1: none) to land; then it counts them, so
+    that the next adders may go."""
     if interpret:
       return  # the interpreter's additions are complete when issued
+    plgpu.wait_smem_to_gmem(0)  # written, not only read from shared memory
+    for counter in pending:
+      pl.when(counter >= 0)(lambda: plgpu.semaphore_signal(additions.at[counter], 1, memory_scope="gpu"))
 
-    @pl.when(pending >= 0)
-    def _():
-      plgpu.wait_smem_to_gmem(0)  # written, not only read from shared memory
-      plgpu.semaphore_signal(additions.at[pending], 1, memory_scope="gpu")
+  def add_pieces(tile: KVTile, ring_base, step, pending):
+    """The producer adds the consumers' pieces of dQ_qb += dS K of the
+    tile's `step` (Q block qb of query head g; float32, unscaled) into
+    dq_ref, each after the `rank` additions that precede it (`_dq_order`),
+    and returns the semaphores that will count them (counted at its next
+    step, when they have landed: `count_additions`). A TMA reduce-add, the
+    first (rank 0) a plain store. The consumers never wait on global memory
+    for dQ: only for the producer to have read their last piece (dq_free).
 
-  def add_dq(tile: KVTile, buffer, g, qb, ring_step, rank, pending):
-    """Adds this consumer's piece of dQ_qb += dS K (Q block qb of query
-    head g, float32, unscaled) into dq_ref, after the `rank` additions that
-    precede it (`_dq_order`); returns the semaphore that will count it.
-
-    dS comes from both consumers' dS^T rows in ds_smem[ring_step % 2], K
-    from both K tiles; the piece is half of the columns at every step
-    (split) or all of them at every other step (`_dq_piece`). The addition
-    is a TMA reduce-add (the first, rank 0, a plain store), left running:
-    the next step's `finish_addition` waits for it. Mosaic's interpreter
-    has neither semaphores nor reduce-adds: there one CTA takes every tile
-    in turn and adds by load, add and store."""
-    finish_addition(pending)
-    buf = lax.rem(ring_step, jnp.int32(2))
+    Mosaic's interpreter has neither semaphores nor reduce-adds: there one
+    CTA takes every tile in turn, and the producer adds by load, add and
+    store."""
+    count_additions(pending)
+    ring_step = ring_base + step
+    g = lax.div(step, tile.visits)
+    qb = tile.q_block(lax.rem(step, tile.visits))
     head = tile.kv_head * group + g
-    col0 = wg * piece_cols if split else 0
-    counter = ((tile.batch * heads + head) * num_q + qb) * pieces + (wg if split else 0)
-    target = dq_ref.at[tile.batch, pl.ds(qb * block_q, block_q), head, pl.ds(col0, piece_cols)]
-    staged = dq_smem.at[wg]
-
-    def piece():
-      plgpu.barrier_wait(ds_ready.at[buf])
-
-      def product(acc_ref):
-        for c in range(NUM_CONSUMERS):
-          k_cols = k_smem.at[buffer, c, :, pl.ds(col0, piece_cols)]
-          plgpu.wgmma(acc_ref, ds_smem.at[buf, c].transpose((1, 0)), k_cols)
-        return acc_ref[...]
-
-      dq = pl.run_scoped(product, plgpu.ACC((block_q, piece_cols), jnp.float32))
+    rank = ranks_ref[tile.kv_index, step]
+    counters = []
+    # Split pieces: both consumers', every step; else the turn's owner's.
+    owners = range(NUM_CONSUMERS) if split else [lax.rem(ring_step, jnp.int32(NUM_CONSUMERS))]
+    for piece, owner in enumerate(owners):
+      col0 = owner * piece_cols if split else 0
+      counter = ((tile.batch * heads + head) * num_q + qb) * pieces + piece
+      target = dq_ref.at[tile.batch, pl.ds(qb * block_q, block_q), head, pl.ds(col0, piece_cols)]
+      staged = dq_smem.at[owner]
+      plgpu.barrier_wait(dq_staged.at[owner])
       if interpret:
-        plgpu.copy_gmem_to_smem(target, staged, dq_loaded.at[wg])
-        plgpu.barrier_wait(dq_loaded.at[wg])
-        dq = dq + jnp.where(rank > 0, staged[...], 0.0)  # rank 0 finds no dQ there yet
-        staged[...] = dq
+        old = dq_old.at[owner]
+        plgpu.copy_gmem_to_smem(target, old, dq_loaded.at[owner])
+        plgpu.barrier_wait(dq_loaded.at[owner])
+        staged[...] = staged[...] + jnp.where(rank > 0, old[...], 0.0)  # rank 0 finds no dQ there yet
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(staged, target)
         plgpu.wait_smem_to_gmem(0)
-        return
-      staged[...] = dq
-      plgpu.commit_smem()
-      plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
-      plgpu.copy_smem_to_gmem(staged, target, predicate=rank == 0)
-      plgpu.copy_smem_to_gmem(staged, target, predicate=rank > 0, reduction_op="add")
+      else:
+        plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
+        plgpu.copy_smem_to_gmem(staged, target, predicate=rank == 0)
+        plgpu.copy_smem_to_gmem(staged, target, predicate=rank > 0, reduction_op="add")
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.barrier_arrive(dq_free.at[owner])
+      counters.append(counter)
+    return tuple(counters)
 
-    if split:
-      piece()
-      return jnp.int32(-1) if interpret else counter
-    owner = lax.rem(ring_step, jnp.int32(NUM_CONSUMERS)) == wg
-    pl.when(owner)(piece)
-    return jnp.where(owner & (not interpret), counter, -1)
+  def pieces_staged(ring_step):
+    """How many pieces of dQ this consumer staged before ring step
+    `ring_step` (each one's dq_free phase comes in turn)."""
+    return ring_step if split else lax.div(ring_step + 1 - wg, jnp.int32(NUM_CONSUMERS))
+
+  def stage_piece(dq, ring_step):
+    """Hands this consumer's piece of dQ to the producer (`add_pieces`)."""
+    staged = dq_smem.at[wg]
+
+    @pl.when(pieces_staged(ring_step) > 0)
+    def _():
+      plgpu.barrier_wait(dq_free.at[wg])  # the producer has read the last one
+
+    staged[...] = dq
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(dq_staged.at[wg])
+
+  def dq_product(acc_ref, buf, buffer):
+    """acc += this consumer's piece of dS K: dS from both consumers' dS^T in
+    ds_smem[buf] (transposed), K from both K tiles of `buffer`."""
+    col0 = wg * piece_cols if split else 0
+    for c in range(NUM_CONSUMERS):
+      plgpu.wgmma(acc_ref, ds_smem.at[buf, c].transpose((1, 0)), k_smem.at[buffer, c, :, pl.ds(col0, piece_cols)])
+
+  def last_release(end_step):
+    """A consumer's epilogue: the producer's read of its last piece of dQ
+    (every barrier phase is waited for)."""
+    if fused:
+      pl.when(pieces_staged(end_step) > 0)(lambda: plgpu.barrier_wait(dq_free.at[wg]))
 
   def gradients(tile: KVTile, buffer, ring_base):
     """(dK unscaled, dV) of this consumer's rows of `tile`, its Q blocks at
@@ -636,11 +685,13 @@ def _dkv_kernel(
       plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
       plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
 
-    def update(qb, slot, dk, dv, *, masked: bool, on_ds=lambda ds_t: None):
-      """dK and dV with Q block qb (in `slot`) added; on_ds(dS^T in the
-      input dtype) runs before the products that read it."""
+    def update(qb, slot, dk, dv, *, masked: bool, ring_step=None):
+      """dK and dV with Q block qb (in `slot`) added; with fused_dq also
+      this consumer's piece of dQ of ring step `ring_step`, handed to the
+      producer."""
       # Two wgmma groups per block, one wait each: (S^T, dP^T) with both
-      # operands in SMEM, then (dV, dK) with P^T and dS^T from registers.
+      # operands in SMEM, then (dV, dK) with P^T and dS^T from registers
+      # (and the piece of dQ, fused, split).
       plgpu.barrier_wait(q_ready.at[slot])
       plgpu.barrier_wait(do_ready.at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
@@ -653,7 +704,13 @@ def _dkv_kernel(
       s_t, dp_t = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
       p_t = probs_t(s_t, qb, slot, masked=masked)
       ds_t = grad_scores_t(p_t, dp_t, slot).astype(dtype)
-      on_ds(ds_t)
+      if fused:
+        # Both consumers' dS^T rows make the dS of dQ = dS K.
+        buf = lax.rem(ring_step, jnp.int32(2))
+        ds_smem.at[buf, wg][...] = ds_t
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_ready.at[buf])
+        fresh = plgpu.ACC((block_q, piece_cols), jnp.float32)
 
       if interpret:
         stage = staging.at[wg]
@@ -673,6 +730,16 @@ def _dkv_kernel(
           return acc_ref[...]
 
         dk = dk + pl.run_scoped(dk_fresh, plgpu.ACC(dk.shape, jnp.float32))
+      elif fused and split:
+        def grads(refs):
+          dv_ref, dk_ref, dq_ref = refs
+          plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
+          plgpu.wgmma(dk_ref, ds_t, q_tile)
+          plgpu.barrier_wait(ds_ready.at[buf])  # the other consumer's dS^T, under dV and dK
+          dq_product(dq_ref, buf, buffer)
+
+        zero = plgpu.layout_cast(jnp.zeros((block_q, piece_cols), jnp.float32), plgpu.Layout.WGMMA)
+        dv, dk, dq = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zero)))
       else:
         def grads(refs):
           dv_ref, dk_ref = refs
@@ -681,6 +748,24 @@ def _dkv_kernel(
 
         dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))  # one wait
       release_q_block(slot)
+      if fused:
+        def own_piece():
+          if split and not interpret:
+            piece = dq  # from the group above
+          else:
+            plgpu.barrier_wait(ds_ready.at[buf])
+
+            def product(acc_ref):
+              dq_product(acc_ref, buf, buffer)
+              return acc_ref[...]
+
+            piece = pl.run_scoped(product, fresh)
+          stage_piece(piece, ring_step)
+
+        if split:
+          own_piece()
+        else:  # the consumers take turns
+          pl.when(lax.rem(ring_step, jnp.int32(NUM_CONSUMERS)) == wg)(own_piece)
       return dk, dv
 
     def step(qb, carry, *, g, masked: bool):
@@ -735,24 +820,12 @@ def _dkv_kernel(
       release_q_block(slot)
 
     def fused_step(position, carry, *, g, masked: bool):
-      # `step` on the Q block at `position` of the tile's visits, which then
-      # adds this step's piece of dQ (`add_dq`).
-      dk, dv, pending = carry
-      qb = tile.q_block(position)
-      step_index = g * tile.visits + position
-      ring_step = ring_base + step_index
-      rank = ranks_ref[tile.kv_index, step_index]  # loaded early: its latency hides under the step
-      buf = lax.rem(ring_step, jnp.int32(2))
-
-      def stage_ds(ds_t):
-        # Both consumers' dS^T rows make the dS of dQ = dS K.
-        ds_smem.at[buf, wg][...] = ds_t
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_ready.at[buf])
-
-      dk, dv = update(qb, lax.rem(ring_step, jnp.int32(stages)), dk, dv, masked=masked, on_ds=stage_ds)
-      pending = add_dq(tile, buffer, g, qb, ring_step, rank, pending)
-      return dk, dv, pending
+      # `step` on the Q block at `position` of the tile's visits, with this
+      # step's piece of dQ.
+      dk, dv = carry
+      ring_step = ring_base + g * tile.visits + position
+      return update(tile.q_block(position), lax.rem(ring_step, jnp.int32(stages)), dk, dv, masked=masked,
+                    ring_step=ring_step)
 
     acc = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -784,10 +857,8 @@ def _dkv_kernel(
     if fused:
       # The other consumer's K rows take part in this consumer's dQ products.
       plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + 1 - wg])
-      carry = (acc, acc, jnp.int32(-1))
-      carry = one_head_fused(jnp.int32(0), carry) if group == 1 else lax.fori_loop(0, group, one_head_fused, carry)
-      dk, dv, pending = carry
-      finish_addition(pending)
+      carry = (acc, acc)
+      dk, dv = one_head_fused(jnp.int32(0), carry) if group == 1 else lax.fori_loop(0, group, one_head_fused, carry)
       # dK and dV are staged in the K and V tiles next: the other consumer
       # must be done reading this one's K.
       plgpu.barrier_arrive(tile_done)
@@ -819,7 +890,7 @@ def _dkv_kernel(
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
 
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
-            compute=gradients, store=store_gradients, buffers=config.dkv_buffers)
+            compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers)
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):
@@ -902,6 +973,8 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
         plgpu.SMEM((NUM_CONSUMERS, block_q, piece_cols), jnp.float32, transforms=_swizzled(piece_cols, jnp.float32)),
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),  # dS^T staged
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # tile done
+        plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # a piece of dQ staged
+        plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # ... and read by the producer
     ]
     schedule = _fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=interpret)
     grid, grid_names = (schedule.num_ctas,), ("cta",)
@@ -917,7 +990,10 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   if interpret:
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)))
     if config.fused_dq:
-      scratch.append(plgpu.Barrier(num_barriers=NUM_CONSUMERS))  # dQ loaded
+      scratch += [
+          plgpu.SMEM((NUM_CONSUMERS, block_q, piece_cols), jnp.float32, transforms=_swizzled(piece_cols, jnp.float32)),
+          plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # dQ loaded
+      ]
   kernel = functools.partial(
       _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=group, schedule=schedule, causal=causal,
       softmax_scale=softmax_scale, config=config, interpret=interpret,

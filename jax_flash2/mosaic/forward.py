@@ -349,7 +349,7 @@ def kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed,
 
 
 def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, produce, observe, load, compute,
-              store, prologue=lambda: None, epilogue=lambda: None, buffers: int = 2) -> None:
+              store, prologue=lambda: None, epilogue=lambda end_step: None, buffers: int = 2) -> None:
   """A warp-specialized CTA's two roles over its tiles; the kernels supply
   the work, as callables of a tile (QTile or the like: num_steps ring steps):
 
@@ -360,8 +360,8 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
     load(tile, buffer): a consumer starts the copies of its outer rows;
     compute(tile, buffer, ring_base): waits for them and returns its result;
     store(tile, buffer, result): starts the result's TMA stores;
-    prologue(), epilogue(): a consumer's work before its first tile and
-      after its last.
+    prologue(), epilogue(end_step): a consumer's work before its first tile
+      and after its last (end_step: the ring steps of all its tiles).
 
   With schedule None the CTA takes the one tile of its grid position
   (tile_at(index on `axis`, head, batch)); else the schedule's tiles, with
@@ -384,7 +384,7 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
       load(tile, 0)
       prologue()
       store(tile, 0, compute(tile, 0, jnp.int32(0)))
-      epilogue()
+      epilogue(tile.num_steps)
       # Shared memory must outlive the stores' reads of it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -436,9 +436,9 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
       store(tile, buffer, result)
       return ring_base + tile.num_steps
 
-    lax.fori_loop(0, num_tiles, consume, jnp.int32(0))
+    end_step = lax.fori_loop(0, num_tiles, consume, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # shared memory must outlive the stores' reads
-    epilogue()
+    epilogue(end_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -602,7 +602,8 @@ def _forward_kernel(
     if pingpong:
       pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
 
-  def end_turns():
+  def end_turns(end_step):
+    del end_step
     if pingpong:
       pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
   any_masked = causal or bool(seq_k % block_kv)  # a diagonal, or a last block partly of padding
