@@ -28,6 +28,7 @@
 #             persistent and ping-pong forward: tests, then A/B, ~6 min),
 #             bwd_persistent (the persistent dQ and dK/dV kernels: tests, then A/B, ~9 min),
 #             fused (dQ folded into the dK/dV kernel: tests, then A/B, ~9 min),
+#             profile_bwd (Mosaic's profiler: where the backward warpgroups wait, ~3 min),
 #             d64_tiles (256-row Q tiles at d64, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
@@ -237,6 +238,15 @@ stage_fused() {
     fused_dq=1+dkv_persistent=0 2>&1 | tee "$OUT/fused_ab.log"
   timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
     fused_dq=1 2>&1 | tail -n +3 | tee -a "$OUT/fused_ab.log"
+}
+
+stage_profile_bwd() {
+  # Mosaic's profiler on the backward kernels (tools/mosaic_profile.py): time
+  # per named region and warpgroup, the two kernels against the fused one.
+  for causal in "" "--causal"; do
+    timeout 120 python tools/mosaic_profile.py --seq 2048 --head-dim 128 $causal \
+      --variants default fused_dq=1+dkv_persistent=0 2>&1 | tee -a "$OUT/profile_bwd.log"
+  done
 }
 
 stage_bwd_tests() {

@@ -952,3 +952,38 @@ def test_bwd_gpu_fused_dq(shape, kv_heads, causal):
 def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal):
   config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), softmax_overlap=True)
   _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
+
+
+def test_profiling_sets_the_kernels_compiler_params(tmp_path):
+  assert mosaic.compiler_params().profile_space == 0
+  with mosaic.profiling(64, str(tmp_path)):
+    params = mosaic.compiler_params()
+    assert (params.profile_space, params.profile_dir, params.approx_math) == (64, str(tmp_path), True)
+  assert mosaic.compiler_params().profile_space == 0
+
+
+def test_profile_summary_of_a_trace():
+  """tools/mosaic_profile.py's summary of a Mosaic GPU profiler trace: per
+  warpgroup role (tid = 1 + warpgroup + 3 * CTA), the mean time per CTA in
+  each region, nested regions counted in both, shares of the span."""
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "mosaic_profile.py"
+  spec = importlib.util.spec_from_file_location("mosaic_profile", path)
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  events = []
+  for cta, scale in ((0, 1.0), (1, 3.0)):
+    for warpgroup in range(3):
+      tid = 1 + warpgroup + 3 * cta
+      marks = [("B", "step", 0), ("B", "scores", 1), ("E", "scores", 3), ("E", "step", 4), ("B", "step", 6),
+               ("E", "step", 10)]
+      events += [dict(ph=ph, name=name, ts=ts * scale + 100 * cta, tid=tid, pid=1) for ph, name, ts in marks]
+  summary = tool.summarize({"traceEvents": events})
+  assert list(summary) == ["consumer 0", "consumer 1", "producer"]
+  for regions in summary.values():
+    assert regions["(span)"] == (20.0, 1.0)  # spans 10 and 30
+    assert regions["step"] == pytest.approx((16.0, 0.8))  # (4 + 4) and (12 + 12)
+    assert regions["scores"] == pytest.approx((4.0, 0.2))  # 2 and 6
+  assert "scores" in tool.format_summary(summary)

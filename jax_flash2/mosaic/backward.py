@@ -118,6 +118,7 @@ from jax_flash2.mosaic.forward import (
     QTile,
     _kv_block_bounds,
     _sm_count,
+    compiler_params,
     interpret_params_of,
     kv_ring_producer,
     observe_last_releases,
@@ -519,6 +520,7 @@ def _dkv_kernel(
       plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[slot], do_ready.at[slot])
       plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], delta_ready.at[slot])
 
+    load = jax.named_scope("load")(load)
     if not fused:
       pl.loop(0, tile.num_steps)(load)
       return
@@ -563,6 +565,7 @@ def _dkv_kernel(
     for counter in pending:
       pl.when(counter >= 0)(lambda: plgpu.semaphore_signal(additions.at[counter], 1, memory_scope="gpu"))
 
+  @jax.named_scope("add_dq")
   def add_pieces(tile: KVTile, ring_base, step, pending):
     """The producer adds the consumers' pieces of dQ_qb += dS K of the
     tile's `step` (Q block qb of query head g; float32, unscaled) into
@@ -599,7 +602,8 @@ def _dkv_kernel(
         plgpu.copy_smem_to_gmem(staged, target)
         plgpu.wait_smem_to_gmem(0)
       else:
-        plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
+        with jax.named_scope("wait_rank"):
+          plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
         plgpu.copy_smem_to_gmem(staged, target, predicate=rank == 0)
         plgpu.copy_smem_to_gmem(staged, target, predicate=rank > 0, reduction_op="add")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -617,6 +621,7 @@ def _dkv_kernel(
     staged = dq_smem.at[wg]
 
     @pl.when(pieces_staged(ring_step) > 0)
+    @jax.named_scope("wait_dq_free")
     def _():
       plgpu.barrier_wait(dq_free.at[wg])  # the producer has read the last one
 
@@ -692,8 +697,10 @@ def _dkv_kernel(
       # Two wgmma groups per block, one wait each: (S^T, dP^T) with both
       # operands in SMEM, then (dV, dK) with P^T and dS^T from registers
       # (and the piece of dQ, fused, split).
-      plgpu.barrier_wait(q_ready.at[slot])
-      plgpu.barrier_wait(do_ready.at[slot])
+      # (Named scopes: regions of the profiler's traces, see forward.profiling.)
+      with jax.named_scope("wait_q"):
+        plgpu.barrier_wait(q_ready.at[slot])
+        plgpu.barrier_wait(do_ready.at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
       def scores(s_ref, dp_ref):
@@ -701,15 +708,18 @@ def _dkv_kernel(
         return s_ref[...], dp_ref[...]  # waits for both
 
       score_acc = plgpu.ACC((rows, block_q), jnp.float32)
-      s_t, dp_t = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
-      p_t = probs_t(s_t, qb, slot, masked=masked)
-      ds_t = grad_scores_t(p_t, dp_t, slot).astype(dtype)
+      with jax.named_scope("scores"):
+        s_t, dp_t = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
+      with jax.named_scope("softmax"):
+        p_t = probs_t(s_t, qb, slot, masked=masked)
+        ds_t = grad_scores_t(p_t, dp_t, slot).astype(dtype)
       if fused:
         # Both consumers' dS^T rows make the dS of dQ = dS K.
         buf = lax.rem(ring_step, jnp.int32(2))
-        ds_smem.at[buf, wg][...] = ds_t
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_ready.at[buf])
+        with jax.named_scope("stage_ds"):
+          ds_smem.at[buf, wg][...] = ds_t
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(ds_ready.at[buf])
         fresh = plgpu.ACC((block_q, piece_cols), jnp.float32)
 
       if interpret:
@@ -739,16 +749,19 @@ def _dkv_kernel(
           dq_product(dq_ref, buf, buffer)
 
         zero = plgpu.layout_cast(jnp.zeros((block_q, piece_cols), jnp.float32), plgpu.Layout.WGMMA)
-        dv, dk, dq = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zero)))
+        with jax.named_scope("grads"):
+          dv, dk, dq = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zero)))
       else:
         def grads(refs):
           dv_ref, dk_ref = refs
           plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
           plgpu.wgmma(dk_ref, ds_t, q_tile)
 
-        dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))  # one wait
+        with jax.named_scope("grads"):
+          dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))  # one wait
       release_q_block(slot)
       if fused:
+        @jax.named_scope("dq")
         def own_piece():
           if split and not interpret:
             piece = dq  # from the group above
@@ -1006,7 +1019,7 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
       grid_names=grid_names,
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=compiler_params(),
       interpret=interpret_params,
       kernel_name="flash2_bwd_dkv_mosaic",
   )(*operands)
@@ -1114,8 +1127,9 @@ def _dq_kernel(
       k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
       # Two wgmma groups per block, one wait each: (S, dP) with both operands
       # in SMEM, then dQ with dS from registers.
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[slot])
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
 
       def scores(s_ref, dp_ref):
         issue_scores(s_ref, dp_ref, k_tile, v_tile)
@@ -1129,14 +1143,18 @@ def _dq_kernel(
 
       tile_acc = plgpu.ACC((rows, block_kv), jnp.float32)
       if config.softmax_overlap:
-        p, dp = pl.run_scoped(probs_under_dp, tile_acc, tile_acc)
+        with jax.named_scope("scores"):
+          p, dp = pl.run_scoped(probs_under_dp, tile_acc, tile_acc)
         plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
       else:
-        s, dp = pl.run_scoped(scores, tile_acc, tile_acc)
+        with jax.named_scope("scores"):
+          s, dp = pl.run_scoped(scores, tile_acc, tile_acc)
         plgpu.barrier_arrive(v_consumed.at[slot])
-        p = probs(s, kb, masked=masked)
-      ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-      dq = add_dq(dq, ds, k_tile)
+        with jax.named_scope("softmax"):
+          p = probs(s, kb, masked=masked)
+      with jax.named_scope("dq"):
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+        dq = add_dq(dq, ds, k_tile)
       plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
       return dq
 
@@ -1226,7 +1244,7 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
       grid_names=grid_names,
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=compiler_params(),
       interpret=interpret_params,
       kernel_name="flash2_bwd_dq_mosaic",
   )(q, k, v, do, lse, delta)

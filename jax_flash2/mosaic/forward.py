@@ -70,6 +70,7 @@ interpreter with its race detector (tests/test_mosaic.py, bench/NOTES.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -98,6 +99,36 @@ _SMEM_RESERVE = 4 * 1024
 # an SM; the producer only computes addresses.
 CONSUMER_REGISTERS = 240
 PRODUCER_REGISTERS = 24
+# Mosaic's profiler for the kernels compiled while `profiling` is active:
+# (events per warpgroup, directory of the traces), or None.
+_PROFILE: tuple[int, str] | None = None
+
+
+@contextlib.contextmanager
+def profiling(events: int, directory: str):
+  """Compiles the Mosaic kernels traced inside with Mosaic GPU's profiler:
+  each call writes a Perfetto trace of the kernel's named regions
+  (jax.named_scope in the kernel bodies) per warpgroup to `directory`
+  (tools/mosaic_profile.py). A development aid: profiled kernels run
+  slower, and the events of a CTA's warpgroups are buffered in its shared
+  memory (48 bytes an event for three warpgroups)."""
+  global _PROFILE
+  saved, _PROFILE = _PROFILE, (events, directory)
+  try:
+    yield
+  finally:
+    _PROFILE = saved
+
+
+def compiler_params() -> plgpu.CompilerParams:
+  """The Mosaic kernels' compiler parameters: approximate exp2 and
+  reciprocal, and the profiler under `profiling`."""
+  if _PROFILE is None:
+    return plgpu.CompilerParams(approx_math=True)
+  events, directory = _PROFILE
+  # Bounds-checked: a kernel with more events than room keeps its first ones.
+  return plgpu.CompilerParams(approx_math=True, profile_space=events, profile_dir=directory,
+                              profile_bounds_check=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -907,7 +938,7 @@ def forward(
       grid_names=grid_names,
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=compiler_params(),
       interpret=interpret_params,
       kernel_name="flash2_fwd_mosaic",
   )(q, k, v)

@@ -1,0 +1,116 @@
+"""Where the Mosaic backward kernels' warpgroups spend their time, from Mosaic GPU's profiler.
+
+  PYTHONPATH=. python tools/mosaic_profile.py --seq 2048 --head-dim 128 [--causal] \\
+      [--variants default fused_dq=1+dkv_persistent=0] [--batch 1 --heads 8] [--keep DIR]
+
+Runs `backward` once per variant with the kernels compiled under
+`forward.profiling`: each kernel writes a Perfetto trace of the named regions
+(jax.named_scope in the kernel bodies) of every warpgroup of every CTA
+(open one in ui.perfetto.dev; --keep keeps them). Prints, per kernel and
+warpgroup role (consumer 0 and 1, producer), the mean time per CTA in each
+region, inclusive of regions inside it, and its share of the warpgroup's
+time from its first event to its last. Profiled kernels run somewhat slower
+(a clock read per region boundary). Each CTA buffers --events events per
+warpgroup in its shared memory (48 bytes an event), which the kernels
+nearly fill: 512 fit beside the d128 kernels, a dozen steps' worth; the
+rest are dropped, so the summary is of each CTA's first steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import sys
+import tempfile
+
+ROLES = ("consumer 0", "consumer 1", "producer")  # warpgroup order: the consumers, then the producer
+
+
+def summarize(trace: dict, warpgroups: int = len(ROLES)) -> dict[str, dict[str, tuple[float, float]]]:
+  """{role: {region: (mean microseconds per CTA, share of the span)}} from a
+  Mosaic GPU profiler trace (Perfetto JSON: B/E events per warpgroup, tid =
+  1 + warpgroup + warpgroups * CTA, ts in microseconds). A region nested in
+  another counts in both; "(span)" is the warpgroup's first-to-last time."""
+  by_tid = collections.defaultdict(list)
+  for event in trace["traceEvents"]:
+    by_tid[event["tid"]].append(event)
+  totals = collections.defaultdict(lambda: collections.defaultdict(float))  # role -> region -> us
+  spans = collections.defaultdict(float)
+  counts = collections.Counter()
+  for tid, events in by_tid.items():
+    role = ROLES[(tid - 1) % warpgroups] if warpgroups == len(ROLES) else f"warpgroup {(tid - 1) % warpgroups}"
+    events.sort(key=lambda e: e["ts"])
+    open_regions = []
+    for event in events:
+      if event["ph"] == "B":
+        open_regions.append(event)
+      else:
+        begin = open_regions.pop()
+        totals[role][begin["name"]] += event["ts"] - begin["ts"]
+    spans[role] += events[-1]["ts"] - events[0]["ts"]
+    counts[role] += 1
+  summary = {}
+  for role in sorted(totals, key=lambda r: (r not in ROLES, ROLES.index(r) if r in ROLES else r)):
+    span = spans[role] / counts[role]
+    regions = {name: (t / counts[role], t / spans[role]) for name, t in totals[role].items()}
+    summary[role] = {"(span)": (span, 1.0), **dict(sorted(regions.items(), key=lambda kv: -kv[1][0]))}
+  return summary
+
+
+def format_summary(summary: dict[str, dict[str, tuple[float, float]]]) -> str:
+  lines = []
+  for role, regions in summary.items():
+    lines.append(f"  {role}")
+    lines += [f"    {name:<14} {us:>10.1f} us {share:>6.1%}" for name, (us, share) in regions.items()]
+  return "\n".join(lines)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seq", type=int, default=2048)
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--heads", type=int, default=8)
+  parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--variants", nargs="*", default=["default"],
+                      help="BackwardConfigs: 'default', or fields set on it as NAME=VALUE joined by '+'")
+  parser.add_argument("--events", type=int, default=512, help="profiler events per warpgroup")
+  parser.add_argument("--keep", default=None, help="keep the traces in this directory")
+  args = parser.parse_args()
+
+  import jax
+  import jax.numpy as jnp
+
+  from jax_flash2 import flash_attention
+  from jax_flash2.mosaic import backward as mosaic_bwd
+  from jax_flash2.mosaic import forward as mosaic_fwd
+
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+  import mosaic_bench  # tools/: its variant parser
+
+  shape = (args.batch, args.seq, args.heads, args.head_dim)
+  q, k, v, do = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.PRNGKey(0), 4))
+  out, lse = flash_attention(q, k, v, causal=args.causal, return_lse=True, backend="triton")
+  delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
+  print(jax.devices()[0].device_kind, f"batch {args.batch}, seq {args.seq}, heads {args.heads}, "
+        f"head_dim {args.head_dim}, {'causal' if args.causal else 'non-causal'}")
+  for spec in args.variants:
+    config = mosaic_bench._variant(mosaic_bwd.default_backward_config(args.head_dim), spec)
+    directory = pathlib.Path(args.keep or tempfile.mkdtemp(prefix="mosaic_profile_")) / spec.replace("=", "-")
+    directory.mkdir(parents=True, exist_ok=True)
+    with mosaic_fwd.profiling(args.events, str(directory)):
+      grads = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=args.causal, config=config))(
+          q, k, v, do, lse, delta)
+      jax.block_until_ready(grads)
+    jax.effects_barrier()  # the traces are written by host callbacks
+    print(f"== {spec}")
+    for path in sorted(directory.glob("*-trace.json")):
+      print(f" {path.name.split('-')[0]}")
+      print(format_summary(summarize(json.loads(path.read_text()))))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
