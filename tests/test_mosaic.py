@@ -619,6 +619,8 @@ def test_bwd_config():
       (dict(softmax_overlap="yes"), "softmax_overlap must be a bool"),
       (dict(dq_persistent=0), "dq_persistent must be a bool"),
       (dict(dkv_persistent="no"), "dkv_persistent must be a bool"),
+      (dict(fused_dq=True, block_q=128), "fused_dq needs block_q 64"),
+      (dict(fused_dq=True, softmax_overlap=True), "does not take softmax_overlap"),
   ):
     with pytest.raises(ValueError, match=match):
       BackwardConfig(**kwargs)
@@ -632,6 +634,13 @@ def test_bwd_config():
   tiles = 2 * mosaic_bwd.OUTER_ROWS * 128 * 2
   assert persistent_dkv.dkv_smem_bytes(128, jnp.bfloat16) == plain.dkv_smem_bytes(128, jnp.bfloat16) + tiles
   assert persistent_dkv.dkv_smem_bytes(128, jnp.bfloat16) <= mosaic.SMEM_LIMIT
+  # The fused kernel adds dS^T (double-buffered) and each consumer's float32 piece of dQ.
+  for head_dim in mosaic_bwd.SUPPORTED_HEAD_DIMS:
+    fused = mosaic_bwd.fused_backward_config(head_dim)
+    unfused = dataclasses.replace(fused, fused_dq=False)
+    extra = 2 * mosaic_bwd.OUTER_ROWS * 64 * 2 + 2 * 64 * 64 * 4
+    assert fused.dkv_smem_bytes(head_dim, jnp.bfloat16) == unfused.dkv_smem_bytes(head_dim, jnp.bfloat16) + extra
+    assert fused.dkv_smem_bytes(head_dim, jnp.bfloat16) <= mosaic.SMEM_LIMIT
 
 
 def test_bwd_rejects():

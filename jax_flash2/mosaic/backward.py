@@ -192,6 +192,8 @@ class BackwardConfig:
       raise ValueError(f"BackwardConfig.stages must be between 2 and 8, got {self.stages}")
     if self.fused_dq and self.block_q != WGMMA_M:
       raise ValueError(f"BackwardConfig.fused_dq needs block_q {WGMMA_M}, got {self.block_q}")
+    if self.fused_dq and self.softmax_overlap:
+      raise ValueError("BackwardConfig.fused_dq does not take softmax_overlap")
 
   @property
   def dkv_buffers(self) -> int:
