@@ -742,8 +742,10 @@ def _forward_kernel(
       # cores finish P V, and only then rescales acc to the new max.
       acc, m_i, l_i, p_prev = carry
       slot, prev = slot_of(kb), slot_of(kb - 1)
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[prev])
+      # (Named scopes: regions of the profiler's traces, see `profiling`.)
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[prev])
 
       def body(s_ref, o_ref):
         take_turn()
@@ -754,14 +756,19 @@ def _forward_kernel(
           o_ref[...] = acc
           plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
         pass_turn()
-        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_kb done; P V may still run
+        with jax.named_scope("wait_scores"):
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_kb done; P V may still run
         plgpu.barrier_arrive(k_consumed.at[slot])
-        update = online_softmax(kb, s, m_i, l_i, masked=masked)
-        return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), *update
+        with jax.named_scope("softmax"):
+          update = online_softmax(kb, s, m_i, l_i, masked=masked)
+        with jax.named_scope("wait_pv"):
+          o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+        return o, *update
 
-      o, p, m_new, l_i, alpha = pl.run_scoped(
-          body, plgpu.ACC((rows, block_kv), jnp.float32), plgpu.ACC(acc.shape, jnp.float32)
-      )
+      with jax.named_scope("step"):
+        o, p, m_new, l_i, alpha = pl.run_scoped(
+            body, plgpu.ACC((rows, block_kv), jnp.float32), plgpu.ACC(acc.shape, jnp.float32)
+        )
       plgpu.barrier_arrive(v_consumed.at[prev])
       if interpret:
         o = acc + o
