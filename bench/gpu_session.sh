@@ -28,7 +28,7 @@
 #             persistent and ping-pong forward: tests, then A/B, ~6 min),
 #             bwd_persistent (the persistent dQ and dK/dV kernels: tests, then A/B, ~9 min),
 #             fused (dQ folded into the dK/dV kernel: tests, then A/B, ~9 min),
-#             profile_bwd (Mosaic's profiler: where the backward warpgroups wait, ~3 min),
+#             profile_bwd, profile_fwd64 (Mosaic's profiler: where the warpgroups wait, ~3 / ~2 min),
 #             d64_tiles (256-row Q tiles at d64, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
@@ -246,6 +246,14 @@ stage_profile_bwd() {
   for causal in "" "--causal"; do
     timeout 120 python tools/mosaic_profile.py --seq 2048 --head-dim 128 $causal \
       --variants default fused_dq=1+dkv_persistent=0 2>&1 | tee -a "$OUT/profile_bwd.log"
+  done
+}
+
+stage_profile_fwd64() {
+  # The d64 forward (0.95-0.97x cuDNN at 8k-16k): where its warpgroups wait.
+  for causal in "" "--causal"; do
+    timeout 90 python tools/mosaic_profile.py --kernel forward --seq 8192 --head-dim 64 --heads 4 $causal \
+      2>&1 | tee -a "$OUT/profile_fwd64.log"
   done
 }
 

@@ -1,9 +1,11 @@
-"""Where the Mosaic backward kernels' warpgroups spend their time, from Mosaic GPU's profiler.
+"""Where the Mosaic kernels' warpgroups spend their time, from Mosaic GPU's profiler.
 
   PYTHONPATH=. python tools/mosaic_profile.py --seq 2048 --head-dim 128 [--causal] \\
       [--variants default fused_dq=1+dkv_persistent=0] [--batch 1 --heads 8] [--keep DIR]
+  PYTHONPATH=. python tools/mosaic_profile.py --kernel forward --head-dim 64 --seq 8192 --heads 4
 
-Runs `backward` once per variant with the kernels compiled under
+Runs `backward` (or `forward`) once per variant (a BackwardConfig, or a
+MosaicConfig) with the kernels compiled under
 `forward.profiling`: each kernel writes a Perfetto trace of the named regions
 (jax.named_scope in the kernel bodies) of every warpgroup of every CTA
 (open one in ui.perfetto.dev; --keep keeps them). Prints, per kernel and
@@ -69,13 +71,14 @@ def format_summary(summary: dict[str, dict[str, tuple[float, float]]]) -> str:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--kernel", choices=["backward", "forward"], default="backward")
   parser.add_argument("--seq", type=int, default=2048)
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=8)
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--variants", nargs="*", default=["default"],
-                      help="BackwardConfigs: 'default', or fields set on it as NAME=VALUE joined by '+'")
+                      help="configs: 'default', or fields set on it as NAME=VALUE joined by '+'")
   parser.add_argument("--events", type=int, default=512, help="profiler events per warpgroup")
   parser.add_argument("--keep", default=None, help="keep the traces in this directory")
   args = parser.parse_args()
@@ -97,13 +100,17 @@ def main() -> int:
   print(jax.devices()[0].device_kind, f"batch {args.batch}, seq {args.seq}, heads {args.heads}, "
         f"head_dim {args.head_dim}, {'causal' if args.causal else 'non-causal'}")
   for spec in args.variants:
-    config = mosaic_bench._variant(mosaic_bwd.default_backward_config(args.head_dim), spec)
     directory = pathlib.Path(args.keep or tempfile.mkdtemp(prefix="mosaic_profile_")) / spec.replace("=", "-")
     directory.mkdir(parents=True, exist_ok=True)
     with mosaic_fwd.profiling(args.events, str(directory)):
-      grads = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=args.causal, config=config))(
-          q, k, v, do, lse, delta)
-      jax.block_until_ready(grads)
+      if args.kernel == "forward":
+        config = mosaic_bench._variant(mosaic_fwd.default_config(args.head_dim), spec)
+        result = jax.jit(lambda *a: mosaic_fwd.forward(*a, causal=args.causal, config=config))(q, k, v)
+      else:
+        config = mosaic_bench._variant(mosaic_bwd.default_backward_config(args.head_dim), spec)
+        result = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=args.causal, config=config))(
+            q, k, v, do, lse, delta)
+      jax.block_until_ready(result)
     jax.effects_barrier()  # the traces are written by host callbacks
     print(f"== {spec}")
     for path in sorted(directory.glob("*-trace.json")):
