@@ -234,8 +234,8 @@ stage_fused() {
     -k bwd_gpu_fused 2>&1 | tee "$OUT/fused_tests.log" | tail -20
   [ "${PIPESTATUS[0]}" = 124 ] && { echo "fused tests timed out (a deadlock?): no timing"; return; }
   # The fused kernel keeps one set of K/V tiles at d128 (shared memory), two at d64.
-  timeout 170 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
-    fused_dq=1+dkv_persistent=0 2>&1 | tee "$OUT/fused_ab.log"
+  timeout 200 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+    fused_dq=1+dkv_persistent=0 fused_dq=1+dkv_persistent=0+dq_turns=1 2>&1 | tee "$OUT/fused_ab.log"
   timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
     fused_dq=1 2>&1 | tail -n +3 | tee -a "$OUT/fused_ab.log"
 }
@@ -245,7 +245,8 @@ stage_profile_bwd() {
   # per named region and warpgroup, the two kernels against the fused one.
   for causal in "" "--causal"; do
     timeout 120 python tools/mosaic_profile.py --seq 2048 --head-dim 128 $causal \
-      --variants default fused_dq=1+dkv_persistent=0 2>&1 | tee -a "$OUT/profile_bwd.log"
+      --variants default fused_dq=1+dkv_persistent=0 fused_dq=1+dkv_persistent=0+dq_turns=1 2>&1 \
+      | tee -a "$OUT/profile_bwd.log"
   done
 }
 

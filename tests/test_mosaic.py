@@ -621,6 +621,7 @@ def test_bwd_config():
       (dict(dkv_persistent="no"), "dkv_persistent must be a bool"),
       (dict(fused_dq=True, block_q=128), "fused_dq needs block_q 64"),
       (dict(fused_dq=True, softmax_overlap=True), "does not take softmax_overlap"),
+      (dict(dq_turns=1), "dq_turns must be a bool"),
   ):
     with pytest.raises(ValueError, match=match):
       BackwardConfig(**kwargs)
@@ -634,12 +635,14 @@ def test_bwd_config():
   tiles = 2 * mosaic_bwd.OUTER_ROWS * 128 * 2
   assert persistent_dkv.dkv_smem_bytes(128, jnp.bfloat16) == plain.dkv_smem_bytes(128, jnp.bfloat16) + tiles
   assert persistent_dkv.dkv_smem_bytes(128, jnp.bfloat16) <= mosaic.SMEM_LIMIT
-  # The fused kernel adds dS^T (double-buffered) and each consumer's float32 piece of dQ.
-  for head_dim in mosaic_bwd.SUPPORTED_HEAD_DIMS:
-    fused = mosaic_bwd.fused_backward_config(head_dim)
+  # The fused kernel adds dS^T (double-buffered) and the staging of the float32 pieces of dQ: one
+  # 64 x 64 buffer per consumer at head_dim 128 (half the columns each), one 64 x head_dim buffer when
+  # they take turns (always at head_dim 64).
+  ds_t = 2 * mosaic_bwd.OUTER_ROWS * 64 * 2
+  for head_dim, turns, staging in ((128, False, 2 * 64 * 64 * 4), (128, True, 64 * 128 * 4), (64, False, 64 * 64 * 4)):
+    fused = dataclasses.replace(mosaic_bwd.fused_backward_config(head_dim), dq_turns=turns)
     unfused = dataclasses.replace(fused, fused_dq=False)
-    extra = 2 * mosaic_bwd.OUTER_ROWS * 64 * 2 + 2 * 64 * 64 * 4
-    assert fused.dkv_smem_bytes(head_dim, jnp.bfloat16) == unfused.dkv_smem_bytes(head_dim, jnp.bfloat16) + extra
+    assert fused.dkv_smem_bytes(head_dim, jnp.bfloat16) == unfused.dkv_smem_bytes(head_dim, jnp.bfloat16) + ds_t + staging
     assert fused.dkv_smem_bytes(head_dim, jnp.bfloat16) <= mosaic.SMEM_LIMIT
 
 
@@ -797,14 +800,16 @@ def test_bwd_interpreter_persistent(kernel, shape, dtype, causal, kv_heads, conf
         ((1, 256, 384, 2, 128), jnp.float16, True, 1),  # grouped-query, seq_q < seq_k
         ((1, 384, 128, 1, 64), jnp.float16, True, None),  # seq_q > seq_k: rows that see no key, dQ 0
         ((1, 200, 136, 2, 64), jnp.bfloat16, False, None),  # ragged
+        ((1, 384, 256, 2, 128), jnp.bfloat16, True, 1),  # d128, the consumers taking turns (dq_turns)
     ],
-    ids=["d128", "d64_causal", "gqa_seq_q_lt_seq_k", "seq_q_gt_seq_k", "ragged"],
+    ids=["d128", "d64_causal", "gqa_seq_q_lt_seq_k", "seq_q_gt_seq_k", "ragged", "d128_turns"],
 )
-def test_bwd_interpreter_fused_dq(shape, dtype, causal, kv_heads):
+def test_bwd_interpreter_fused_dq(request, shape, dtype, causal, kv_heads):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
   config = mosaic_bwd.fused_backward_config(shape[-1])
-  config = dataclasses.replace(config, stages=2)  # wraps the ring more often
+  turns = request.node.callspec.id.endswith("turns")
+  config = dataclasses.replace(config, stages=2, dq_turns=turns)  # stages 2: wraps the ring more often
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config,
                                interpret=plgpu.InterpretGPUParams(detect_races=True))
   assert not gpu_callbacks.get_races().races_found
@@ -937,16 +942,26 @@ def test_bwd_gpu_persistent(shape, kv_heads, causal, kernels):
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
-def test_bwd_gpu_fused_dq(shape, kv_heads, causal):
+def test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=False):
   """The fused kernel against the reference, over several rounds of
   persistent CTAs; and deterministic: a second run gives the same bits."""
-  config = mosaic_bwd.fused_backward_config(shape[-1])
+  config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_turns=turns)
   grads = _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config,
                                        interpret=False)
   (q, k, v, do, lse, delta), _ = _bwd_problem(*shape, jnp.bfloat16, causal, kv_heads)
   again = mosaic_bwd.backward(q, k, v, do, lse, delta, causal=causal, config=config)
   for name, x, y in zip(("dq", "dk", "dv"), grads, again):
     np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), err_msg=name)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape, kv_heads", [((8, 2048, 2048, 16, 128), None), ((3, 1000, 1537, 16, 128), 4)],
+                         ids=["d128", "ragged_gqa"])
+def test_bwd_gpu_fused_dq_turns(shape, kv_heads, causal):
+  """The same with the consumers taking turns at head_dim 128 (dq_turns)."""
+  test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=True)
 
 
 @pytest.mark.gpu

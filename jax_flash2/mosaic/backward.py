@@ -164,6 +164,10 @@ class BackwardConfig:
       so that gradients stay deterministic; S and dP are computed once, not
       twice. Needs block_q 64. Off by default: slower than the two kernels
       on the H200 so far (bench/NOTES.md, session 6).
+    dq_turns: with fused_dq, the two consumers take turns at adding dQ,
+      each a whole-width piece at every other step, instead of each adding
+      half the columns at every step (`_dq_piece`); at head_dim 64 they
+      always take turns. Not yet run on a GPU.
   The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
   Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
   lengths; see the module docstring).
@@ -176,9 +180,10 @@ class BackwardConfig:
   dq_persistent: bool = False
   dkv_persistent: bool = False
   fused_dq: bool = False
+  dq_turns: bool = False
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq"):
+    for name in ("softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages"):
@@ -205,8 +210,9 @@ class BackwardConfig:
     kv = self.dkv_buffers * 2 * OUTER_ROWS * head_dim * item
     ring = self.stages * (2 * self.block_q * head_dim * item + 2 * self.block_q * 4)
     fused = 0
-    if self.fused_dq:  # dS^T, double-buffered; each consumer's piece of dQ (float32)
-      fused = 2 * OUTER_ROWS * self.block_q * item + NUM_CONSUMERS * self.block_q * _dq_piece(head_dim)[0] * 4
+    if self.fused_dq:  # dS^T, double-buffered; the staged pieces of dQ (float32)
+      cols, split = _dq_piece(head_dim, self.dq_turns)
+      fused = 2 * OUTER_ROWS * self.block_q * item + (NUM_CONSUMERS if split else 1) * self.block_q * cols * 4
     return kv + ring + fused + _SMEM_RESERVE
 
   @property
@@ -306,13 +312,14 @@ def _swizzled(head_or_cols: int, dtype):
 # ------------------------------------------------- dQ in the dK/dV kernel
 
 
-def _dq_piece(head_dim: int) -> tuple[int, bool]:
+def _dq_piece(head_dim: int, turns: bool) -> tuple[int, bool]:
   """(columns, split) of the dQ piece a consumer of the fused kernel adds per
-  Q block. wgmma reads its K operand with 128-byte swizzling, so a column
-  slice of K must be 64 columns wide: at head_dim 128 each consumer adds its
-  half of the columns at every step (split); at head_dim 64 a consumer adds
-  all the columns at every other step, taking turns."""
-  return (head_dim // 2, True) if head_dim >= 2 * 64 else (head_dim, False)
+  Q block: half the columns at every step for each consumer (split), or all
+  of them at every other step, the consumers taking turns (one staging
+  buffer serves both). wgmma reads its K operand with 128-byte swizzling, so
+  a column slice of K must be 64 columns wide: at head_dim 64 they always
+  take turns."""
+  return (head_dim, False) if turns or head_dim < 2 * 64 else (head_dim // 2, True)
 
 
 def _visit(kv_index, position, num_visits, lo, *, num_q, num_kv, causal: bool, where=jnp.where,
@@ -423,8 +430,8 @@ def _dkv_kernel(
   # With fused_dq: ranks_ref, an input, int32 [num_kv, group * num_q]
   # (`_dq_order`); dq_ref, an output, float32 [batch, seq_q', heads, D], dQ
   # unscaled; ds_smem: [2, 2, 64, block_q], dS^T of both consumers,
-  # double-buffered by step; dq_smem: [2, block_q, piece columns] f32, each
-  # consumer's piece of dQ on its way out; ds_ready: [2] barriers of 2
+  # double-buffered by step; dq_smem: [2 (split) or 1 (turns), block_q,
+  # piece columns] f32, the consumers' pieces of dQ on their way out; ds_ready: [2] barriers of 2
   # arrivals; tile_done: a barrier of 2 arrivals (neither consumer reads the
   # other's K tile any more); dq_staged, dq_free: [2] barriers of 1 arrival
   # (a consumer's piece is in dq_smem; the producer has read it).
@@ -549,7 +556,7 @@ def _dkv_kernel(
     plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[buffer, wg], ready)
     plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[buffer, wg], ready)
 
-  piece_cols, split = _dq_piece(head_dim)
+  piece_cols, split = _dq_piece(head_dim, config.dq_turns)
   pieces = NUM_CONSUMERS if split else 1  # pieces of dQ per step
   heads = q_ref.shape[2]
   if fused and not interpret:
@@ -593,7 +600,7 @@ def _dkv_kernel(
       col0 = owner * piece_cols if split else 0
       counter = ((tile.batch * heads + head) * num_q + qb) * pieces + piece
       target = dq_ref.at[tile.batch, pl.ds(qb * block_q, block_q), head, pl.ds(col0, piece_cols)]
-      staged = dq_smem.at[owner]
+      staged = dq_smem.at[owner if split else 0]
       plgpu.barrier_wait(dq_staged.at[owner])
       if interpret:
         old = dq_old.at[owner]
@@ -613,19 +620,20 @@ def _dkv_kernel(
       counters.append(counter)
     return tuple(counters)
 
-  def pieces_staged(ring_step):
-    """How many pieces of dQ this consumer staged before ring step
-    `ring_step` (each one's dq_free phase comes in turn)."""
-    return ring_step if split else lax.div(ring_step + 1 - wg, jnp.int32(NUM_CONSUMERS))
+  # The piece staged before ring step r, which the producer must have read
+  # before this consumer stages its own: its own (split) or the other
+  # consumer's (turns: one buffer). Each consumer waits for every phase of
+  # that piece's dq_free barrier in turn, the last in its epilogue.
+  previous_owner = wg if split else 1 - wg
 
   def stage_piece(dq, ring_step):
     """Hands this consumer's piece of dQ to the producer (`add_pieces`)."""
-    staged = dq_smem.at[wg]
+    staged = dq_smem.at[wg if split else 0]
 
-    @pl.when(pieces_staged(ring_step) > 0)
+    @pl.when(ring_step > 0)
     @jax.named_scope("wait_dq_free")
     def _():
-      plgpu.barrier_wait(dq_free.at[wg])  # the producer has read the last one
+      plgpu.barrier_wait(dq_free.at[previous_owner])
 
     staged[...] = dq
     plgpu.commit_smem()
@@ -639,10 +647,12 @@ def _dkv_kernel(
       plgpu.wgmma(acc_ref, ds_smem.at[buf, c].transpose((1, 0)), k_smem.at[buffer, c, :, pl.ds(col0, piece_cols)])
 
   def last_release(end_step):
-    """A consumer's epilogue: the producer's read of its last piece of dQ
-    (every barrier phase is waited for)."""
-    if fused:
-      pl.when(pieces_staged(end_step) > 0)(lambda: plgpu.barrier_wait(dq_free.at[wg]))
+    """A consumer's epilogue: the producer's read of the last piece of dQ
+    this consumer would wait for next (every barrier phase is waited for)."""
+    if not fused:
+      return
+    last_owner = wg if split else lax.rem(end_step - 1, jnp.int32(NUM_CONSUMERS))
+    pl.when((end_step > 0) & (last_owner == previous_owner))(lambda: plgpu.barrier_wait(dq_free.at[previous_owner]))
 
   def gradients(tile: KVTile, buffer, ring_base):
     """(dK unscaled, dV) of this consumer's rows of `tile`, its Q blocks at
@@ -982,10 +992,11 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
   operands = [q, k, v, do, lse, delta]
   if config.fused_dq:
-    piece_cols, _ = _dq_piece(head_dim)
+    piece_cols, split = _dq_piece(head_dim, config.dq_turns)
     scratch += [
         plgpu.SMEM((2, NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)),  # dS^T
-        plgpu.SMEM((NUM_CONSUMERS, block_q, piece_cols), jnp.float32, transforms=_swizzled(piece_cols, jnp.float32)),
+        plgpu.SMEM((NUM_CONSUMERS if split else 1, block_q, piece_cols), jnp.float32,
+                   transforms=_swizzled(piece_cols, jnp.float32)),  # pieces of dQ
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),  # dS^T staged
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # tile done
         plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # a piece of dQ staged
