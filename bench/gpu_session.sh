@@ -27,7 +27,7 @@
 #   Speed:    overlap_ab (softmax_overlap off/on, ~2 min), persistent (the
 #             persistent and ping-pong forward: tests, then A/B, ~6 min),
 #             bwd_persistent (the persistent dQ and dK/dV kernels: tests, then A/B, ~9 min),
-#             fused (dQ folded into the dK/dV kernel: tests, then A/B, ~9 min),
+#             fused (dQ folded into the dK/dV kernel: tests, then d128 A/B, ~9 min), fused64 (its d64 A/B, ~2 min),
 #             profile_bwd, profile_fwd64 (Mosaic's profiler: where the warpgroups wait, ~3 / ~2 min),
 #             d64_tiles (256-row Q tiles at d64, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
@@ -227,17 +227,20 @@ stage_bwd_persistent() {
 }
 
 stage_fused() {
-  # BackwardConfig.fused_dq (session 6, CPU-checked; its semaphores and TMA
-  # reduce-adds run only here): GPU tests (a deadlock shows as the timeout),
-  # then A/B against the two-kernel backward.
-  timeout 240 python -m pytest -m gpu -q --maxfail=2 -rfE -p no:cacheprovider tests/test_mosaic.py \
+  # BackwardConfig.fused_dq (session 6; its semaphores and TMA reduce-adds run
+  # only here): GPU tests, split and turns (a deadlock shows as the timeout),
+  # then the d128 A/B against the two-kernel backward; fused64 has d64's.
+  timeout 320 python -m pytest -m gpu -q --maxfail=2 -rfE -p no:cacheprovider tests/test_mosaic.py \
     -k bwd_gpu_fused 2>&1 | tee "$OUT/fused_tests.log" | tail -20
   [ "${PIPESTATUS[0]}" = 124 ] && { echo "fused tests timed out (a deadlock?): no timing"; return; }
   # The fused kernel keeps one set of K/V tiles at d128 (shared memory), two at d64.
-  timeout 200 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+  timeout 220 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
     fused_dq=1+dkv_persistent=0 fused_dq=1+dkv_persistent=0+dq_turns=1 2>&1 | tee "$OUT/fused_ab.log"
+}
+
+stage_fused64() {
   timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
-    fused_dq=1 2>&1 | tail -n +3 | tee -a "$OUT/fused_ab.log"
+    fused_dq=1 2>&1 | tee "$OUT/fused64_ab.log"
 }
 
 stage_profile_bwd() {
