@@ -85,14 +85,16 @@ a detour through shared memory and the products are added afterwards, as in
 forward.py; the compiled kernel never takes that branch.
 
 Status: runs on the H200 and passes its GPU tests at the Triton path's bar,
-ragged lengths included (session 4; speed in bench/NOTES.md). Checked on
-CPU: lowering for CUDA, compilation
-to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no spills except a
-few scalars in the causal dkv at head_dim 128; dkv at block_q 128 and
-head_dim 128 spills heavily: S^T and dP^T then take 128 registers), and dq, dk, dv against the
-reference's gradients in Mosaic's interpreter (tests/test_mosaic.py; its race
-detector finds no race here and does find one when the producer skips the
-Q-consumed wait).
+ragged lengths included (session 4; persistent by default since session 6;
+speed in bench/NOTES.md). The fused kernel passes its GPU tests, bit-for-bit
+deterministic, but is slower than the two kernels so far (session 6; its
+`dq_turns` form is CPU-checked only). Checked on CPU: lowering for CUDA,
+compilation to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no
+spills except a few scalars in the causal dkv at head_dim 128; dkv at
+block_q 128 and head_dim 128 spills heavily: S^T and dP^T then take 128
+registers), and dq, dk, dv against the reference's gradients in Mosaic's
+interpreter (tests/test_mosaic.py; its race detector finds no race here and
+does find one when the producer skips the Q-consumed wait).
 """
 
 from __future__ import annotations
