@@ -1011,3 +1011,28 @@ def test_profile_summary_of_a_trace():
     assert regions["step"] == pytest.approx((16.0, 0.8))  # (4 + 4) and (12 + 12)
     assert regions["scores"] == pytest.approx((4.0, 0.2))  # 2 and 6
   assert "scores" in tool.format_summary(summary)
+
+
+@pytest.mark.parametrize(
+    "num_kv, kv_heads, batch, causal, paired, num_ctas",
+    [
+        (16, 16, 8, False, False, 128),  # 8 heads' tiles per round, 4 SMs idle
+        (16, 16, 8, True, True, 128),  # pairs: 8 CTAs a head, 16 heads per round
+        (64, 16, 2, False, False, 128),
+        (128, 16, 1, False, False, 128),
+        (256, 16, 1, False, False, 128),  # a head over two rounds: the largest divisor of 256 <= 132
+        (264, 2, 1, False, False, 132),
+        (33, 4, 1, True, False, 132),  # an odd number of K/V blocks: unpaired
+        (16, 2, 1, False, False, 32),  # few tiles: one round
+    ],
+)
+def test_fused_schedule_keeps_heads_in_rounds_on_resident_ctas(num_kv, kv_heads, batch, causal, paired, num_ctas):
+  """The fused kernel's CTAs wait on each other: never more than the SMs (all
+  resident), and a whole number of heads per round or of rounds per head, so
+  that one head's order of additions (`_dq_order`) holds for every head."""
+  schedule = mosaic_bwd._fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=False)
+  assert (schedule.paired, schedule.num_ctas) == (paired, num_ctas)
+  assert schedule.num_ctas <= mosaic._sm_count()
+  per_head = num_kv // 2 if paired else num_kv
+  assert per_head % schedule.num_ctas == 0 or schedule.num_ctas % per_head == 0
+  assert mosaic_bwd._fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=True).num_ctas == 1
