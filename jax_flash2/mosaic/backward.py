@@ -507,13 +507,11 @@ def _dkv_kernel(
     with fused_dq also the additions of the consumers' pieces of dQ
     (`add_pieces`), `stages` steps behind the copies: the step whose slot a
     copy waits for is the one whose pieces come next."""
-    steps_per_head = jnp.int32(num_q) - tile.lo
-
     def load(step):
       ring_step = ring_base + step
       slot = lax.rem(ring_step, jnp.int32(stages))
-      head = tile.kv_head * group + lax.div(step, steps_per_head)
-      q0 = tile.q_block(lax.rem(step, steps_per_head)) * block_q
+      head = tile.kv_head * group + lax.div(step, tile.visits)
+      q0 = tile.q_block(lax.rem(step, tile.visits)) * block_q
       q_rows = (tile.batch, pl.ds(q0, block_q), head)
       vec = (tile.batch, head, pl.ds(q0, block_q))
 
@@ -560,6 +558,14 @@ def _dkv_kernel(
 
   piece_cols, split = _dq_piece(head_dim, config.dq_turns)
   pieces = NUM_CONSUMERS if split else 1  # pieces of dQ per step
+
+  def owner(ring_step):
+    """The consumer whose turn it is at ring step `ring_step` (dq_turns)."""
+    return lax.rem(ring_step, jnp.int32(NUM_CONSUMERS))
+
+  def first_column(consumer):
+    """The first column of dQ in `consumer`'s pieces."""
+    return consumer * piece_cols if split else 0
   heads = q_ref.shape[2]
   if fused and not interpret:
     # One counter per Q block and piece of dQ: the additions made into it.
@@ -597,17 +603,16 @@ def _dkv_kernel(
     rank = ranks_ref[tile.kv_index, step]
     counters = []
     # Split pieces: both consumers', every step; else the turn's owner's.
-    owners = range(NUM_CONSUMERS) if split else [lax.rem(ring_step, jnp.int32(NUM_CONSUMERS))]
-    for piece, owner in enumerate(owners):
-      col0 = owner * piece_cols if split else 0
+    consumers = range(NUM_CONSUMERS) if split else [owner(ring_step)]
+    for piece, consumer in enumerate(consumers):
       counter = ((tile.batch * heads + head) * num_q + qb) * pieces + piece
-      target = dq_ref.at[tile.batch, pl.ds(qb * block_q, block_q), head, pl.ds(col0, piece_cols)]
-      staged = dq_smem.at[owner if split else 0]
-      plgpu.barrier_wait(dq_staged.at[owner])
+      target = dq_ref.at[tile.batch, pl.ds(qb * block_q, block_q), head, pl.ds(first_column(consumer), piece_cols)]
+      staged = dq_smem.at[consumer if split else 0]
+      plgpu.barrier_wait(dq_staged.at[consumer])
       if interpret:
-        old = dq_old.at[owner]
-        plgpu.copy_gmem_to_smem(target, old, dq_loaded.at[owner])
-        plgpu.barrier_wait(dq_loaded.at[owner])
+        old = dq_old.at[consumer]
+        plgpu.copy_gmem_to_smem(target, old, dq_loaded.at[consumer])
+        plgpu.barrier_wait(dq_loaded.at[consumer])
         staged[...] = staged[...] + jnp.where(rank > 0, old[...], 0.0)  # rank 0 finds no dQ there yet
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(staged, target)
@@ -618,7 +623,7 @@ def _dkv_kernel(
         plgpu.copy_smem_to_gmem(staged, target, predicate=rank == 0)
         plgpu.copy_smem_to_gmem(staged, target, predicate=rank > 0, reduction_op="add")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      plgpu.barrier_arrive(dq_free.at[owner])
+      plgpu.barrier_arrive(dq_free.at[consumer])
       counters.append(counter)
     return tuple(counters)
 
@@ -644,16 +649,16 @@ def _dkv_kernel(
   def dq_product(acc_ref, buf, buffer):
     """acc += this consumer's piece of dS K: dS from both consumers' dS^T in
     ds_smem[buf] (transposed), K from both K tiles of `buffer`."""
-    col0 = wg * piece_cols if split else 0
+    columns = pl.ds(first_column(wg), piece_cols)
     for c in range(NUM_CONSUMERS):
-      plgpu.wgmma(acc_ref, ds_smem.at[buf, c].transpose((1, 0)), k_smem.at[buffer, c, :, pl.ds(col0, piece_cols)])
+      plgpu.wgmma(acc_ref, ds_smem.at[buf, c].transpose((1, 0)), k_smem.at[buffer, c, :, columns])
 
   def last_release(end_step):
     """A consumer's epilogue: the producer's read of the last piece of dQ
     this consumer would wait for next (every barrier phase is waited for)."""
     if not fused:
       return
-    last_owner = wg if split else lax.rem(end_step - 1, jnp.int32(NUM_CONSUMERS))
+    last_owner = wg if split else owner(end_step - 1)
     pl.when((end_step > 0) & (last_owner == previous_owner))(lambda: plgpu.barrier_wait(dq_free.at[previous_owner]))
 
   def gradients(tile: KVTile, buffer, ring_base):
@@ -792,7 +797,7 @@ def _dkv_kernel(
         if split:
           own_piece()
         else:  # the consumers take turns
-          pl.when(lax.rem(ring_step, jnp.int32(NUM_CONSUMERS)) == wg)(own_piece)
+          pl.when(owner(ring_step) == wg)(own_piece)
       return dk, dv
 
     def step(qb, carry, *, g, masked: bool):
@@ -956,7 +961,8 @@ def dkv(
     interpret: run Mosaic GPU's interpreter (CPU) instead of compiling.
 
   Returns:
-    (dk, dv), like k.
+    (dk, dv), like k. (With config.fused_dq the kernel computes dQ as well,
+    which only `backward` returns.)
   """
   config, softmax_scale = _settings(q, config, softmax_scale)
   _check_inputs(q, k, v, do, lse, delta, config, ("dkv",))
