@@ -229,13 +229,14 @@ stage_bwd_persistent() {
 stage_fused() {
   # BackwardConfig.fused_dq (session 6; its semaphores and TMA reduce-adds run
   # only here): GPU tests, split and turns (a deadlock shows as the timeout),
-  # then the d128 A/B against the two-kernel backward; fused64 has d64's.
+  # then the d128 A/B (split; turns lost in session 7) against the two-kernel
+  # backward; fused64 has d64's.
   timeout 320 python -m pytest -m gpu -q --maxfail=2 -rfE -p no:cacheprovider tests/test_mosaic.py \
     -k bwd_gpu_fused 2>&1 | tee "$OUT/fused_tests.log" | tail -20
   [ "${PIPESTATUS[0]}" = 124 ] && { echo "fused tests timed out (a deadlock?): no timing"; return; }
   # The fused kernel keeps one set of K/V tiles at d128 (shared memory), two at d64.
   timeout 220 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
-    fused_dq=1+dkv_persistent=0 fused_dq=1+dkv_persistent=0+dq_turns=1 2>&1 | tee "$OUT/fused_ab.log"
+    fused_dq=1+dkv_persistent=0 2>&1 | tee "$OUT/fused_ab.log"
 }
 
 stage_fused64() {
@@ -248,8 +249,7 @@ stage_profile_bwd() {
   # per named region and warpgroup, the two kernels against the fused one.
   for causal in "" "--causal"; do
     timeout 120 python tools/mosaic_profile.py --seq 2048 --head-dim 128 $causal \
-      --variants default fused_dq=1+dkv_persistent=0 fused_dq=1+dkv_persistent=0+dq_turns=1 2>&1 \
-      | tee -a "$OUT/profile_bwd.log"
+      --variants default fused_dq=1+dkv_persistent=0 2>&1 | tee -a "$OUT/profile_bwd.log"
   done
 }
 

@@ -636,10 +636,10 @@ def test_bwd_config():
   assert persistent_dkv.dkv_smem_bytes(128, jnp.bfloat16) == plain.dkv_smem_bytes(128, jnp.bfloat16) + tiles
   assert persistent_dkv.dkv_smem_bytes(128, jnp.bfloat16) <= mosaic.SMEM_LIMIT
   # The fused kernel adds dS^T (double-buffered) and the staging of the float32 pieces of dQ: one
-  # 64 x 64 buffer per consumer at head_dim 128 (half the columns each), one 64 x head_dim buffer when
-  # they take turns (always at head_dim 64).
+  # 64 x 64 buffer per consumer at head_dim 128 (half the columns each) and at head_dim 64 (whole
+  # width, taking turns), one shared 64 x 128 buffer when they take turns at head_dim 128.
   ds_t = 2 * mosaic_bwd.OUTER_ROWS * 64 * 2
-  for head_dim, turns, staging in ((128, False, 2 * 64 * 64 * 4), (128, True, 64 * 128 * 4), (64, False, 64 * 64 * 4)):
+  for head_dim, turns, staging in ((128, False, 2 * 64 * 64 * 4), (128, True, 64 * 128 * 4), (64, False, 2 * 64 * 64 * 4)):
     fused = dataclasses.replace(mosaic_bwd.fused_backward_config(head_dim), dq_turns=turns)
     unfused = dataclasses.replace(fused, fused_dq=False)
     assert fused.dkv_smem_bytes(head_dim, jnp.bfloat16) == unfused.dkv_smem_bytes(head_dim, jnp.bfloat16) + ds_t + staging

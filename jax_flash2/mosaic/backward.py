@@ -213,8 +213,8 @@ class BackwardConfig:
     ring = self.stages * (2 * self.block_q * head_dim * item + 2 * self.block_q * 4)
     fused = 0
     if self.fused_dq:  # dS^T, double-buffered; the staged pieces of dQ (float32)
-      cols, split = _dq_piece(head_dim, self.dq_turns)
-      fused = 2 * OUTER_ROWS * self.block_q * item + (NUM_CONSUMERS if split else 1) * self.block_q * cols * 4
+      piece = _dq_piece(head_dim, self.dq_turns)
+      fused = 2 * OUTER_ROWS * self.block_q * item + piece.buffers * self.block_q * piece.cols * 4
     return kv + ring + fused + _SMEM_RESERVE
 
   @property
@@ -314,14 +314,29 @@ def _swizzled(head_or_cols: int, dtype):
 # ------------------------------------------------- dQ in the dK/dV kernel
 
 
-def _dq_piece(head_dim: int, turns: bool) -> tuple[int, bool]:
-  """(columns, split) of the dQ piece a consumer of the fused kernel adds per
-  Q block: half the columns at every step for each consumer (split), or all
-  of them at every other step, the consumers taking turns (one staging
-  buffer serves both). wgmma reads its K operand with 128-byte swizzling, so
-  a column slice of K must be 64 columns wide: at head_dim 64 they always
-  take turns."""
-  return (head_dim, False) if turns or head_dim < 2 * 64 else (head_dim // 2, True)
+@dataclasses.dataclass(frozen=True)
+class _DQPiece:
+  """The piece of dQ a consumer of the fused kernel adds per Q block: half
+  the columns at every step for each consumer (split), or all of them at
+  every other step, the consumers taking turns. wgmma reads its K operand
+  with 128-byte swizzling, so a column slice of K must be 64 columns wide:
+  at head_dim 64 they always take turns. Each consumer stages its pieces in
+  a float32 buffer of its own (`buffers` = 2), except whole-width pieces at
+  head_dim 128: two 64 x 128 buffers (64 KiB) do not fit beside the ring,
+  so the consumers share one and each waits for the producer to have read
+  the other's piece."""
+
+  cols: int
+  split: bool
+
+  @property
+  def buffers(self) -> int:
+    return NUM_CONSUMERS if self.split or self.cols <= 64 else 1
+
+
+def _dq_piece(head_dim: int, turns: bool) -> _DQPiece:
+  split = not turns and head_dim >= 2 * 64
+  return _DQPiece(head_dim // 2 if split else head_dim, split)
 
 
 def _visit(kv_index, position, num_visits, lo, *, num_q, num_kv, causal: bool, where=jnp.where,
@@ -432,7 +447,7 @@ def _dkv_kernel(
   # With fused_dq: ranks_ref, an input, int32 [num_kv, group * num_q]
   # (`_dq_order`); dq_ref, an output, float32 [batch, seq_q', heads, D], dQ
   # unscaled; ds_smem: [2, 2, 64, block_q], dS^T of both consumers,
-  # double-buffered by step; dq_smem: [2 (split) or 1 (turns), block_q,
+  # double-buffered by step; dq_smem: [_DQPiece.buffers, block_q,
   # piece columns] f32, the consumers' pieces of dQ on their way out; ds_ready: [2] barriers of 2
   # arrivals; tile_done: a barrier of 2 arrivals (neither consumer reads the
   # other's K tile any more); dq_staged, dq_free: [2] barriers of 1 arrival
@@ -536,14 +551,12 @@ def _dkv_kernel(
     lag = jnp.minimum(jnp.int32(stages), tile.num_steps)
     pl.loop(0, lag)(load)
 
-    def load_and_add(step, pending):
+    @pl.loop(lag, tile.num_steps)
+    def _(step):
       load(step)
-      return add_pieces(tile, ring_base, step - stages, pending)
+      add_pieces(tile, ring_base, step - stages)
 
-    pending = lax.fori_loop(lag, tile.num_steps, load_and_add, (jnp.int32(-1),) * pieces)
-    pending = lax.fori_loop(tile.num_steps - lag, tile.num_steps,
-                            lambda step, pending: add_pieces(tile, ring_base, step, pending), pending)
-    count_additions(pending)
+    pl.loop(tile.num_steps - lag, tile.num_steps)(lambda step: add_pieces(tile, ring_base, step))
 
   def observe(end_step):
     # Q and lse are released on q_consumed, dO and delta on do_consumed.
@@ -556,7 +569,9 @@ def _dkv_kernel(
     plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[buffer, wg], ready)
     plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[buffer, wg], ready)
 
-  piece_cols, split = _dq_piece(head_dim, config.dq_turns)
+  piece = _dq_piece(head_dim, config.dq_turns)
+  piece_cols, split = piece.cols, piece.split
+  own_buffer = piece.buffers == NUM_CONSUMERS  # a staging buffer per consumer
   pieces = NUM_CONSUMERS if split else 1  # pieces of dQ per step
 
   def owner(ring_step):
@@ -572,30 +587,33 @@ def _dkv_kernel(
     # Zero at every call (Mosaic GPU zero-fills its global scratch).
     additions = pl.get_global(plgpu.SemaphoreType.REGULAR((q_ref.shape[0] * heads * num_q * pieces,)))
 
-  def count_additions(pending):
-    """The producer's wait for the additions into dQ it issued last (one
-    semaphore index per piece, -1: none) to land; then it counts them, so
-    that the next adders may go."""
+  def count_additions(counters):
+    """The producer's wait for the additions into dQ it has just issued (one
+    semaphore index per piece) to land; then it counts them, so that the
+    next adders may go. Counted at once, not at the next step: the next
+    adder into a Q block (another CTA, a couple of steps later by
+    `_dq_order`) waits for this count, and the consumers no longer wait
+    for it (their pieces were released when read)."""
     if interpret:
       return  # the interpreter's additions are complete when issued
-    plgpu.wait_smem_to_gmem(0)  # written, not only read from shared memory
-    for counter in pending:
-      pl.when(counter >= 0)(lambda: plgpu.semaphore_signal(additions.at[counter], 1, memory_scope="gpu"))
+    with jax.named_scope("landed"):
+      plgpu.wait_smem_to_gmem(0)  # written, not only read from shared memory
+    for counter in counters:
+      plgpu.semaphore_signal(additions.at[counter], 1, memory_scope="gpu")
 
   @jax.named_scope("add_dq")
-  def add_pieces(tile: KVTile, ring_base, step, pending):
+  def add_pieces(tile: KVTile, ring_base, step):
     """The producer adds the consumers' pieces of dQ_qb += dS K of the
     tile's `step` (Q block qb of query head g; float32, unscaled) into
     dq_ref, each after the `rank` additions that precede it (`_dq_order`),
-    and returns the semaphores that will count them (counted at its next
-    step, when they have landed: `count_additions`). A TMA reduce-add, the
-    first (rank 0) a plain store. The consumers never wait on global memory
-    for dQ: only for the producer to have read their last piece (dq_free).
+    then counts them once they have landed (`count_additions`). A TMA
+    reduce-add, the first (rank 0) a plain store. The consumers never wait
+    on global memory for dQ: only for the producer to have read their last
+    piece (dq_free).
 
     Mosaic's interpreter has neither semaphores nor reduce-adds: there one
     CTA takes every tile in turn, and the producer adds by load, add and
     store."""
-    count_additions(pending)
     ring_step = ring_base + step
     g = lax.div(step, tile.visits)
     qb = tile.q_block(lax.rem(step, tile.visits))
@@ -607,8 +625,9 @@ def _dkv_kernel(
     for piece, consumer in enumerate(consumers):
       counter = ((tile.batch * heads + head) * num_q + qb) * pieces + piece
       target = dq_ref.at[tile.batch, pl.ds(qb * block_q, block_q), head, pl.ds(first_column(consumer), piece_cols)]
-      staged = dq_smem.at[consumer if split else 0]
-      plgpu.barrier_wait(dq_staged.at[consumer])
+      staged = dq_smem.at[consumer if own_buffer else 0]
+      with jax.named_scope("wait_staged"):
+        plgpu.barrier_wait(dq_staged.at[consumer])
       if interpret:
         old = dq_old.at[consumer]
         plgpu.copy_gmem_to_smem(target, old, dq_loaded.at[consumer])
@@ -625,19 +644,21 @@ def _dkv_kernel(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(dq_free.at[consumer])
       counters.append(counter)
-    return tuple(counters)
+    count_additions(counters)
 
-  # The piece staged before ring step r, which the producer must have read
-  # before this consumer stages its own: its own (split) or the other
-  # consumer's (turns: one buffer). Each consumer waits for every phase of
-  # that piece's dq_free barrier in turn, the last in its epilogue.
-  previous_owner = wg if split else 1 - wg
+  # The piece staged last in this consumer's buffer, which the producer must
+  # have read before the consumer stages its own: its own, `gap` ring steps
+  # before (own buffers), or the other consumer's, the step before (one
+  # shared buffer). Each consumer waits for every phase of that piece's
+  # dq_free barrier in turn, the last in its epilogue.
+  previous_owner = wg if own_buffer else 1 - wg
+  gap = NUM_CONSUMERS if own_buffer and not split else 1
 
   def stage_piece(dq, ring_step):
     """Hands this consumer's piece of dQ to the producer (`add_pieces`)."""
-    staged = dq_smem.at[wg if split else 0]
+    staged = dq_smem.at[wg if own_buffer else 0]
 
-    @pl.when(ring_step > 0)
+    @pl.when(ring_step >= gap)
     @jax.named_scope("wait_dq_free")
     def _():
       plgpu.barrier_wait(dq_free.at[previous_owner])
@@ -658,8 +679,11 @@ def _dkv_kernel(
     this consumer would wait for next (every barrier phase is waited for)."""
     if not fused:
       return
-    last_owner = wg if split else owner(end_step - 1)
-    pl.when((end_step > 0) & (last_owner == previous_owner))(lambda: plgpu.barrier_wait(dq_free.at[previous_owner]))
+    if own_buffer:  # this consumer's last piece, if it staged any
+      staged_any = end_step > (0 if split else wg)
+    else:  # the last piece, if the other consumer's
+      staged_any = (end_step > 0) & (owner(end_step - 1) == previous_owner)
+    pl.when(staged_any)(lambda: plgpu.barrier_wait(dq_free.at[previous_owner]))
 
   def gradients(tile: KVTile, buffer, ring_base):
     """(dK unscaled, dV) of this consumer's rows of `tile`, its Q blocks at
@@ -1000,11 +1024,11 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
   operands = [q, k, v, do, lse, delta]
   if config.fused_dq:
-    piece_cols, split = _dq_piece(head_dim, config.dq_turns)
+    piece = _dq_piece(head_dim, config.dq_turns)
     scratch += [
         plgpu.SMEM((2, NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)),  # dS^T
-        plgpu.SMEM((NUM_CONSUMERS if split else 1, block_q, piece_cols), jnp.float32,
-                   transforms=_swizzled(piece_cols, jnp.float32)),  # pieces of dQ
+        plgpu.SMEM((piece.buffers, block_q, piece.cols), jnp.float32,
+                   transforms=_swizzled(piece.cols, jnp.float32)),  # pieces of dQ
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),  # dS^T staged
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # tile done
         plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # a piece of dQ staged
@@ -1025,7 +1049,7 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)))
     if config.fused_dq:
       scratch += [
-          plgpu.SMEM((NUM_CONSUMERS, block_q, piece_cols), jnp.float32, transforms=_swizzled(piece_cols, jnp.float32)),
+          plgpu.SMEM((NUM_CONSUMERS, block_q, piece.cols), jnp.float32, transforms=_swizzled(piece.cols, jnp.float32)),
           plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # dQ loaded
       ]
   kernel = functools.partial(
