@@ -329,6 +329,10 @@ class _DQPiece:
   cols: int
   split: bool
 
+  def per_row(self, head_dim: int) -> int:
+    """Pieces of dQ per Q block (the semaphores' count per block)."""
+    return head_dim // self.cols
+
   @property
   def buffers(self) -> int:
     return NUM_CONSUMERS if self.split or self.cols <= 64 else 1
@@ -445,8 +449,8 @@ def _dkv_kernel(
   # *_ready: [stages] (TMA); q_consumed (Q, lse), do_consumed (dO, delta):
   # [stages], 2 arrivals.
   # With fused_dq: ranks_ref, an input, int32 [num_kv, group * num_q]
-  # (`_dq_order`); dq_ref, an output, float32 [batch, seq_q', heads, D], dQ
-  # unscaled; ds_smem: [2, 2, 64, block_q], dS^T of both consumers,
+  # (`_dq_order`); dq_ref, an output, float32 [batch * heads * num_q *
+  # pieces, block_q, piece columns], dQ unscaled, piece by piece; ds_smem: [2, 2, 64, block_q], dS^T of both consumers,
   # double-buffered by step; dq_smem: [_DQPiece.buffers, block_q,
   # piece columns] f32, the consumers' pieces of dQ on their way out; ds_ready: [2] barriers of 2
   # arrivals; tile_done: a barrier of 2 arrivals (neither consumer reads the
@@ -572,7 +576,7 @@ def _dkv_kernel(
   piece = _dq_piece(head_dim, config.dq_turns)
   piece_cols, split = piece.cols, piece.split
   own_buffer = piece.buffers == NUM_CONSUMERS  # a staging buffer per consumer
-  pieces = NUM_CONSUMERS if split else 1  # pieces of dQ per step
+  pieces = piece.per_row(head_dim)  # pieces of dQ per step: every column of the Q block
 
   def owner(ring_step):
     """The consumer whose turn it is at ring step `ring_step` (dq_turns)."""
@@ -624,7 +628,7 @@ def _dkv_kernel(
     consumers = range(NUM_CONSUMERS) if split else [owner(ring_step)]
     for piece, consumer in enumerate(consumers):
       counter = ((tile.batch * heads + head) * num_q + qb) * pieces + piece
-      target = dq_ref.at[tile.batch, pl.ds(qb * block_q, block_q), head, pl.ds(first_column(consumer), piece_cols)]
+      target = dq_ref.at[counter]  # contiguous: one counter per piece
       staged = dq_smem.at[consumer if own_buffer else 0]
       with jax.named_scope("wait_staged"):
         plgpu.barrier_wait(dq_staged.at[consumer])
@@ -1038,7 +1042,11 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
     grid, grid_names = (schedule.num_ctas,), ("cta",)
     ranks = _dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal)
     operands.append(jnp.asarray(ranks))
-    out_type.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    # dQ piece by piece, each piece of block_q rows contiguous (`_finish_dq`
+    # puts the rows back in q's layout): a TMA reduce-add then writes 16 KiB
+    # in one run, not 64 rows of 256 bytes heads * head_dim * 4 bytes apart.
+    num_pieces = batch * heads * pl.cdiv(seq_q, block_q) * piece.per_row(head_dim)
+    out_type.append(jax.ShapeDtypeStruct((num_pieces, block_q, piece.cols), jnp.float32))
   else:
     # K/V blocks fastest: CTAs running together share one (batch, kv head)
     # and read the same Q and dO from L2. Block 0 (causal: the most Q
@@ -1070,10 +1078,16 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   )(*operands)
 
 
-def _finish_dq(dq, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float, dtype) -> jax.Array:
-  """dQ from the fused kernel's float32 sum: scaled, cast, and 0 in the rows
-  that see no key (causal, seq_q > seq_k: their Q blocks may be unwritten)."""
-  dq = dq * softmax_scale
+def _finish_dq(dq, shape, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float, dtype) -> jax.Array:
+  """dQ of `shape` ([batch, seq_q, heads, head_dim]) from the fused kernel's
+  float32 sum, piece by piece ([batch * heads * Q blocks * pieces per block,
+  block_q, piece columns], `_dkv_kernel`): scaled, cast, in q's layout, and
+  0 in the rows that see no key (causal, seq_q > seq_k: their Q blocks may
+  be unwritten)."""
+  batch, _, heads, head_dim = shape
+  num_blocks, block_q, cols = dq.shape
+  dq = dq.reshape(batch, heads, num_blocks // (batch * heads * (head_dim // cols)), head_dim // cols, block_q, cols)
+  dq = dq.transpose(0, 2, 4, 1, 3, 5).reshape(batch, -1, heads, head_dim)[:, :seq_q] * softmax_scale
   if causal and seq_q > seq_k:
     sees_a_key = jnp.arange(dq.shape[1]) + (seq_k - seq_q) >= 0
     dq = jnp.where(sees_a_key[None, :, None, None], dq, 0.0)
@@ -1317,7 +1331,7 @@ def backward(
                 interpret=interpret)
   if config.fused_dq:
     dk, dv, dq = _dkv_call(*padded, **kwargs)
-    dq = _finish_dq(dq, seq_q=seq_q, seq_k=seq_k, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype)
+    dq = _finish_dq(dq, q.shape, seq_q=seq_q, seq_k=seq_k, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype)
   else:
     dk, dv = _dkv_call(*padded, **kwargs)
     dq = _dq_call(*padded, **kwargs)
