@@ -36,6 +36,10 @@ not fit beside dkv's ring of two slots. Two barriers protect it: `staged`
 again). Both consumers take exactly the same steps (they share the outer
 rows, so the same blocks are visible to both), so no slot needs draining.
 
+Every tile in shared memory has a 32-byte swizzle (`_tiles`): the score
+products' B operand, N = 32, allows no wider one, and a wgmma's A takes its
+B's. (Not yet timed against wider swizzles elsewhere.)
+
 The outer tiles (K, V in dkv; Q, dO in dq) are kept as two column halves,
 [2, 64, 128]: each consumer loads its half and, at the end, stages its half
 of the gradient in it for one TMA store of a whole, contiguous tile; the
@@ -56,10 +60,15 @@ In Mosaic's interpreter (interpret=True; jax 0.11.2 runs wgmma only into
 fresh accumulators) the gradient products go into zeros and are added
 (`_accumulate`); every operand is in shared memory already.
 
-Status: written in session 7; checked on CPU only (Mosaic's interpreter with
-its race detector, lowering for CUDA, compilation to sm_90a). Not yet run or
-timed on a GPU, so backend "auto" keeps the Triton backward at head_dim 256
-(config.hopper_choice); backend "mosaic" takes these kernels.
+Status: written in session 7; checked on CPU only: Mosaic's interpreter
+against the reference (tests/test_mosaic_wide.py; its race detector does
+not see wgmma's reads, so it cannot check the shared tile's protection),
+lowering for CUDA, compilation to sm_90a (tools/mosaic_bwd_cpu_compile.py
+--only d256: HGMMA 64x128x16 and 64x32x16, no spills but 8 bytes in the
+ragged grouped-query causal dkv). Not yet run or timed on a GPU
+(bench/gpu_session.sh d256_bwd), so backend "auto" keeps the Triton
+backward at head_dim 256 (config.hopper_choice); backend "mosaic" takes
+these kernels.
 """
 
 from __future__ import annotations
@@ -147,11 +156,12 @@ def _accumulate(accs: tuple[jax.Array, ...], products, *, interpret: bool) -> tu
 
 class _SharedTile:
   """The [64 x 64] tile (P^T and dS^T in dkv, dS in dq) that both consumers
-  write their 32 columns of and both read whole, and its two barriers: a
-  consumer `write`s at every step (after both consumers' products of the
-  previous step completed), `sync`s, issues its products, and `release`s;
-  `observe_last` in its epilogue waits for the last release, so that every
-  phase of `free` is waited for."""
+  write their 32 columns of and both read whole, and its two barriers: at
+  every step a consumer `write`s (once both consumers' products of the
+  previous step completed: `free`; then it waits until both have written:
+  `staged`), issues its products, and `release`s; `observe_last` in its
+  epilogue waits for the last release, so that every phase of `free` is
+  waited for (Mosaic's interpreter checks it)."""
 
   def __init__(self, staged, free, wg):
     self.staged, self.free, self.wg = staged, free, wg
