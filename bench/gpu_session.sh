@@ -23,7 +23,8 @@
 #             (its GQA and 16k determinism cases), new (dropout, bias,
 #             check_vma, shard_map), sharding (every GPU visible: 2x2 mesh on 4).
 #             mosaic_fwd_tests (the Mosaic forward kernel alone, ~3 min),
-#             d256_tests (head_dim 256, masks, bias, segments; ~6 min), d256_bias.
+#             d256_tests (head_dim 256, masks, bias, segments; ~6 min), d256_bias,
+#             d256_bwd (the head_dim-256 Mosaic backward: tests, then vs Triton and cuDNN; ~5 min).
 #   Speed:    overlap_ab (softmax_overlap off/on, ~2 min), persistent (the
 #             persistent and ping-pong forward: tests, then A/B, ~6 min),
 #             bwd_persistent (the persistent dQ and dK/dV kernels: tests, then A/B, ~9 min),
@@ -195,6 +196,19 @@ stage_d256_tests() {
   # head_dim 256 (its swept tiles), masks and bias beside them, packed segments.
   timeout 330 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_gpu.py \
     -k "(bf16_matches_reference and 256) or dense_mask or bias or packed_segments" 2>&1 | tee "$OUT/d256_tests.log" | tail -30
+}
+
+stage_d256_bwd() {
+  # The head_dim-256 Mosaic backward (backward_wide.py), never run on a GPU
+  # before: its tests first (a hang, a barrier phase gone wrong, shows as the
+  # timeout), then its kernels against the Triton backward, then the backward
+  # pass through the bench CLI against cuDNN ("auto" stays on Triton at d256
+  # until this says otherwise). ~5 min.
+  timeout 150 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider --durations=5 \
+    tests/test_mosaic_wide.py 2>&1 | tee "$OUT/d256_bwd_tests.log" | tail -30
+  timeout 120 python tools/mosaic_bwd_bench.py --seq 2048 8192 --head-dim 256 2>&1 | tee "$OUT/d256_bwd_bench.log"
+  timeout 120 $BENCH --seqlens 2048 8192 --head-dims 256 --modes bwd --impls flash2-mosaic flash2-triton cudnn \
+    --out "$OUT/d256_bwd_cli" 2>&1 | grep -v "^$" | tail -30
 }
 
 stage_verify_fwd() {

@@ -124,7 +124,7 @@ def flash_attention(
       number of 128-row blocks),
       "triton" (the Pallas Triton-lowering kernels), "mosaic" (the Hopper
       kernels in Pallas Mosaic GPU for both passes; a pass they cannot
-      serve, such as head_dim 256 in the backward, float32 or any of mask,
+      serve, such as float32 or any of mask,
       bias, window, softcap, ALiBi, segment ids and dropout, runs the Triton
       kernel instead) or "xla" (plain XLA; quadratic memory).
     interpret: run the Pallas kernels in Pallas interpret mode (any platform,
@@ -365,8 +365,8 @@ def _mosaic_config(problem: Problem, q) -> mosaic_forward.MosaicConfig | None:
 
 def _mosaic_backward_config(problem: Problem, q) -> mosaic_backward.BackwardConfig | None:
   """The Mosaic backward's tiling when it serves this problem, else None (the
-  Triton backward runs): bf16/fp16, head_dim 64/128, full or causal
-  attention and no other option. Any lengths, as in the forward."""
+  Triton backward runs): bf16/fp16, head_dim 64/128/256 (256: backward_wide.py),
+  full or causal attention and no other option. Any lengths, as in the forward."""
   serves = (problem.head_dim in mosaic_backward.SUPPORTED_HEAD_DIMS
             and jnp.dtype(q.dtype) in mosaic_forward.SUPPORTED_DTYPES)
   return mosaic_backward.default_backward_config(problem.head_dim) if serves and _plain(problem) else None

@@ -143,7 +143,8 @@ class HopperChoice:
 # sessions 3 and 4): the Mosaic forward, with the softmax overlapped with P V,
 # is 2-7% faster than the Triton one at head_dim 64 without a mask, 6-34%
 # elsewhere; the Mosaic backward is 7-16% faster at head_dim 64 and 11% at 128
-# (2k). head_dim 256 has no Mosaic backward and its forward is unmeasured.
+# (2k). head_dim 256 stays on Triton: its Mosaic forward and backward
+# (backward_wide.py) are unmeasured.
 _HOPPER_TABLE: dict[tuple[int, bool], HopperChoice] = {
     (64, False): HopperChoice(forward=True, backward=True),
     (64, True): HopperChoice(forward=True, backward=True),

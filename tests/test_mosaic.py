@@ -494,7 +494,7 @@ def _captured_call(monkeypatch, capability=(9, 0)):
         (64, True, {}, True, True),
         (128, False, {}, True, True),
         (128, True, {}, True, True),
-        (256, False, {}, False, False),  # not measured; no Mosaic backward at 256
+        (256, False, {}, False, False),  # not measured (Mosaic forward, backward_wide.py): Triton
         (128, True, dict(block_sizes="tuned"), False, False),  # tuned Triton tiles: Triton
         (128, True, dict(dtype=jnp.float32), False, False),  # the Mosaic kernels take fp16/bf16
         (128, True, dict(softcap=30.0), False, False),
@@ -552,8 +552,8 @@ def test_auto_off_hopper_is_triton(monkeypatch):
 
 def test_backend_mosaic_uses_both_mosaic_kernels_where_they_serve(monkeypatch):
   calls = _captured_call(monkeypatch)
-  for head_dim, seq, forward, backward in ((64, 256, True, True), (256, 256, True, False),
-                                           (128, 777, True, True), (256, 1, True, False)):
+  for head_dim, seq, forward, backward in ((64, 256, True, True), (256, 256, True, True),
+                                           (128, 777, True, True), (256, 1, True, True), (96, 256, False, False)):
     q = jax.ShapeDtypeStruct((1, seq, 2, head_dim), jnp.bfloat16)
     jax.eval_shape(lambda q: flash_attention(q, q, q, backend="mosaic"), q)
     assert (calls[-1].mosaic is not None, calls[-1].mosaic_backward is not None) == (forward, backward)
@@ -651,9 +651,9 @@ def test_bwd_rejects():
   for fn in (mosaic_bwd.dkv, mosaic_bwd.dq):
     with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
       fn(*(x.astype(jnp.float32) for x in (q, k, v, do)), lse, delta)
-    d256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match=r"head_dim in \(64, 128\), got 256"):
-      fn(d256, d256, d256, d256, lse, delta)
+    d96 = jnp.zeros((1, 256, 2, 96), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"head_dim in \(64, 128, 256\), got 96"):
+      fn(d96, d96, d96, d96, lse, delta)
     with pytest.raises(ValueError, match="lse must be float32"):
       fn(q, k, v, do, lse[:, :1], delta)
     with pytest.raises(ValueError, match="do must have q's shape"):

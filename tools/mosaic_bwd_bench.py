@@ -4,6 +4,7 @@
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --seq 8192 --head-dim 128 --block-q 64 --stages 3
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --variants softmax_overlap=0 softmax_overlap=1   # a row each
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default stages=2+dq_persistent=1
+  PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 256 --seq 2048 8192      # backward_wide.py's kernels
 
 Bench convention (as tools/mosaic_bench.py): 16384 tokens per batch, hidden
 2048, bf16; backward TFLOP/s = 2.5 x forward FLOPs / time (5 matmuls; the

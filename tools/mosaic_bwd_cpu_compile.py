@@ -3,7 +3,7 @@
 The backward counterpart of tools/mosaic_cpu_compile.py (same setup, same
 /tmp venv with the CUDA plugin and ptxas; see its docstring):
 
-  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_bwd_cpu_compile.py [--dump DIR]
+  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_bwd_cpu_compile.py [--dump DIR] [--only d256]
 
 Prints, per kernel and case, ptxas's registers and spills and what the SASS
 holds (HGMMA shapes, local memory).
@@ -33,6 +33,13 @@ CASES_ALL = [
     (1, 2048, 1024, 4, 4, 128, "bfloat16", True, None),  # seq_q > seq_k
     (1, 4096, 4096, 4, 4, 128, "bfloat16", False, (128, 128, 2)),
     (1, 4096, 4096, 4, 4, 64, "bfloat16", True, (64, 64, 4)),
+] + [
+    # head_dim 256: backward_wide.py's kernels (--only d256)
+    (1, 2048, 2048, 4, 4, 256, dtype, causal, None)
+    for dtype in ("bfloat16", "float16")
+    for causal in (False, True)
+] + [
+    (1, 1000, 1537, 8, 2, 256, "bfloat16", True, None),  # ragged, grouped-query
 ]
 CASES = CASES_ALL
 

@@ -76,8 +76,10 @@ streamed array and consumed barriers (two arrivals): dkv releases Q, lse, dO
 and delta after its second wgmma group; dq releases V after dP = dO V^T and
 K after dQ += dS K (K is read twice).
 
-Supported: bf16 and fp16; head_dim 64 and 128; grouped-query attention;
-any seq_q, seq_k >= 1. Otherwise NotImplementedError.
+Supported: bf16 and fp16; head_dim 64 and 128 here, 256 in
+backward_wide.py (64 outer rows per CTA, the consumers splitting head_dim;
+`dkv`, `dq` and `backward` route it there); grouped-query attention; any
+seq_q, seq_k >= 1. Otherwise NotImplementedError.
 
 In Mosaic's interpreter (interpret=True; jax 0.11.2 runs wgmma only from
 shared-memory operands into fresh accumulators), P^T / dS^T (dS for dq) take
@@ -131,7 +133,9 @@ from jax_flash2.mosaic.forward import (
     visible,
 )
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# Served by backward_wide.py (dK + dV of 64 rows do not fit a warpgroup's registers).
+WIDE_HEAD_DIMS = (256,)
 # Rows of the outer operand per CTA: 64 per consumer warpgroup (K/V rows for
 # dkv, Q rows for dq).
 OUTER_ROWS = NUM_CONSUMERS * WGMMA_M
@@ -208,6 +212,8 @@ class BackwardConfig:
     return 2 if self.dkv_persistent else 1
 
   def dkv_smem_bytes(self, head_dim: int, dtype) -> int:
+    if head_dim in WIDE_HEAD_DIMS:
+      return _wide().dkv_smem_bytes(self, head_dim, dtype)
     item = jnp.dtype(dtype).itemsize
     kv = self.dkv_buffers * 2 * OUTER_ROWS * head_dim * item
     ring = self.stages * (2 * self.block_q * head_dim * item + 2 * self.block_q * 4)
@@ -223,6 +229,8 @@ class BackwardConfig:
     return 2 if self.dq_persistent else 1
 
   def dq_smem_bytes(self, head_dim: int, dtype) -> int:
+    if head_dim in WIDE_HEAD_DIMS:
+      return _wide().dq_smem_bytes(self, head_dim, dtype)
     item = jnp.dtype(dtype).itemsize
     q = self.dq_buffers * (2 * OUTER_ROWS * head_dim * item + 2 * OUTER_ROWS * 4)
     ring = self.stages * 2 * self.block_kv * head_dim * item
@@ -239,7 +247,16 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   leave room for two ring slots at head_dim 128."""
   if head_dim <= 64:
     return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_persistent=True, dkv_persistent=True)
+  if head_dim in WIDE_HEAD_DIMS:  # backward_wide.py: 64-row blocks, one CTA per tile, room for two slots
+    return BackwardConfig(block_q=64, block_kv=64, stages=2)
   return BackwardConfig(block_q=64, block_kv=64, stages=2, dq_persistent=True, dkv_persistent=True)
+
+
+def _wide():
+  """backward_wide.py, the head_dim-256 kernels (imported late: it imports this module)."""
+  from jax_flash2.mosaic import backward_wide
+
+  return backward_wide
 
 
 def fused_backward_config(head_dim: int) -> BackwardConfig:
@@ -992,6 +1009,9 @@ def dkv(
     (dk, dv), like k. (With config.fused_dq the kernel computes dQ as well,
     which only `backward` returns.)
   """
+  if q.shape[-1] in WIDE_HEAD_DIMS:
+    return _wide().dkv(q, k, v, do, lse, delta, causal=causal, softmax_scale=softmax_scale, config=config,
+                       interpret=interpret)
   config, softmax_scale = _settings(q, config, softmax_scale)
   _check_inputs(q, k, v, do, lse, delta, config, ("dkv",))
   seq_q, seq_k = q.shape[1], k.shape[1]
@@ -1256,6 +1276,9 @@ def dq(
   Returns:
     dq, like q.
   """
+  if q.shape[-1] in WIDE_HEAD_DIMS:
+    return _wide().dq(q, k, v, do, lse, delta, causal=causal, softmax_scale=softmax_scale, config=config,
+                      interpret=interpret)
   config, softmax_scale = _settings(q, config, softmax_scale)
   _check_inputs(q, k, v, do, lse, delta, config, ("dq",))
   seq_q, seq_k = q.shape[1], k.shape[1]
@@ -1323,6 +1346,9 @@ def backward(
   Returns:
     (dq, dk, dv), each like its primal.
   """
+  if q.shape[-1] in WIDE_HEAD_DIMS:
+    return _wide().backward(q, k, v, do, lse, delta, causal=causal, softmax_scale=softmax_scale, config=config,
+                            interpret=interpret)
   config, softmax_scale = _settings(q, config, softmax_scale)
   _check_inputs(q, k, v, do, lse, delta, config, ("dkv",) if config.fused_dq else ("dkv", "dq"))
   seq_q, seq_k = q.shape[1], k.shape[1]

@@ -1,0 +1,623 @@
+"""FlashAttention-2 backward at head_dim 256 for Hopper (sm_90a) in Pallas's Mosaic GPU backend.
+
+backward.py's kernels give each consumer warpgroup 64 outer rows and keep
+that warpgroup's gradients in registers: dK and dV (dkv) or dQ (dq) of
+64 x head_dim in float32. At head_dim 256 that is 256 registers per thread
+for dK + dV, more than a thread has, and two 64-row outer tiles with a ring
+of 64 x 256 Q/dO (or K/V) slots do not fit in 227 KiB of shared memory.
+
+So here one CTA owns 64 outer rows, and its two consumer warpgroups split
+the work the other way (as FlashAttention-3 does at large head dims): by
+columns of the score tile for the element-wise part, by halves of head_dim
+for the gradients. `dkv` (K/V-outer, 64 key rows; Q blocks of 64 rows
+streamed), per Q block, consumer c in {0, 1}:
+
+  S^T_c  = K Q_c^T,  dP^T_c = V dO_c^T     Q_c, dO_c: query rows c*32..c*32+31;
+                                           [64 keys x 32 queries], N = 32,
+                                           contraction over all of head_dim
+  P^T_c  = exp2(S^T_c * scale*log2e - lse_c*log2e)
+  dS^T_c = P^T_c * (dP^T_c - delta_c)
+  -> columns c of a shared [64 keys x 64 queries] P^T and dS^T; both
+     consumers sync
+  dV[:, half c] += P^T dO[:, half c],  dK[:, half c] += dS^T Q[:, half c]
+                                           (A from shared memory, N = 128)
+
+so each thread holds 64 + 64 accumulator registers, as at head_dim 128, and
+the two 32-column score tiles 16 + 16. `dq` (Q-outer, 64 query rows; K/V
+blocks of 64 rows streamed) is the same with the roles swapped: S_c = Q K_c^T,
+dP_c = dO V_c^T for key columns c, dS_c into a shared [64 x 64] dS, then
+dQ[:, half c] += dS K[:, half c]. dK is scaled by softmax_scale at the end
+(dQ likewise), and each consumer stores its half of the columns.
+
+The shared P^T / dS^T (dS) tile is single-buffered: double-buffered it does
+not fit beside dkv's ring of two slots. Two barriers protect it: `staged`
+(both consumers wrote their columns: the products may read it) and `free`
+(both consumers' products of the previous step completed: it may be written
+again). Both consumers take exactly the same steps (they share the outer
+rows, so the same blocks are visible to both), so no slot needs draining.
+
+Every tile in shared memory has a 32-byte swizzle (`_tiles`): the score
+products' B operand, N = 32, allows no wider one, and a wgmma's A takes its
+B's. (Not yet timed against wider swizzles elsewhere.)
+
+The outer tiles (K, V in dkv; Q, dO in dq) are kept as two column halves,
+[2, 64, 128]: each consumer loads its half and, at the end, stages its half
+of the gradient in it for one TMA store of a whole, contiguous tile; the
+score products contract over both halves (two wgmmas into one accumulator).
+The ring's tiles are whole [64, 256]; the products take row (32-query or
+32-key) and column (128) slices of them.
+
+Contract as backward.py (which routes head_dim 256 here): causal attention
+bottom-right aligned (invisible blocks skipped, the diagonal's blocks masked,
+P = 0 after the exponential so that rows that see no key give 0 and not NaN),
+ragged lengths by padding to backward.OUTER_ROWS (`backward._pad`, one
+padding for both kernels; the grids cover the 64-row blocks that hold a real
+row), grouped-query attention (dK, dV summed over the query heads of a kv
+head), bf16 and fp16, float32 lse and delta. One CTA per tile (no persistent
+schedule), two ring slots (a third does not fit).
+
+In Mosaic's interpreter (interpret=True; jax 0.11.2 runs wgmma only into
+fresh accumulators) the gradient products go into zeros and are added
+(`_accumulate`); every operand is in shared memory already.
+
+Status: written in session 7; checked on CPU only: Mosaic's interpreter
+against the reference (tests/test_mosaic_wide.py; its race detector does
+not see wgmma's reads, so it cannot check the shared tile's protection),
+lowering for CUDA, compilation to sm_90a (tools/mosaic_bwd_cpu_compile.py
+--only d256: HGMMA 64x128x16 and 64x32x16, no spills but 8 bytes in the
+ragged grouped-query causal dkv). Not yet run or timed on a GPU
+(bench/gpu_session.sh d256_bwd), so backend "auto" keeps the Triton
+backward at head_dim 256 (config.hopper_choice); backend "mosaic" takes
+these kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_flash2.mosaic.backward import (
+    WIDE_HEAD_DIMS,
+    BackwardConfig,
+    _check_inputs,
+    _pad,
+    _q_block_bounds,
+    _settings,
+    _swizzled,
+)
+from jax_flash2.mosaic.forward import (
+    LOG2_E,
+    NUM_CONSUMERS,
+    WGMMA_M,
+    _SMEM_RESERVE,
+    QTile,
+    _kv_block_bounds,
+    compiler_params,
+    interpret_params_of,
+    kv_ring_producer,
+    observe_last_releases,
+    run_tiles,
+    unpad_seq,
+    visible,
+)
+
+# Outer rows per CTA and rows per streamed block: one wgmma M.
+ROWS = WGMMA_M
+# Score columns per consumer (queries in dkv, keys in dq): its wgmma N.
+COLS = ROWS // NUM_CONSUMERS
+
+
+def _check_config(config: BackwardConfig) -> None:
+  """The wide kernels take 64-row blocks and none of backward.py's options."""
+  if (config.block_q, config.block_kv) != (ROWS, ROWS):
+    raise ValueError(f"head_dim {WIDE_HEAD_DIMS} takes block_q = block_kv = {ROWS}, got {config}")
+  options = ("softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns")
+  if any(getattr(config, name) for name in options):
+    raise ValueError(f"head_dim {WIDE_HEAD_DIMS} takes none of {options}, got {config}")
+
+
+def dkv_smem_bytes(config: BackwardConfig, head_dim: int, dtype) -> int:
+  """Shared memory of `dkv`: K and V (64 rows), the ring of Q, dO, lse and
+  delta, the shared P^T and dS^T."""
+  item = jnp.dtype(dtype).itemsize
+  outer = 2 * ROWS * head_dim * item
+  ring = config.stages * (2 * ROWS * head_dim * item + 2 * ROWS * 4)
+  return outer + ring + 2 * ROWS * ROWS * item + _SMEM_RESERVE
+
+
+def dq_smem_bytes(config: BackwardConfig, head_dim: int, dtype) -> int:
+  """Shared memory of `dq`: Q, dO, lse and delta (64 rows), the ring of K and
+  V, the shared dS."""
+  item = jnp.dtype(dtype).itemsize
+  outer = 2 * ROWS * head_dim * item + 2 * ROWS * 4
+  ring = config.stages * 2 * ROWS * head_dim * item
+  return outer + ring + ROWS * ROWS * item + _SMEM_RESERVE
+
+
+def _accumulate(accs: tuple[jax.Array, ...], products, *, interpret: bool) -> tuple[jax.Array, ...]:
+  """accs + what `products(refs)` issues into accumulators that hold accs:
+  one wgmma group, waited for. In Mosaic's interpreter the products go into
+  fresh accumulators and are added."""
+  if interpret:
+    def fresh(*refs):
+      products(refs)
+      return tuple(ref[...] for ref in refs)
+
+    new = pl.run_scoped(fresh, *(plgpu.ACC(acc.shape, jnp.float32) for acc in accs))
+    return tuple(acc + x for acc, x in zip(accs, new))
+  return pl.run_state(products)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
+class _SharedTile:
+  """The [64 x 64] tile (P^T and dS^T in dkv, dS in dq) that both consumers
+  write their 32 columns of and both read whole, and its two barriers: at
+  every step a consumer `write`s (once both consumers' products of the
+  previous step completed: `free`; then it waits until both have written:
+  `staged`), issues its products, and `release`s; `observe_last` in its
+  epilogue waits for the last release, so that every phase of `free` is
+  waited for (Mosaic's interpreter checks it)."""
+
+  def __init__(self, staged, free, wg):
+    self.staged, self.free, self.wg = staged, free, wg
+
+  def write(self, step, pieces):
+    """Stores this consumer's columns of each (tile, value) in `pieces`."""
+    @pl.when(step > 0)
+    @jax.named_scope("wait_free")
+    def _():
+      plgpu.barrier_wait(self.free)
+
+    for tile, value in pieces:
+      tile.at[:, pl.ds(self.wg * COLS, COLS)][...] = value
+    plgpu.commit_smem()  # visible to the other consumer's wgmma (async proxy)
+    plgpu.barrier_arrive(self.staged)
+    with jax.named_scope("wait_staged"):
+      plgpu.barrier_wait(self.staged)
+
+  def release(self):
+    plgpu.barrier_arrive(self.free)
+
+  def observe_last(self, end_step):
+    pl.when(end_step > 0)(lambda: plgpu.barrier_wait(self.free))
+
+
+def _shared_tile_scratch(tiles: int, dtype) -> list:
+  return [plgpu.SMEM((ROWS, ROWS), dtype, transforms=_tiles(dtype)) for _ in range(tiles)] + [
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # staged
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # free
+  ]
+
+
+def _tiles(dtype):
+  """The layout of every tile here. The score products have N = 32 (a
+  consumer's 32 query or key rows of a streamed tile as B), which Mosaic
+  splits into two groups of 16 columns, so B's swizzle spans at most 16
+  elements (32 bytes); A takes B's swizzle (one per wgmma), and every tile is
+  an A or B of such a product or of one with the tiles it meets there."""
+  return _swizzled(COLS // 2, dtype)
+
+
+def _halves(head_dim: int):
+  """The column slices of head_dim the two consumers own."""
+  half = head_dim // NUM_CONSUMERS
+  return half, [pl.ds(h * half, half) for h in range(NUM_CONSUMERS)]
+
+
+# ---------------------------------------------------------------- dK, dV
+
+
+@dataclasses.dataclass(frozen=True)
+class _KVTile:
+  """64 key rows of one (batch, kv head): a CTA's work. It visits Q blocks
+  [lo, num_q) of every query head of the group, [lo, full_lo) masked (the
+  diagonal). int32 scalars."""
+
+  batch: jax.Array
+  kv_head: jax.Array
+  k_start: jax.Array
+  lo: jax.Array
+  full_lo: jax.Array
+  visits: jax.Array  # Q blocks per query head
+  num_steps: jax.Array  # ring steps: group * visits
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+    kv_ready, q_ready, do_ready, q_consumed, do_consumed, p_smem, ds_smem, staged, free,
+    *, seq_q: int, seq_k: int, group: int, causal: bool, softmax_scale: float, stages: int, interpret: bool,
+):
+  # q_ref, do_ref: [batch, seq_q', heads, D]; k_ref, v_ref, dk_ref, dv_ref:
+  # [batch, seq_k', kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q']
+  # (seq' padded to multiples of OUTER_ROWS). k_smem, v_smem: [2, 64, D/2]
+  # (column halves; each consumer loads one and stages its half of dK, dV
+  # in it); q_smem, do_smem: [stages, 64, D]; lse_smem, delta_smem:
+  # [stages, 64]; p_smem, ds_smem: [64 keys, 64 queries], P^T and dS^T.
+  # kv_ready: a barrier of 4 arrivals (both consumers' halves of K and V);
+  # q_ready (Q, lse), do_ready (dO, delta): [stages], 2 arrivals (TMA);
+  # q_consumed, do_consumed: [stages], 2 arrivals; staged, free: 2 arrivals.
+  dtype = q_ref.dtype
+  head_dim = q_ref.shape[-1]
+  half, halves = _halves(head_dim)
+  wg = lax.axis_index("wg")
+  num_q = pl.cdiv(seq_q, ROWS)
+  qk_scale = softmax_scale * LOG2_E
+  shared = _SharedTile(staged, free, wg)
+
+  def tile_at(kv_index, kv_head, batch) -> _KVTile:
+    k_start = kv_index * ROWS
+    lo, full_lo = _q_block_bounds(k_start, ROWS, seq_q, seq_k, ROWS, causal)
+    visits = jnp.int32(num_q) - lo
+    return _KVTile(batch, kv_head, k_start, lo, full_lo, visits, group * visits)
+
+  @jax.named_scope("load")
+  def load_step(tile: _KVTile, step):
+    """The producer's TMA copies of ring step `step`: Q block lo + step %
+    visits of query head step // visits of the group."""
+    slot = lax.rem(step, jnp.int32(stages))
+    head = tile.kv_head * group + lax.div(step, tile.visits)
+    q0 = (tile.lo + lax.rem(step, tile.visits)) * ROWS
+    rows, vec = (tile.batch, pl.ds(q0, ROWS), head), (tile.batch, head, pl.ds(q0, ROWS))
+
+    @pl.when(step >= stages)  # the first round of slots is free from the start
+    def _():
+      plgpu.barrier_wait(q_consumed.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+    plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], q_ready.at[slot])
+
+    @pl.when(step >= stages)
+    def _():
+      plgpu.barrier_wait(do_consumed.at[slot])
+
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+    plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], do_ready.at[slot])
+
+  def produce(tile: _KVTile, ring_base):
+    pl.loop(0, tile.num_steps)(lambda step: load_step(tile, ring_base + step))
+
+  def observe(end_step):
+    observe_last_releases(q_consumed, do_consumed, end_step=end_step, stages=stages)
+
+  def load_kv(tile: _KVTile, buffer):
+    """This consumer's column half of K and V."""
+    del buffer  # one CTA per tile
+    rows = (tile.batch, pl.ds(tile.k_start, ROWS), tile.kv_head, pl.ds(wg * half, half))
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_ready)
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_ready)
+
+  def gradients(tile: _KVTile, buffer, ring_base):
+    """This consumer's column half of (dK unscaled, dV), [64, D/2]."""
+    del buffer
+    plgpu.barrier_wait(kv_ready)  # both halves: S^T and dP^T contract over all of head_dim
+    queries = pl.ds(wg * COLS, COLS)  # this consumer's query columns of a Q block
+    vec_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
+    my_half = pl.ds(wg * half, half)  # this consumer's columns of dK, dV
+
+    def update(step, qb, dk, dv, *, masked: bool):
+      slot = lax.rem(ring_base + step, jnp.int32(stages))
+      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+      with jax.named_scope("wait_q"):
+        plgpu.barrier_wait(q_ready.at[slot])
+        plgpu.barrier_wait(do_ready.at[slot])
+
+      def scores(s_ref, dp_ref):
+        # S^T_c = K Q_c^T and dP^T_c = V dO_c^T over both halves of head_dim.
+        for h, cols in enumerate(halves):
+          plgpu.wgmma(s_ref, k_smem.at[h], q_tile.at[queries, cols].transpose((1, 0)))
+        for h, cols in enumerate(halves):
+          plgpu.wgmma(dp_ref, v_smem.at[h], do_tile.at[queries, cols].transpose((1, 0)))
+        return s_ref[...], dp_ref[...]  # waits for both
+
+      score_acc = plgpu.ACC((ROWS, COLS), jnp.float32)
+      with jax.named_scope("scores"):
+        s_t, dp_t = pl.run_scoped(scores, score_acc, score_acc)  # [keys, this consumer's queries]
+      with jax.named_scope("softmax"):
+        lse = plgpu.load(lse_smem.at[slot, queries], layout=vec_layout) * LOG2_E
+        p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+        if masked:
+          key = tile.k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
+          query = qb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
+          # After the exponential: queries with lse = -inf give 0, not NaN.
+          p_t = jnp.where(visible(query, key, seq_q=seq_q, seq_k=seq_k, causal=causal), p_t, 0.0)
+        delta = plgpu.load(delta_smem.at[slot, queries], layout=vec_layout)
+        ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+      with jax.named_scope("stage"):
+        shared.write(ring_base + step, ((p_smem, p_t.astype(dtype)), (ds_smem, ds_t.astype(dtype))))
+
+      def grads(refs):
+        # dV[:, half c] += P^T dO[:, half c], dK[:, half c] += dS^T Q[:, half c]:
+        # all 64 queries of the block, from both consumers' columns.
+        dv_ref, dk_ref = refs
+        plgpu.wgmma(dv_ref, p_smem, do_tile.at[:, my_half])
+        plgpu.wgmma(dk_ref, ds_smem, q_tile.at[:, my_half])
+
+      with jax.named_scope("grads"):
+        dv, dk = _accumulate((dv, dk), grads, interpret=interpret)
+      shared.release()
+      # Neither Q, dO, lse nor delta of this slot is read any more.
+      plgpu.barrier_arrive(do_consumed.at[slot])
+      plgpu.barrier_arrive(q_consumed.at[slot])
+      return dk, dv
+
+    def one_head(g, carry):
+      # Query head kv_head * group + g: its Q blocks, in the producer's order.
+      def block(qb, carry, *, masked: bool):
+        return update(g * tile.visits + qb - tile.lo, qb, *carry, masked=masked)
+
+      if causal:
+        carry = lax.fori_loop(tile.lo, tile.full_lo, functools.partial(block, masked=True), carry)
+      return lax.fori_loop(tile.full_lo, jnp.int32(num_q), functools.partial(block, masked=False), carry)
+
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
+    dk, dv = one_head(jnp.int32(0), (acc, acc)) if group == 1 else lax.fori_loop(0, group, one_head, (acc, acc))
+    if not causal and k_ref.shape[1] > seq_k:
+      # Keys past seq_k were not masked (under causal attention the diagonal
+      # hides them): their P^T is not 0, but it reaches only their own rows
+      # of dV and dK, which are zeroed here once.
+      key = tile.k_start + plgpu.broadcasted_iota(jnp.int32, dk.shape, 0, layout=plgpu.Layout.WGMMA)
+      dk, dv = (jnp.where(key < seq_k, x, 0.0) for x in (dk, dv))
+    return dk, dv
+
+  def store_gradients(tile: _KVTile, buffer, result):
+    """Scales dK and stores this consumer's halves of dK and dV, staged in its
+    halves of K and V: every product reading those completed before the
+    last step's `staged` (or there was none)."""
+    del buffer
+    dk, dv = result
+    k_smem.at[wg][...] = (dk * softmax_scale).astype(dtype)
+    v_smem.at[wg][...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    rows = (tile.batch, pl.ds(tile.k_start, ROWS), tile.kv_head, pl.ds(wg * half, half))
+    plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[rows])
+    plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[rows])
+
+  run_tiles(None, tile_at, wg=wg, axis="kv", produce=produce, observe=observe, load=load_kv, compute=gradients,
+            store=store_gradients, epilogue=shared.observe_last)
+
+
+def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float,
+              config: BackwardConfig, interpret) -> tuple[jax.Array, jax.Array]:
+  """The dK/dV kernel on operands padded by `backward._pad`."""
+  batch, _, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  interpret_params, interpret = interpret_params_of(interpret)
+  dtype, stages = q.dtype, config.stages
+  half, _ = _halves(head_dim)
+  scratch = [
+      plgpu.SMEM((NUM_CONSUMERS, ROWS, half), dtype, transforms=_tiles(dtype)),  # K
+      plgpu.SMEM((NUM_CONSUMERS, ROWS, half), dtype, transforms=_tiles(dtype)),  # V
+      plgpu.SMEM((stages, ROWS, head_dim), dtype, transforms=_tiles(dtype)),  # Q
+      plgpu.SMEM((stages, ROWS, head_dim), dtype, transforms=_tiles(dtype)),  # dO
+      plgpu.SMEM((stages, ROWS), jnp.float32),  # lse
+      plgpu.SMEM((stages, ROWS), jnp.float32),  # delta
+      plgpu.Barrier(num_arrivals=2 * NUM_CONSUMERS),  # K and V halves ready
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # Q, lse ready
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # dO, delta ready
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # Q, lse consumed
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # dO, delta consumed
+      *_shared_tile_scratch(2, dtype),  # P^T, dS^T; staged, free
+  ]
+  num_kv = pl.cdiv(seq_k, ROWS)  # 64-row blocks holding a real key; the rest of the padding stays unwritten
+  kernel = functools.partial(_dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, causal=causal,
+                             softmax_scale=softmax_scale, stages=stages, interpret=interpret)
+  return plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+      scratch_types=scratch,
+      grid=(num_kv, kv_heads, batch),
+      grid_names=("kv", "heads", "batch"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=compiler_params(),
+      interpret=interpret_params,
+      kernel_name="flash2_bwd_dkv_wide_mosaic",
+  )(q, k, v, do, lse, delta)
+
+
+# ---------------------------------------------------------------- dQ
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+    q_ready, k_ready, v_ready, k_consumed, v_consumed, ds_smem, staged, free,
+    *, seq_q: int, seq_k: int, group: int, num_q_blocks: int, causal: bool, softmax_scale: float, stages: int,
+    interpret: bool,
+):
+  # Arrays in GMEM as in _dkv_kernel. q_smem, do_smem: [2, 64, D/2] (column
+  # halves; each consumer loads one and stages its half of dQ in Q's);
+  # lse_smem, delta_smem: [64]; k_smem, v_smem: [stages, 64, D]; ds_smem:
+  # [64 queries, 64 keys]. q_ready: a barrier of 6 arrivals (both halves of
+  # Q and dO, lse, delta); k_ready, v_ready: [stages] (TMA); k_consumed,
+  # v_consumed: [stages], 2 arrivals; staged, free: 2 arrivals.
+  dtype = q_ref.dtype
+  head_dim = q_ref.shape[-1]
+  half, halves = _halves(head_dim)
+  wg = lax.axis_index("wg")
+  qk_scale = softmax_scale * LOG2_E
+  shared = _SharedTile(staged, free, wg)
+  tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=ROWS, block_kv=ROWS, seq_q=seq_q,
+                              seq_k=seq_k, causal=causal)
+
+  def load_rows(tile: QTile, buffer):
+    """This consumer's column half of Q and dO; the first one's also lse and delta."""
+    del buffer  # one CTA per tile
+    rows = (tile.batch, pl.ds(tile.q_start, ROWS), tile.head, pl.ds(wg * half, half))
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_ready)
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], q_ready)
+
+    @pl.when(wg == 0)
+    def _():
+      vec = (tile.batch, tile.head, pl.ds(tile.q_start, ROWS))
+      plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, q_ready)
+      plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, q_ready)
+
+  def gradient(tile: QTile, buffer, ring_base):
+    """This consumer's column half of dQ (unscaled), [64, D/2]."""
+    del buffer
+    plgpu.barrier_wait(q_ready)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
+    lse = plgpu.load(lse_smem, layout=row_layout) * LOG2_E
+    delta = plgpu.load(delta_smem, layout=row_layout)
+    full_hi, hi = _kv_block_bounds(tile.q_start, ROWS, seq_q, seq_k, ROWS, causal)
+    keys = pl.ds(wg * COLS, COLS)  # this consumer's key columns of a K/V block
+    my_half = pl.ds(wg * half, half)
+
+    def step(kb, dq, *, masked: bool):
+      slot = lax.rem(ring_base + kb, jnp.int32(stages))
+      k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
+
+      def scores(s_ref, dp_ref):
+        # S_c = Q K_c^T and dP_c = dO V_c^T over both halves of head_dim.
+        for h, cols in enumerate(halves):
+          plgpu.wgmma(s_ref, q_smem.at[h], k_tile.at[keys, cols].transpose((1, 0)))
+        for h, cols in enumerate(halves):
+          plgpu.wgmma(dp_ref, do_smem.at[h], v_tile.at[keys, cols].transpose((1, 0)))
+        return s_ref[...], dp_ref[...]  # waits for both
+
+      score_acc = plgpu.ACC((ROWS, COLS), jnp.float32)
+      with jax.named_scope("scores"):
+        s, dp = pl.run_scoped(scores, score_acc, score_acc)  # [queries, this consumer's keys]
+      plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
+      with jax.named_scope("softmax"):
+        p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+        if masked:
+          query = tile.q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+          key = kb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+          p = jnp.where(visible(query, key, seq_q=seq_q, seq_k=seq_k, causal=causal), p, 0.0)
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+      with jax.named_scope("stage"):
+        shared.write(ring_base + kb, ((ds_smem, ds.astype(dtype)),))
+
+      def dq_product(refs):
+        # dQ[:, half c] += dS K[:, half c]: all 64 keys, both consumers' columns.
+        (dq_ref,) = refs
+        plgpu.wgmma(dq_ref, ds_smem, k_tile.at[:, my_half])
+
+      with jax.named_scope("dq"):
+        (dq,) = _accumulate((dq,), dq_product, interpret=interpret)
+      shared.release()
+      plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
+      return dq
+
+    dq = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
+    dq = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), dq)
+    if causal or seq_k % ROWS:  # a diagonal, or a last block partly of padding
+      dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
+    return dq
+
+  def store_dq(tile: QTile, buffer, dq):
+    """Scales this consumer's half of dQ and stores it, staged in its half of
+    Q: every product reading Q completed before the last step's `staged`."""
+    del buffer
+    q_smem.at[wg][...] = (dq * softmax_scale).astype(dtype)
+    plgpu.commit_smem()
+    rows = (tile.batch, pl.ds(tile.q_start, ROWS), tile.head, pl.ds(wg * half, half))
+    plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows])
+
+  produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
+                                      group=group, block_kv=ROWS, stages=stages)
+  run_tiles(None, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_rows, compute=gradient,
+            store=store_dq, epilogue=shared.observe_last)
+
+
+def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float,
+             config: BackwardConfig, interpret) -> jax.Array:
+  """The dQ kernel on operands padded by `backward._pad`."""
+  batch, _, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  interpret_params, interpret = interpret_params_of(interpret)
+  dtype, stages = q.dtype, config.stages
+  half, _ = _halves(head_dim)
+  scratch = [
+      plgpu.SMEM((NUM_CONSUMERS, ROWS, half), dtype, transforms=_tiles(dtype)),  # Q
+      plgpu.SMEM((NUM_CONSUMERS, ROWS, half), dtype, transforms=_tiles(dtype)),  # dO
+      plgpu.SMEM((ROWS,), jnp.float32),  # lse
+      plgpu.SMEM((ROWS,), jnp.float32),  # delta
+      plgpu.SMEM((stages, ROWS, head_dim), dtype, transforms=_tiles(dtype)),  # K
+      plgpu.SMEM((stages, ROWS, head_dim), dtype, transforms=_tiles(dtype)),  # V
+      plgpu.Barrier(num_arrivals=2 * NUM_CONSUMERS + 2),  # Q, dO halves, lse, delta ready
+      plgpu.Barrier(num_barriers=stages),  # K ready
+      plgpu.Barrier(num_barriers=stages),  # V ready
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # K consumed
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # V consumed
+      *_shared_tile_scratch(1, dtype),  # dS; staged, free
+  ]
+  num_q_blocks = pl.cdiv(seq_q, ROWS)  # 64-row blocks holding a real query
+  kernel = functools.partial(_dq_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads,
+                             num_q_blocks=num_q_blocks, causal=causal, softmax_scale=softmax_scale, stages=stages,
+                             interpret=interpret)
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      scratch_types=scratch,
+      grid=(num_q_blocks, heads, batch),
+      grid_names=("q", "heads", "batch"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=compiler_params(),
+      interpret=interpret_params,
+      kernel_name="flash2_bwd_dq_wide_mosaic",
+  )(q, k, v, do, lse, delta)
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def _prepare(q, k, v, do, lse, delta, config, softmax_scale, kernels):
+  config, softmax_scale = _settings(q, config, softmax_scale)
+  _check_inputs(q, k, v, do, lse, delta, config, kernels)
+  _check_config(config)
+  return config, softmax_scale, dict(seq_q=q.shape[1], seq_k=k.shape[1])
+
+
+def dkv(
+    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
+    causal: bool = False, softmax_scale: float | None = None, config: BackwardConfig | None = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[jax.Array, jax.Array]:
+  """dK and dV at head_dim 256; arguments and results as backward.dkv (q, do:
+  [batch, seq_q, heads, 256]; k, v: [batch, seq_k, kv_heads, 256]; lse,
+  delta: float32 [batch, heads, seq_q]), config as
+  `backward.default_backward_config(256)` gives it."""
+  config, softmax_scale, lengths = _prepare(q, k, v, do, lse, delta, config, softmax_scale, ("dkv",))
+  dk, dv = _dkv_call(*_pad(q, k, v, do, lse, delta), **lengths, causal=causal, softmax_scale=softmax_scale,
+                     config=config, interpret=interpret)
+  return unpad_seq(dk, lengths["seq_k"]), unpad_seq(dv, lengths["seq_k"])
+
+
+def dq(
+    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
+    causal: bool = False, softmax_scale: float | None = None, config: BackwardConfig | None = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> jax.Array:
+  """dQ at head_dim 256, like q; arguments as `dkv`."""
+  config, softmax_scale, lengths = _prepare(q, k, v, do, lse, delta, config, softmax_scale, ("dq",))
+  dq = _dq_call(*_pad(q, k, v, do, lse, delta), **lengths, causal=causal, softmax_scale=softmax_scale,
+                config=config, interpret=interpret)
+  return unpad_seq(dq, lengths["seq_q"])
+
+
+def backward(
+    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
+    causal: bool = False, softmax_scale: float | None = None, config: BackwardConfig | None = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(dq, dk, dv) at head_dim 256 on one padding of the operands; arguments
+  as `dkv`."""
+  config, softmax_scale, lengths = _prepare(q, k, v, do, lse, delta, config, softmax_scale, ("dkv", "dq"))
+  padded = _pad(q, k, v, do, lse, delta)
+  kwargs = dict(**lengths, causal=causal, softmax_scale=softmax_scale, config=config, interpret=interpret)
+  dk, dv = _dkv_call(*padded, **kwargs)
+  dq = _dq_call(*padded, **kwargs)
+  return unpad_seq(dq, lengths["seq_q"]), unpad_seq(dk, lengths["seq_k"]), unpad_seq(dv, lengths["seq_k"])
