@@ -198,14 +198,26 @@ stage_d256_tests() {
     -k "(bf16_matches_reference and 256) or dense_mask or bias or packed_segments" 2>&1 | tee "$OUT/d256_tests.log" | tail -30
 }
 
+stage_d256_bwd_tests() {
+  # 14 tests, ~15 s each (session 7: 150 s ran 10 of them).
+  timeout 330 python -m pytest -m gpu -v --maxfail=3 -rfE -p no:cacheprovider --durations=5 \
+    tests/test_mosaic_wide.py 2>&1 | tee "$OUT/d256_bwd_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
+}
+
+stage_d256_cli() {
+  # head_dim 256 through the bench CLI, Mosaic (both passes) against Triton
+  # and cuDNN: decides config.hopper_choice at 256. ~3 min.
+  timeout 200 $BENCH --seqlens 2048 8192 --head-dims 256 --modes fwd fwd+bwd --impls flash2-mosaic flash2-triton \
+    cudnn --out "$OUT/d256_cli" 2>&1 | grep -v "^$" | tail -40
+}
+
 stage_d256_bwd() {
   # The head_dim-256 Mosaic backward (backward_wide.py), never run on a GPU
   # before: its tests first (a hang, a barrier phase gone wrong, shows as the
   # timeout), then its kernels against the Triton backward, then the backward
   # pass through the bench CLI against cuDNN ("auto" stays on Triton at d256
   # until this says otherwise). ~5 min.
-  timeout 150 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider --durations=5 \
-    tests/test_mosaic_wide.py 2>&1 | tee "$OUT/d256_bwd_tests.log" | tail -30
+  stage_d256_bwd_tests
   timeout 120 python tools/mosaic_bwd_bench.py --seq 2048 8192 --head-dim 256 2>&1 | tee "$OUT/d256_bwd_bench.log"
   timeout 120 $BENCH --seqlens 2048 8192 --head-dims 256 --modes bwd --impls flash2-mosaic flash2-triton cudnn \
     --out "$OUT/d256_bwd_cli" 2>&1 | grep -v "^$" | tail -30
