@@ -143,13 +143,15 @@ class HopperChoice:
 # sessions 3 and 4): the Mosaic forward, with the softmax overlapped with P V,
 # is 2-7% faster than the Triton one at head_dim 64 without a mask, 6-34%
 # elsewhere; the Mosaic backward is 7-16% faster at head_dim 64 and 11% at 128
-# (2k). head_dim 256 stays on Triton: its Mosaic forward and backward
-# (backward_wide.py) are unmeasured.
+# (2k). At head_dim 256 (session 7, 2k and 8k) the Mosaic forward is 1.5-1.7x
+# the Triton one and the Mosaic backward (backward_wide.py) 1.15-1.34x.
 _HOPPER_TABLE: dict[tuple[int, bool], HopperChoice] = {
     (64, False): HopperChoice(forward=True, backward=True),
     (64, True): HopperChoice(forward=True, backward=True),
     (128, False): HopperChoice(forward=True, backward=True),
     (128, True): HopperChoice(forward=True, backward=True),
+    (256, False): HopperChoice(forward=True, backward=True),
+    (256, True): HopperChoice(forward=True, backward=True),
 }
 
 

@@ -494,7 +494,9 @@ def _captured_call(monkeypatch, capability=(9, 0)):
         (64, True, {}, True, True),
         (128, False, {}, True, True),
         (128, True, {}, True, True),
-        (256, False, {}, False, False),  # not measured (Mosaic forward, backward_wide.py): Triton
+        (256, False, {}, True, True),  # backward_wide.py (session 7)
+        (256, True, {}, True, True),
+        (96, True, {}, False, False),  # no Mosaic kernel: Triton
         (128, True, dict(block_sizes="tuned"), False, False),  # tuned Triton tiles: Triton
         (128, True, dict(dtype=jnp.float32), False, False),  # the Mosaic kernels take fp16/bf16
         (128, True, dict(softcap=30.0), False, False),
