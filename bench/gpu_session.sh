@@ -211,6 +211,15 @@ stage_d256_cli() {
     cudnn --out "$OUT/d256_cli" 2>&1 | grep -v "^$" | tail -40
 }
 
+stage_d256_persistent() {
+  # backward_wide.py's kernels as persistent CTAs (one set of outer tiles):
+  # their GPU tests, then the A/B per kernel (dkv ms, dq ms). ~2 min.
+  timeout 90 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic_wide.py -k persistent 2>&1 \
+    | tee "$OUT/d256_persistent_tests.log" | tail -5
+  timeout 100 python tools/mosaic_bwd_bench.py --seq 2048 8192 --head-dim 256 --variants default dq_persistent=1 \
+    dq_persistent=1+dkv_persistent=1 2>&1 | tee "$OUT/d256_persistent_ab.log"
+}
+
 stage_d256_bwd() {
   # The head_dim-256 Mosaic backward (backward_wide.py), never run on a GPU
   # before: its tests first (a hang, a barrier phase gone wrong, shows as the

@@ -60,7 +60,7 @@ def test_wide_rejects():
   for fn in (mosaic_bwd.dkv, mosaic_bwd.dq, mosaic_bwd.backward):
     for config, match in (
         (BackwardConfig(128, 64, 2), "block_q = block_kv = 64"),
-        (BackwardConfig(64, 64, 2, dkv_persistent=True), "takes none of"),
+        (BackwardConfig(64, 64, 2, softmax_overlap=True), "takes none of"),
         (BackwardConfig(64, 64, 2, fused_dq=True), "takes none of"),
         (BackwardConfig(64, 64, 3), "shared memory"),
     ):
@@ -109,9 +109,9 @@ INTERPRET = [
 @pytest.mark.parametrize("shape, dtype, causal, kv_heads, entry", INTERPRET,
                          ids=["full", "causal_seq_q_lt_seq_k", "causal_seq_q_gt_seq_k", "ragged_causal_gqa",
                               "ragged_full_fp16"])
-def test_wide_interpreter_matches_reference(shape, dtype, causal, kv_heads, entry):
+def test_wide_interpreter_matches_reference(shape, dtype, causal, kv_heads, entry, config=None):
   (q, k, v, do, lse, delta), refs = _bwd_problem(*shape, dtype, causal, kv_heads)
-  kwargs = dict(causal=causal, interpret=plgpu.InterpretGPUParams(detect_races=True))
+  kwargs = dict(causal=causal, config=config, interpret=plgpu.InterpretGPUParams(detect_races=True))
   if entry == "backward":
     grads = mosaic_bwd.backward(q, k, v, do, lse, delta, **kwargs)
   else:
@@ -125,12 +125,12 @@ def test_wide_interpreter_matches_reference(shape, dtype, causal, kv_heads, entr
 # ---------------------------------------------------------------- GPU
 
 
-def _check_at_the_bar(shape, dtype, causal, kv_heads=None):
+def _check_at_the_bar(shape, dtype, causal, kv_heads=None, config=None):
   """The compiled kernels' gradients against the float32 reference: under
   1e-2 relative and at most 3x the error of the plain math in `dtype` (the
   Triton path's bar, tests/test_gpu.py)."""
   (q, k, v, do, lse, delta), refs = _bwd_problem(*shape, dtype, causal, kv_heads)
-  grads = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=causal))(q, k, v, do, lse, delta)
+  grads = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=causal, config=config))(q, k, v, do, lse, delta)
   plain = reference_with_grads(q, k, v, do, causal=causal, dtype=dtype)[2:]
   for name, x, ref, base in zip(("dq", "dk", "dv"), grads, refs, plain):
     err, base_err = rel_err(x, ref), rel_err(base, ref)
@@ -172,3 +172,33 @@ def test_wide_gpu_backend_mosaic(causal):
   from test_gpu import _check
 
   _check((1, 2048, 2048, 4, D), jnp.bfloat16, causal, backend="mosaic")
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, causal, kv_heads",
+    [
+        ((1, 384, 256, 1, D), jnp.bfloat16, True, None),  # causal tiles in pairs; seq_q > seq_k
+        ((1, 200, 300, 2, D), jnp.float16, False, 1),  # ragged, grouped-query
+    ],
+    ids=["causal_pairs", "ragged_gqa"],
+)
+def test_wide_interpreter_persistent(shape, dtype, causal, kv_heads):
+  """Persistent CTAs (the interpreter runs two, each taking several tiles):
+  the ring runs on across tiles, the outer halves reload after the stores."""
+  config = BackwardConfig(64, 64, 2, dq_persistent=True, dkv_persistent=True)
+  test_wide_interpreter_matches_reference(shape, dtype, causal, kv_heads, "kernels", config=config)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize(
+    "shape, dtype, causal, kv_heads",
+    [
+        ((1, 4096, 4096, 4, D), jnp.bfloat16, True, None),
+        ((1, 1000, 1537, 8, D), jnp.float16, False, 2),  # ragged, grouped-query
+    ],
+    ids=["causal_4k", "ragged_gqa"],
+)
+def test_wide_gpu_persistent(shape, dtype, causal, kv_heads):
+  config = BackwardConfig(64, 64, 2, dq_persistent=True, dkv_persistent=True)
+  _check_at_the_bar(shape, dtype, causal, kv_heads, config=config)

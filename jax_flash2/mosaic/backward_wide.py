@@ -98,11 +98,13 @@ from jax_flash2.mosaic.forward import (
     WGMMA_M,
     _SMEM_RESERVE,
     QTile,
+    PersistentSchedule,
     _kv_block_bounds,
     compiler_params,
     interpret_params_of,
     kv_ring_producer,
     observe_last_releases,
+    outer_grid,
     run_tiles,
     unpad_seq,
     visible,
@@ -118,7 +120,7 @@ def _check_config(config: BackwardConfig) -> None:
   """The wide kernels take 64-row blocks and none of backward.py's options."""
   if (config.block_q, config.block_kv) != (ROWS, ROWS):
     raise ValueError(f"head_dim {WIDE_HEAD_DIMS} takes block_q = block_kv = {ROWS}, got {config}")
-  options = ("softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns")
+  options = ("softmax_overlap", "fused_dq", "dq_turns")
   if any(getattr(config, name) for name in options):
     raise ValueError(f"head_dim {WIDE_HEAD_DIMS} takes none of {options}, got {config}")
 
@@ -232,7 +234,8 @@ def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
     kv_ready, q_ready, do_ready, q_consumed, do_consumed, p_smem, ds_smem, staged, free,
-    *, seq_q: int, seq_k: int, group: int, causal: bool, softmax_scale: float, stages: int, interpret: bool,
+    *, seq_q: int, seq_k: int, group: int, schedule: PersistentSchedule | None, causal: bool, softmax_scale: float,
+    stages: int, interpret: bool,
 ):
   # q_ref, do_ref: [batch, seq_q', heads, D]; k_ref, v_ref, dk_ref, dv_ref:
   # [batch, seq_k', kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q']
@@ -258,22 +261,24 @@ def _dkv_kernel(
     return _KVTile(batch, kv_head, k_start, lo, full_lo, visits, group * visits)
 
   @jax.named_scope("load")
-  def load_step(tile: _KVTile, step):
-    """The producer's TMA copies of ring step `step`: Q block lo + step %
-    visits of query head step // visits of the group."""
-    slot = lax.rem(step, jnp.int32(stages))
+  def load_step(tile: _KVTile, ring_base, step):
+    """The producer's TMA copies of the tile's `step` into ring step
+    ring_base + step: Q block lo + step % visits of query head step //
+    visits of the group."""
+    ring_step = ring_base + step
+    slot = lax.rem(ring_step, jnp.int32(stages))
     head = tile.kv_head * group + lax.div(step, tile.visits)
     q0 = (tile.lo + lax.rem(step, tile.visits)) * ROWS
     rows, vec = (tile.batch, pl.ds(q0, ROWS), head), (tile.batch, head, pl.ds(q0, ROWS))
 
-    @pl.when(step >= stages)  # the first round of slots is free from the start
+    @pl.when(ring_step >= stages)  # the first round of slots is free from the start
     def _():
       plgpu.barrier_wait(q_consumed.at[slot])
 
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
     plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], q_ready.at[slot])
 
-    @pl.when(step >= stages)
+    @pl.when(ring_step >= stages)
     def _():
       plgpu.barrier_wait(do_consumed.at[slot])
 
@@ -281,14 +286,16 @@ def _dkv_kernel(
     plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], do_ready.at[slot])
 
   def produce(tile: _KVTile, ring_base):
-    pl.loop(0, tile.num_steps)(lambda step: load_step(tile, ring_base + step))
+    pl.loop(0, tile.num_steps)(lambda step: load_step(tile, ring_base, step))
 
   def observe(end_step):
     observe_last_releases(q_consumed, do_consumed, end_step=end_step, stages=stages)
 
   def load_kv(tile: _KVTile, buffer):
-    """This consumer's column half of K and V."""
-    del buffer  # one CTA per tile
+    """This consumer's column half of K and V (a persistent CTA's next tile's
+    once the last step's `staged` has passed: neither consumer's score
+    products read K or V any more, and the stores have read this half)."""
+    del buffer  # one set (run_tiles' buffers=1)
     rows = (tile.batch, pl.ds(tile.k_start, ROWS), tile.kv_head, pl.ds(wg * half, half))
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_ready)
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_ready)
@@ -379,8 +386,8 @@ def _dkv_kernel(
     plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[rows])
     plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[rows])
 
-  run_tiles(None, tile_at, wg=wg, axis="kv", produce=produce, observe=observe, load=load_kv, compute=gradients,
-            store=store_gradients, epilogue=shared.observe_last)
+  run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=produce, observe=observe, load=load_kv,
+            compute=gradients, store=store_gradients, epilogue=shared.observe_last, buffers=1)
 
 
 def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float,
@@ -406,14 +413,16 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
       *_shared_tile_scratch(2, dtype),  # P^T, dS^T; staged, free
   ]
   num_kv = pl.cdiv(seq_k, ROWS)  # 64-row blocks holding a real key; the rest of the padding stays unwritten
-  kernel = functools.partial(_dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, causal=causal,
-                             softmax_scale=softmax_scale, stages=stages, interpret=interpret)
+  schedule, grid, grid_names = outer_grid(num_kv, kv_heads, batch, axis="kv", persistent=config.dkv_persistent,
+                                          causal=causal, interpret=interpret)
+  kernel = functools.partial(_dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, schedule=schedule,
+                             causal=causal, softmax_scale=softmax_scale, stages=stages, interpret=interpret)
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
       scratch_types=scratch,
-      grid=(num_kv, kv_heads, batch),
-      grid_names=("kv", "heads", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       compiler_params=compiler_params(),
@@ -429,8 +438,8 @@ def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     q_ready, k_ready, v_ready, k_consumed, v_consumed, ds_smem, staged, free,
-    *, seq_q: int, seq_k: int, group: int, num_q_blocks: int, causal: bool, softmax_scale: float, stages: int,
-    interpret: bool,
+    *, seq_q: int, seq_k: int, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, causal: bool,
+    softmax_scale: float, stages: int, interpret: bool,
 ):
   # Arrays in GMEM as in _dkv_kernel. q_smem, do_smem: [2, 64, D/2] (column
   # halves; each consumer loads one and stages its half of dQ in Q's);
@@ -448,8 +457,11 @@ def _dq_kernel(
                               seq_k=seq_k, causal=causal)
 
   def load_rows(tile: QTile, buffer):
-    """This consumer's column half of Q and dO; the first one's also lse and delta."""
-    del buffer  # one CTA per tile
+    """This consumer's column half of Q and dO; the first one's also lse and
+    delta (a persistent CTA's next tile's once the last step's `staged` has
+    passed: no score product reads Q or dO any more, and both consumers read
+    lse and delta at their tile's start)."""
+    del buffer  # one set (run_tiles' buffers=1)
     rows = (tile.batch, pl.ds(tile.q_start, ROWS), tile.head, pl.ds(wg * half, half))
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_ready)
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], q_ready)
@@ -528,8 +540,8 @@ def _dq_kernel(
 
   produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                       group=group, block_kv=ROWS, stages=stages)
-  run_tiles(None, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_rows, compute=gradient,
-            store=store_dq, epilogue=shared.observe_last)
+  run_tiles(schedule, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_rows,
+            compute=gradient, store=store_dq, epilogue=shared.observe_last, buffers=1)
 
 
 def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float,
@@ -555,15 +567,17 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
       *_shared_tile_scratch(1, dtype),  # dS; staged, free
   ]
   num_q_blocks = pl.cdiv(seq_q, ROWS)  # 64-row blocks holding a real query
+  schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.dq_persistent,
+                                          causal=causal, interpret=interpret)
   kernel = functools.partial(_dq_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads,
-                             num_q_blocks=num_q_blocks, causal=causal, softmax_scale=softmax_scale, stages=stages,
-                             interpret=interpret)
+                             num_q_blocks=num_q_blocks, schedule=schedule, causal=causal,
+                             softmax_scale=softmax_scale, stages=stages, interpret=interpret)
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),
       scratch_types=scratch,
-      grid=(num_q_blocks, heads, batch),
-      grid_names=("q", "heads", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       compiler_params=compiler_params(),
