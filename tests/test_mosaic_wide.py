@@ -43,7 +43,7 @@ def _races():
 
 def test_wide_config_fits_shared_memory():
   config = mosaic_bwd.default_backward_config(D)
-  assert config == BackwardConfig(64, 64, 2)
+  assert config == BackwardConfig(64, 64, 2, dq_persistent=True)
   for dtype in (jnp.bfloat16, jnp.float16):
     # K, V; two slots of Q, dO, lse, delta; P^T and dS^T (dkv). Q, dO, lse,
     # delta; two slots of K, V; dS (dq).
@@ -94,6 +94,9 @@ def test_wide_lowers_for_cuda(kernel, shape, dtype, causal, kv_heads):
 
 
 # ---------------------------------------------------------------- interpreter
+
+# Both kernels as persistent CTAs (the default has only dQ's).
+PERSISTENT = BackwardConfig(64, 64, 2, dq_persistent=True, dkv_persistent=True)
 
 INTERPRET = [
     # (shape, dtype, causal, kv_heads, entry): entry "kernels" runs dkv and dq
@@ -175,17 +178,18 @@ def test_wide_gpu_backend_mosaic(causal):
 
 
 @pytest.mark.parametrize(
-    "shape, dtype, causal, kv_heads",
+    "shape, dtype, causal, kv_heads, config",
     [
-        ((1, 384, 256, 1, D), jnp.bfloat16, True, None),  # causal tiles in pairs; seq_q > seq_k
-        ((1, 200, 300, 2, D), jnp.float16, False, 1),  # ragged, grouped-query
+        # Both kernels persistent (the interpreter runs two CTAs, each taking
+        # several tiles): the ring runs on across tiles, the outer halves
+        # reload after the stores. Causal tiles in pairs; seq_q > seq_k.
+        ((1, 384, 256, 1, D), jnp.bfloat16, True, None, PERSISTENT),
+        ((1, 200, 300, 2, D), jnp.float16, False, 1, PERSISTENT),  # ragged, grouped-query
+        ((1, 256, 256, 2, D), jnp.bfloat16, True, None, BackwardConfig(64, 64, 2)),  # one CTA per tile
     ],
-    ids=["causal_pairs", "ragged_gqa"],
+    ids=["persistent_causal_pairs", "persistent_ragged_gqa", "plain_grid"],
 )
-def test_wide_interpreter_persistent(shape, dtype, causal, kv_heads):
-  """Persistent CTAs (the interpreter runs two, each taking several tiles):
-  the ring runs on across tiles, the outer halves reload after the stores."""
-  config = BackwardConfig(64, 64, 2, dq_persistent=True, dkv_persistent=True)
+def test_wide_interpreter_configs(shape, dtype, causal, kv_heads, config):
   test_wide_interpreter_matches_reference(shape, dtype, causal, kv_heads, "kernels", config=config)
 
 
@@ -200,5 +204,4 @@ def test_wide_interpreter_persistent(shape, dtype, causal, kv_heads):
     ids=["causal_4k", "ragged_gqa"],
 )
 def test_wide_gpu_persistent(shape, dtype, causal, kv_heads):
-  config = BackwardConfig(64, 64, 2, dq_persistent=True, dkv_persistent=True)
-  _check_at_the_bar(shape, dtype, causal, kv_heads, config=config)
+  _check_at_the_bar(shape, dtype, causal, kv_heads, config=PERSISTENT)
