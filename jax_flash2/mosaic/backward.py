@@ -122,13 +122,13 @@ from jax_flash2.mosaic.forward import (
     QTile,
     _kv_block_bounds,
     _sm_count,
-    compiler_params,
     interpret_params_of,
     kv_ring_producer,
     observe_last_releases,
     outer_grid,
     pad_seq,
     run_tiles,
+    specialized_kernel,
     unpad_seq,
     visible,
 )
@@ -1086,18 +1086,8 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
       _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=group, schedule=schedule, causal=causal,
       softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
-  return plgpu.kernel(
-      kernel,
-      out_type=tuple(out_type),
-      scratch_types=scratch,
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=compiler_params(),
-      interpret=interpret_params,
-      kernel_name="flash2_bwd_dkv_mosaic",
-  )(*operands)
+  return specialized_kernel(kernel, out_type=tuple(out_type), scratch=scratch, grid=grid, grid_names=grid_names,
+                            interpret_params=interpret_params, name="flash2_bwd_dkv_mosaic")(*operands)
 
 
 def _finish_dq(dq, shape, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float, dtype) -> jax.Array:
@@ -1320,18 +1310,9 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
       _dq_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
       schedule=schedule, causal=causal, softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
-  return plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      scratch_types=scratch,
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=compiler_params(),
-      interpret=interpret_params,
-      kernel_name="flash2_bwd_dq_mosaic",
-  )(q, k, v, do, lse, delta)
+  return specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
+                            grid_names=grid_names, interpret_params=interpret_params,
+                            name="flash2_bwd_dq_mosaic")(q, k, v, do, lse, delta)
 
 
 # ---------------------------------------------------------------- both

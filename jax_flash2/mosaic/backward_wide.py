@@ -106,12 +106,12 @@ from jax_flash2.mosaic.forward import (
     QTile,
     PersistentSchedule,
     _kv_block_bounds,
-    compiler_params,
     interpret_params_of,
     kv_ring_producer,
     observe_last_releases,
     outer_grid,
     run_tiles,
+    specialized_kernel,
     unpad_seq,
     visible,
 )
@@ -210,6 +210,23 @@ def _tiles(dtype):
   elements (32 bytes); A takes B's swizzle (one per wgmma), and every tile is
   an A or B of such a product or of one with the tiles it meets there."""
   return _swizzled(COLS // 2, dtype)
+
+
+def _score_products(outer, inner, columns, halves):
+  """(S, dP) of this consumer's 32 score columns, float32 [64, 32]: outer =
+  (K, V) halves in dkv or (Q, dO) halves in dq, [2, 64, D/2]; inner = the
+  streamed (Q, dO) or (K, V) tiles, [64, D], whose rows `columns` are this
+  consumer's. Both products contract over both halves of head_dim; one wgmma
+  group, waited for."""
+
+  def products(s_ref, dp_ref):
+    for acc, outer_ref, inner_ref in ((s_ref, outer[0], inner[0]), (dp_ref, outer[1], inner[1])):
+      for h, cols in enumerate(halves):
+        plgpu.wgmma(acc, outer_ref.at[h], inner_ref.at[columns, cols].transpose((1, 0)))
+    return s_ref[...], dp_ref[...]
+
+  acc = plgpu.ACC((ROWS, COLS), jnp.float32)
+  return pl.run_scoped(products, acc, acc)
 
 
 def _halves(head_dim: int):
@@ -321,17 +338,8 @@ def _dkv_kernel(
         plgpu.barrier_wait(q_ready.at[slot])
         plgpu.barrier_wait(do_ready.at[slot])
 
-      def scores(s_ref, dp_ref):
-        # S^T_c = K Q_c^T and dP^T_c = V dO_c^T over both halves of head_dim.
-        for h, cols in enumerate(halves):
-          plgpu.wgmma(s_ref, k_smem.at[h], q_tile.at[queries, cols].transpose((1, 0)))
-        for h, cols in enumerate(halves):
-          plgpu.wgmma(dp_ref, v_smem.at[h], do_tile.at[queries, cols].transpose((1, 0)))
-        return s_ref[...], dp_ref[...]  # waits for both
-
-      score_acc = plgpu.ACC((ROWS, COLS), jnp.float32)
-      with jax.named_scope("scores"):
-        s_t, dp_t = pl.run_scoped(scores, score_acc, score_acc)  # [keys, this consumer's queries]
+      with jax.named_scope("scores"):  # S^T_c = K Q_c^T, dP^T_c = V dO_c^T: [keys, this consumer's queries]
+        s_t, dp_t = _score_products((k_smem, v_smem), (q_tile, do_tile), queries, halves)
       with jax.named_scope("softmax"):
         lse = plgpu.load(lse_smem.at[slot, queries], layout=vec_layout) * LOG2_E
         p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
@@ -423,18 +431,10 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
                                           causal=causal, interpret=interpret)
   kernel = functools.partial(_dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, schedule=schedule,
                              causal=causal, softmax_scale=softmax_scale, stages=stages, interpret=interpret)
-  return plgpu.kernel(
-      kernel,
-      out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
-      scratch_types=scratch,
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=compiler_params(),
-      interpret=interpret_params,
-      kernel_name="flash2_bwd_dkv_wide_mosaic",
-  )(q, k, v, do, lse, delta)
+  out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+  return specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
+                            interpret_params=interpret_params,
+                            name="flash2_bwd_dkv_wide_mosaic")(q, k, v, do, lse, delta)
 
 
 # ---------------------------------------------------------------- dQ
@@ -496,17 +496,8 @@ def _dq_kernel(
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[slot])
 
-      def scores(s_ref, dp_ref):
-        # S_c = Q K_c^T and dP_c = dO V_c^T over both halves of head_dim.
-        for h, cols in enumerate(halves):
-          plgpu.wgmma(s_ref, q_smem.at[h], k_tile.at[keys, cols].transpose((1, 0)))
-        for h, cols in enumerate(halves):
-          plgpu.wgmma(dp_ref, do_smem.at[h], v_tile.at[keys, cols].transpose((1, 0)))
-        return s_ref[...], dp_ref[...]  # waits for both
-
-      score_acc = plgpu.ACC((ROWS, COLS), jnp.float32)
-      with jax.named_scope("scores"):
-        s, dp = pl.run_scoped(scores, score_acc, score_acc)  # [queries, this consumer's keys]
+      with jax.named_scope("scores"):  # S_c = Q K_c^T, dP_c = dO V_c^T: [queries, this consumer's keys]
+        s, dp = _score_products((q_smem, do_smem), (k_tile, v_tile), keys, halves)
       plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
       with jax.named_scope("softmax"):
         p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
@@ -578,18 +569,9 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
   kernel = functools.partial(_dq_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads,
                              num_q_blocks=num_q_blocks, schedule=schedule, causal=causal,
                              softmax_scale=softmax_scale, stages=stages, interpret=interpret)
-  return plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      scratch_types=scratch,
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=compiler_params(),
-      interpret=interpret_params,
-      kernel_name="flash2_bwd_dq_wide_mosaic",
-  )(q, k, v, do, lse, delta)
+  return specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
+                            grid_names=grid_names, interpret_params=interpret_params,
+                            name="flash2_bwd_dq_wide_mosaic")(q, k, v, do, lse, delta)
 
 
 # ---------------------------------------------------------------- entry points

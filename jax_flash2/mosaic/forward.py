@@ -131,6 +131,15 @@ def compiler_params() -> plgpu.CompilerParams:
                               profile_bounds_check=True)
 
 
+def specialized_kernel(body, *, out_type, scratch, grid, grid_names, interpret_params, name: str):
+  """plgpu.kernel as every kernel here runs: NUM_CONSUMERS consumer
+  warpgroups and a producer (thread axis "wg"), `compiler_params()`; the
+  interpreter where interpret_params says so."""
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
+                      num_threads=NUM_CONSUMERS + 1, thread_name="wg", compiler_params=compiler_params(),
+                      interpret=interpret_params, kernel_name=name)
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
   """Tiling of the Mosaic GPU forward kernel.
@@ -934,19 +943,7 @@ def forward(
       _forward_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
       schedule=schedule, causal=causal, softmax_scale=float(softmax_scale), config=config, interpret=interpret,
   )
-  out, lse = plgpu.kernel(
-      kernel,
-      out_type=(
-          jax.ShapeDtypeStruct(q.shape, dtype),
-          jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32),
-      ),
-      scratch_types=scratch,
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=compiler_params(),
-      interpret=interpret_params,
-      kernel_name="flash2_fwd_mosaic",
-  )(q, k, v)
+  out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32))
+  out, lse = specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
+                                interpret_params=interpret_params, name="flash2_fwd_mosaic")(q, k, v)
   return unpad_seq(out, seq_q), unpad_seq(lse, seq_q, axis=2)
