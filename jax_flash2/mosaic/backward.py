@@ -89,8 +89,10 @@ forward.py; the compiled kernel never takes that branch.
 Status: runs on the H200 and passes its GPU tests at the Triton path's bar,
 ragged lengths included (session 4; persistent by default since session 6;
 speed in bench/NOTES.md). The fused kernel passes its GPU tests, bit-for-bit
-deterministic, but is slower than the two kernels so far (session 6; its
-`dq_turns` form is CPU-checked only). Checked on CPU: lowering for CUDA,
+deterministic, but is 7-29% slower than the two kernels at head_dim 128
+and 0-14% at 64 (session 7): float32 TMA reduce-adds run at 1-2.4 TB/s on
+the H200 (tools/tma_reduce_bench.py), so a step's two 16 KiB pieces cost
+about what its matmuls do. Checked on CPU: lowering for CUDA,
 compilation to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no
 spills except a few scalars in the causal dkv at head_dim 128; dkv at
 block_q 128 and head_dim 128 spills heavily: S^T and dP^T then take 128
@@ -169,11 +171,11 @@ class BackwardConfig:
       memory, in an order fixed per Q block (semaphores; see `_dq_order`),
       so that gradients stay deterministic; S and dP are computed once, not
       twice. Needs block_q 64. Off by default: slower than the two kernels
-      on the H200 so far (bench/NOTES.md, session 6).
+      on the H200, bound by the reduce-adds (bench/NOTES.md, session 7).
     dq_turns: with fused_dq, the two consumers take turns at adding dQ,
       each a whole-width piece at every other step, instead of each adding
       half the columns at every step (`_dq_piece`); at head_dim 64 they
-      always take turns. Not yet run on a GPU.
+      always take turns. At head_dim 128 slower than the split (session 7).
   The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
   Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
   lengths; see the module docstring).
