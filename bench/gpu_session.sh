@@ -30,7 +30,8 @@
 #             bwd_persistent (the persistent dQ and dK/dV kernels: tests, then A/B, ~9 min),
 #             fused (dQ folded into the dK/dV kernel: tests, then d128 A/B, ~9 min), fused64 (its d64 A/B, ~2 min),
 #             profile_bwd, profile_fwd64 (Mosaic's profiler: where the warpgroups wait, ~3 / ~2 min),
-#             d64_tiles (256-row Q tiles at d64, ~2 min), bwd_overlap (the
+#             d64_tiles (256-row Q tiles at d64, ~2 min), d64_consumers3 (three
+#             consumer warpgroups in the d64 forward: tests, A/B; ~3 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
 #             causal at 2k and 16k, ~2 min), gqa_vs_mha (~2 min), tune / tune256
@@ -308,6 +309,17 @@ stage_bwd_persistent_rest() {
     stages=2+dq_persistent=1+dkv_persistent=1 2>&1 | tee "$OUT/bwd_persistent_rest.log"
   timeout 100 python tools/mosaic_bwd_bench.py --seq 8192 16384 --head-dim 64 --variants default \
     dq_persistent=1+dkv_persistent=1 2>&1 | tail -n +3 | tee -a "$OUT/bwd_persistent_rest.log"
+}
+
+stage_d64_consumers3() {
+  # Three consumer warpgroups in the d64 forward (MosaicConfig.consumers,
+  # session 7, CPU-checked): GPU tests, then the A/B against the default
+  # (block_kv 64 compiles without spills in the causal kernel, 128 spills
+  # 216 B). ~3 min.
+  timeout 120 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k three_consumers 2>&1 \
+    | tee "$OUT/d64_consumers3_tests.log" | tail -5
+  timeout 150 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 64 --variants default \
+    consumers=3+block_q=192 consumers=3+block_q=192+block_kv=64 2>&1 | tee "$OUT/d64_consumers3_ab.log"
 }
 
 stage_d64_tiles() {

@@ -71,6 +71,10 @@ def test_config_defaults_fit_shared_memory():
         (dict(persistent=None), "persistent must be a bool"),
         (dict(pingpong=1), "pingpong must be a bool"),
         (dict(pingpong=True), "pingpong needs softmax_overlap"),
+        (dict(consumers=4), "consumers must be 2 or 3"),
+        (dict(consumers=3.0), "consumers must be an int"),
+        (dict(consumers=3), "block_q must be 192 or 384"),
+        (dict(consumers=3, block_q=192, softmax_overlap=True, pingpong=True), "pingpong takes two consumers"),
     ],
 )
 def test_config_rejects(kwargs, match):
@@ -162,6 +166,8 @@ def test_lowers_for_cuda(head_dim, dtype, causal):
         ((2, 1000, 1537, 4, 128), 2, MosaicConfig(softmax_overlap=True, persistent=True)),
         ((1, 2048, 1024, 4, 64), None, MosaicConfig(stages=4, persistent=True)),
         ((2, 1024, 1024, 4, 128), None, MosaicConfig(softmax_overlap=True, persistent=True, pingpong=True)),
+        ((2, 1000, 1537, 4, 64), 2, MosaicConfig(block_q=192, stages=4, softmax_overlap=True, persistent=True,
+                                                 consumers=3)),
     ],
 )
 def test_lowers_for_cuda_variants(shape, kv_heads, config):
@@ -1038,3 +1044,34 @@ def test_fused_schedule_keeps_heads_in_rounds_on_resident_ctas(num_kv, kv_heads,
   per_head = num_kv // 2 if paired else num_kv
   assert per_head % schedule.num_ctas == 0 or schedule.num_ctas % per_head == 0
   assert mosaic_bwd._fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=True).num_ctas == 1
+
+
+# consumers=3: (shape, causal, kv_heads, config), 64 rows for each of three
+# consumers. The drain (the first two consumers stop one and two blocks
+# before the third), the overlap on a ragged grouped-query problem, and
+# persistent CTAs over several tiles each.
+THREE_CONSUMERS = [
+    ((1, 192, 192, 1, 64), True, None, MosaicConfig(block_q=192, block_kv=64, stages=3, consumers=3)),
+    ((1, 200, 136, 2, 64), False, 1, MosaicConfig(block_q=192, block_kv=64, softmax_overlap=True, consumers=3)),
+    ((1, 384, 320, 3, 64), True, 1, MosaicConfig(block_q=192, block_kv=64, softmax_overlap=True, persistent=True,
+                                                 consumers=3)),
+]
+
+
+@pytest.mark.parametrize("shape, causal, kv_heads, config", THREE_CONSUMERS,
+                         ids=["causal_drain", "overlap_ragged_gqa", "persistent_causal_gqa"])
+def test_interpreter_three_consumers(shape, causal, kv_heads, config):
+  _check_without_races(shape, causal, kv_heads, config)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape, kv_heads, persistent",
+    [((4, 4096, 4096, 16, 64), None, True), ((2, 1537, 1000, 8, 64), None, True), ((3, 1000, 1537, 16, 64), 4, False)],
+    ids=["d64_persistent", "seq_q_gt_seq_k_persistent", "ragged_gqa_grid"],
+)
+def test_gpu_three_consumers(shape, kv_heads, persistent, causal):
+  config = MosaicConfig(block_q=192, block_kv=128, stages=4, softmax_overlap=True, persistent=persistent, consumers=3)
+  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)

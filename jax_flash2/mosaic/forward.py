@@ -84,9 +84,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
-# Consumer warpgroups per CTA; the producer warpgroup comes after them.
+# Consumer warpgroups per CTA (the forward may take 3: MosaicConfig.consumers);
+# the producer warpgroup comes after them.
 NUM_CONSUMERS = 2
-PRODUCER = NUM_CONSUMERS
 # wgmma works on M = 64 rows per warpgroup instruction.
 WGMMA_M = 64
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -95,9 +95,10 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # reserves for itself (reduction scratch, barriers); see `smem_bytes`.
 SMEM_LIMIT = 227 * 1024
 _SMEM_RESERVE = 4 * 1024
-# setmaxnreg budgets: 2 x 240 + 24 (x 128 threads) fits the 64K registers of
-# an SM; the producer only computes addresses.
-CONSUMER_REGISTERS = 240
+# setmaxnreg budgets per thread, by consumer warpgroups: 2 x 240 + 24 and
+# 3 x 160 + 24 (x 128 threads) fit the 64K registers of an SM; the producer
+# only computes addresses.
+CONSUMER_REGISTERS = {2: 240, 3: 160}
 PRODUCER_REGISTERS = 24
 # Mosaic's profiler for the kernels compiled while `profiling` is active:
 # (events per warpgroup, directory of the traces), or None.
@@ -131,12 +132,13 @@ def compiler_params() -> plgpu.CompilerParams:
                               profile_bounds_check=True)
 
 
-def specialized_kernel(body, *, out_type, scratch, grid, grid_names, interpret_params, name: str):
-  """plgpu.kernel as every kernel here runs: NUM_CONSUMERS consumer
+def specialized_kernel(body, *, out_type, scratch, grid, grid_names, interpret_params, name: str,
+                       consumers: int = NUM_CONSUMERS):
+  """plgpu.kernel as every kernel here runs: `consumers` consumer
   warpgroups and a producer (thread axis "wg"), `compiler_params()`; the
   interpreter where interpret_params says so."""
   return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
-                      num_threads=NUM_CONSUMERS + 1, thread_name="wg", compiler_params=compiler_params(),
+                      num_threads=consumers + 1, thread_name="wg", compiler_params=compiler_params(),
                       interpret=interpret_params, kernel_name=name)
 
 
@@ -145,9 +147,10 @@ class MosaicConfig:
   """Tiling of the Mosaic GPU forward kernel.
 
   Attributes:
-    block_q: query rows per CTA, split evenly between the two consumer
-      warpgroups (128 or 256: 64 or 128 rows each). 256 spills registers
-      with block_kv 128 (ptxas, head_dim 64).
+    block_q: query rows per CTA, split evenly between the consumer
+      warpgroups (64 or 128 rows each: 128 or 256 with two consumers, 192
+      or 384 with three). 256 spills registers with block_kv 128 (ptxas,
+      head_dim 64).
     block_kv: key/value rows per ring slot (64, 128 or 256).
     stages: ring slots of K and V in shared memory (>= 2: with one slot the
       next load could only start once both consumers finished the current
@@ -170,6 +173,13 @@ class MosaicConfig:
       consumer's softmax runs under the other's matmuls rather than both
       computing softmaxes while the tensor cores idle. Needs softmax_overlap
       (one turn per step); problems that keep the plain loop ignore it.
+      Two consumers only.
+    consumers: consumer warpgroups per CTA, 2 or 3 (160 registers each
+      instead of 240). Three, as FlashAttention-3 runs at head_dim 64, give
+      the tensor cores two other consumers' matmuls to run while one
+      computes its softmax, which at head_dim 64 takes about as long as its
+      matmuls; and a 192-row Q tile reads K and V a third less often per
+      FLOP. Not yet timed on a GPU.
   Sequence lengths need not be multiples of the blocks: `forward` pads them
   (ragged lengths; see the module docstring).
   """
@@ -180,6 +190,7 @@ class MosaicConfig:
   softmax_overlap: bool = False
   persistent: bool = False
   pingpong: bool = False
+  consumers: int = NUM_CONSUMERS
 
   def __post_init__(self):
     for name in ("softmax_overlap", "persistent", "pingpong"):
@@ -187,13 +198,17 @@ class MosaicConfig:
         raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
     if self.pingpong and not self.softmax_overlap:
       raise ValueError("MosaicConfig.pingpong needs softmax_overlap=True (a turn is one overlapped step)")
-    for name in ("block_q", "block_kv", "stages"):
+    for name in ("block_q", "block_kv", "stages", "consumers"):
       if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig.{name} must be an int, got {getattr(self, name)!r}")
-    if self.block_q not in (NUM_CONSUMERS * WGMMA_M, 2 * NUM_CONSUMERS * WGMMA_M):
+    if self.consumers not in CONSUMER_REGISTERS:
+      raise ValueError(f"MosaicConfig.consumers must be 2 or 3, got {self.consumers}")
+    if self.pingpong and self.consumers != 2:
+      raise ValueError("MosaicConfig.pingpong takes two consumers (they pass the turn to each other)")
+    if self.block_q not in (self.consumers * WGMMA_M, 2 * self.consumers * WGMMA_M):
       raise ValueError(
-          f"MosaicConfig.block_q must be 128 or 256 (64 or 128 rows for each of "
-          f"the {NUM_CONSUMERS} consumer warpgroups), got {self.block_q}"
+          f"MosaicConfig.block_q must be {self.consumers * WGMMA_M} or {2 * self.consumers * WGMMA_M} (64 or "
+          f"128 rows for each of the {self.consumers} consumer warpgroups), got {self.block_q}"
       )
     if self.block_kv not in (64, 128, 256):
       raise ValueError(f"MosaicConfig.block_kv must be 64, 128 or 256, got {self.block_kv}")
@@ -202,7 +217,7 @@ class MosaicConfig:
 
   @property
   def rows_per_consumer(self) -> int:
-    return self.block_q // NUM_CONSUMERS
+    return self.block_q // self.consumers
 
   @property
   def q_buffers(self) -> int:
@@ -389,7 +404,8 @@ def kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed,
 
 
 def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, produce, observe, load, compute,
-              store, prologue=lambda: None, epilogue=lambda end_step: None, buffers: int = 2) -> None:
+              store, prologue=lambda: None, epilogue=lambda end_step: None, buffers: int = 2,
+              consumers: int = NUM_CONSUMERS) -> None:
   """A warp-specialized CTA's two roles over its tiles; the kernels supply
   the work, as callables of a tile (QTile or the like: num_steps ring steps):
 
@@ -408,19 +424,21 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
   one ring through all of them and the outer rows double-buffered, the next
   tile's rows loading while the current one's results are stored (with
   `buffers` 1, where shared memory has no room for a second set: after the
-  stores have read them). wg: the warpgroup index."""
+  stores have read them). wg: the warpgroup index; warpgroups [0, consumers)
+  consume, warpgroup `consumers` produces."""
+  producer, consumer_registers = consumers, CONSUMER_REGISTERS[consumers]
   if schedule is None:
     tile = tile_at(lax.axis_index(axis), lax.axis_index("heads"), lax.axis_index("batch"))
 
-    @pl.when(wg == PRODUCER)
+    @pl.when(wg == producer)
     def _producer():
       plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
       produce(tile, jnp.int32(0))
       observe(tile.num_steps)
 
-    @pl.when(wg < NUM_CONSUMERS)
+    @pl.when(wg < consumers)
     def _consumer():
-      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      plgpu.set_max_registers(consumer_registers, action="increase")
       load(tile, 0)
       prologue()
       store(tile, 0, compute(tile, 0, jnp.int32(0)))
@@ -433,7 +451,7 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
   num_tiles = schedule.tile_count(lax.axis_index("cta"))
   tile_of = lambda i: tile_at(*schedule.tile(lax.axis_index("cta"), i))
 
-  @pl.when(wg == PRODUCER)
+  @pl.when(wg == producer)
   def _persistent_producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
@@ -444,9 +462,9 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
 
     observe(lax.fori_loop(0, num_tiles, produce_tile, jnp.int32(0)))
 
-  @pl.when(wg < NUM_CONSUMERS)
+  @pl.when(wg < consumers)
   def _persistent_consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    plgpu.set_max_registers(consumer_registers, action="increase")
     prologue()
     load(tile_of(jnp.int32(0)), 0)
 
@@ -493,7 +511,7 @@ class QTile:
 
   @classmethod
   def at(cls, q_index, head, batch, *, num_q_blocks: int, block_q: int, block_kv: int, seq_q: int, seq_k: int,
-         causal: bool) -> QTile:
+         causal: bool, consumers: int = NUM_CONSUMERS) -> QTile:
     """The tile of grid position q_index (a causal kernel runs Q blocks
     heaviest first: those near the end of the sequence visit the most K/V
     blocks, and taking them first keeps them off the critical path at the
@@ -501,10 +519,10 @@ class QTile:
     if causal:
       q_index = jnp.int32(num_q_blocks - 1) - q_index
     q_start = q_index * block_q
-    # The producer must load every block any consumer needs; the second
-    # consumer's rows are the later ones, so its bound covers both.
-    rows = block_q // NUM_CONSUMERS
-    _, num_steps = _kv_block_bounds(q_start + (NUM_CONSUMERS - 1) * rows, rows, seq_q, seq_k, block_kv, causal)
+    # The producer must load every block any consumer needs; the last
+    # consumer's rows are the latest, so its bound covers them all.
+    rows = block_q // consumers
+    _, num_steps = _kv_block_bounds(q_start + (consumers - 1) * rows, rows, seq_q, seq_k, block_kv, causal)
     return cls(batch, head, q_start, num_steps)
 
   def kv_head(self, group: int) -> jax.Array:
@@ -597,16 +615,17 @@ def _forward_kernel(
   # q_ref, out_ref: [batch, seq_q', heads, D] in GMEM; k_ref, v_ref: [batch,
   # seq_k', heads // group, D] in GMEM; lse_ref: [batch, heads, seq_q'] f32;
   # seq_q', seq_k': the real seq_q, seq_k padded to whole blocks.
-  # q_smem: [buffers, 2, rows, D] (one Q tile per consumer, reused for its
-  # output; two buffers in a persistent CTA, which loads the next tile's Q
-  # while the current one's output is stored); k_smem, v_smem: [stages,
-  # block_kv, D] (the ring); lse_smem: [2, rows] f32.
-  # q_ready: [buffers * 2] barriers; k_ready, v_ready: [stages] barriers the
-  # TMA engine completes; k_consumed, v_consumed: [stages] barriers of 2
+  # C = config.consumers (2, or 3). q_smem: [buffers, C, rows, D] (one Q
+  # tile per consumer, reused for its output; two buffers in a persistent
+  # CTA, which loads the next tile's Q while the current one's output is
+  # stored); k_smem, v_smem: [stages, block_kv, D] (the ring); lse_smem:
+  # [C, rows] f32.
+  # q_ready: [buffers * C] barriers; k_ready, v_ready: [stages] barriers the
+  # TMA engine completes; k_consumed, v_consumed: [stages] barriers of C
   # arrivals.
-  # extra: turn (with pingpong): [2] barriers of 1 arrival, turn[w] passes
-  # the tensor cores to consumer w; p_staging (interpret mode only): [2,
-  # rows, block_kv], P on its way to wgmma.
+  # extra: turn (with pingpong, C = 2): [2] barriers of 1 arrival, turn[w]
+  # passes the tensor cores to consumer w; p_staging (interpret mode only):
+  # [C, rows, block_kv], P on its way to wgmma.
   # schedule: None for one CTA per tile (grid q x heads x batch); else the
   # persistent CTAs' tiles.
   rows, block_kv, stages = config.rows_per_consumer, config.block_kv, config.stages
@@ -648,12 +667,13 @@ def _forward_kernel(
       pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
   any_masked = causal or bool(seq_k % block_kv)  # a diagonal, or a last block partly of padding
 
+  consumers = config.consumers
   tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=config.block_q, block_kv=block_kv,
-                              seq_q=seq_q, seq_k=seq_k, causal=causal)
+                              seq_q=seq_q, seq_k=seq_k, causal=causal, consumers=consumers)
 
   def load_q(tile: QTile, buffer):
     plgpu.copy_gmem_to_smem(q_ref.at[tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head],
-                            q_smem.at[buffer, wg], q_ready.at[buffer * NUM_CONSUMERS + wg])
+                            q_smem.at[buffer, wg], q_ready.at[buffer * consumers + wg])
 
   def attend(tile: QTile, q_tile, ring_base):
     """One consumer's rows of `tile` against its K/V blocks, which occupy the
@@ -853,7 +873,7 @@ def _forward_kernel(
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile.batch, tile.head, pl.ds(q_start, rows)])
 
   def compute(tile: QTile, buffer, ring_base):
-    plgpu.barrier_wait(q_ready.at[buffer * NUM_CONSUMERS + wg])
+    plgpu.barrier_wait(q_ready.at[buffer * consumers + wg])
     return attend(tile, q_smem.at[buffer, wg], ring_base)
 
   def store(tile: QTile, buffer, result):
@@ -862,7 +882,7 @@ def _forward_kernel(
   produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                       group=group, block_kv=block_kv, stages=stages)
   run_tiles(schedule, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_q, compute=compute,
-            store=store, prologue=start_turns, epilogue=end_turns)
+            store=store, prologue=start_turns, epilogue=end_turns, consumers=consumers)
 
 
 def forward(
@@ -908,7 +928,7 @@ def forward(
   k, v = pad_seq(k, config.block_kv), pad_seq(v, config.block_kv)
   num_q_blocks = q.shape[1] // config.block_q
   interpret_params, interpret = interpret_params_of(interpret)
-  rows, dtype = config.rows_per_consumer, q.dtype
+  rows, dtype, consumers = config.rows_per_consumer, q.dtype, config.consumers
 
   # 128-byte swizzle (64 elements of 16 bits per swizzled row) lets wgmma and
   # the TMA engine read the tiles without bank conflicts; head_dim is a
@@ -919,24 +939,24 @@ def forward(
       plgpu.SwizzleTransform(swizzle),
   )
   scratch = [
-      plgpu.SMEM((config.q_buffers, NUM_CONSUMERS, rows, head_dim), dtype, transforms=transforms),
+      plgpu.SMEM((config.q_buffers, consumers, rows, head_dim), dtype, transforms=transforms),
       plgpu.SMEM((config.stages, config.block_kv, head_dim), dtype, transforms=transforms),
       plgpu.SMEM((config.stages, config.block_kv, head_dim), dtype, transforms=transforms),
-      plgpu.SMEM((NUM_CONSUMERS, rows), jnp.float32),
-      plgpu.Barrier(num_barriers=config.q_buffers * NUM_CONSUMERS),
+      plgpu.SMEM((consumers, rows), jnp.float32),
+      plgpu.Barrier(num_barriers=config.q_buffers * consumers),
       plgpu.Barrier(num_barriers=config.stages),
       plgpu.Barrier(num_barriers=config.stages),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.stages),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.stages),
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=config.stages),
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=config.stages),
   ]
   if config.pingpong:
-    scratch.append(plgpu.Barrier(num_barriers=NUM_CONSUMERS))  # turn
+    scratch.append(plgpu.Barrier(num_barriers=consumers))  # turn
   if interpret:
     p_transforms = (
         plgpu.TilingTransform((8, 64)),
         plgpu.SwizzleTransform(128),
     )
-    scratch.append(plgpu.SMEM((NUM_CONSUMERS, rows, config.block_kv), dtype, transforms=p_transforms))
+    scratch.append(plgpu.SMEM((consumers, rows, config.block_kv), dtype, transforms=p_transforms))
   schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.persistent,
                                           causal=causal, interpret=interpret)
   kernel = functools.partial(
@@ -945,5 +965,6 @@ def forward(
   )
   out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32))
   out, lse = specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
-                                interpret_params=interpret_params, name="flash2_fwd_mosaic")(q, k, v)
+                                interpret_params=interpret_params, name="flash2_fwd_mosaic",
+                                consumers=consumers)(q, k, v)
   return unpad_seq(out, seq_q), unpad_seq(lse, seq_q, axis=2)
