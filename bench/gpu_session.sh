@@ -29,6 +29,7 @@
 #             persistent and ping-pong forward: tests, then A/B, ~6 min),
 #             bwd_persistent (the persistent dQ and dK/dV kernels: tests, then A/B, ~9 min),
 #             fused (dQ folded into the dK/dV kernel: tests, then d128 A/B, ~9 min), fused64 (its d64 A/B, ~2 min),
+#             fused_traffic (the fused kernel with half or none of its reduce-adds, speed only, ~2 min),
 #             profile_bwd, profile_fwd64 (Mosaic's profiler: where the warpgroups wait, ~3 / ~2 min),
 #             d64_tiles (256-row Q tiles at d64, ~2 min), d64_consumers3 (three
 #             consumer warpgroups in the d64 forward: tests, A/B; ~3 min), bwd_overlap (the
@@ -273,6 +274,17 @@ stage_fused() {
   # The fused kernel keeps one set of K/V tiles at d128 (shared memory), two at d64.
   timeout 220 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
     fused_dq=1+dkv_persistent=0 2>&1 | tee "$OUT/fused_ab.log"
+}
+
+stage_fused_traffic() {
+  # How fast the fused kernel would run with half (adders=2) or none
+  # (adders=0) of its float32 reduce-adds into dQ (backward.dq_addition_
+  # experiment; dQ comes out wrong, the max rel diff column says so): decides
+  # whether two CTAs summing their pieces before one reduce-add (a cluster)
+  # is worth building. ~2 min.
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
+    fused_dq=1+dkv_persistent=0 fused_dq=1+dkv_persistent=0+adders=2 fused_dq=1+dkv_persistent=0+adders=0 2>&1 \
+    | tee "$OUT/fused_traffic.log"
 }
 
 stage_fused64() {

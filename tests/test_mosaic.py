@@ -886,6 +886,19 @@ def test_bwd_fused_lowers_for_cuda(shape, causal):
   assert "flash2_bwd_dkv_mosaic" in text and "flash2_bwd_dq_mosaic" not in text
 
 
+@pytest.mark.parametrize("every", [0, 2])
+def test_dq_addition_experiment_lowers_and_restores(every):
+  """The measurement hook (half or none of the reduce-adds) lowers, changes
+  the kernel, and is off again after its block."""
+  structs = _bwd_structs(1, 1024, 1024, 2, 128)
+  lower = lambda: jax.jit(lambda *a: mosaic_bwd.backward(*a, config=mosaic_bwd.fused_backward_config(128))).trace(
+      *structs).lower(lowering_platforms=("cuda",)).as_text()
+  with mosaic_bwd.dq_addition_experiment(every):
+    text = lower()
+  assert mosaic_bwd._DQ_ADDERS_EVERY is None
+  assert "flash2_bwd_dkv_mosaic" in text and text != lower()
+
+
 @pytest.mark.parametrize("shape, dtype, causal, kv_heads", RAGGED, ids=RAGGED_IDS)
 def test_bwd_interpreter_ragged_matches_reference(shape, dtype, causal, kv_heads):
   """The kernels on the operands padded as `backward` pads them, so that the

@@ -5,6 +5,8 @@
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --variants softmax_overlap=0 softmax_overlap=1   # a row each
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default stages=2+dq_persistent=1
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 256 --seq 2048 8192      # backward_wide.py's kernels
+  PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default fused_dq=1+dkv_persistent=0 \
+      fused_dq=1+dkv_persistent=0+adders=2   # the fused kernel with half its reduce-adds (wrong dQ: speed only)
 
 Bench convention (as tools/mosaic_bench.py): 16384 tokens per batch, hidden
 2048, bf16; backward TFLOP/s = 2.5 x forward FLOPs / time (5 matmuls; the
@@ -19,6 +21,7 @@ difference of its gradients to Triton's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 
 import jax
@@ -32,6 +35,17 @@ from jax_flash2.mosaic import backward as mosaic_bwd
 import mosaic_bench  # tools/, for its timer
 
 _time_ms = mosaic_bench._time_ms
+
+
+def _variant(config, spec: str):
+  """(config with spec's fields set, a context to time it in): `adders=N` in
+  spec (not a config field) times the fused kernel under
+  mosaic_bwd.dq_addition_experiment(N)."""
+  options = spec.split("+")
+  adders = [int(o.split("=")[1]) for o in options if o.startswith("adders=")]
+  rest = "+".join(o for o in options if not o.startswith("adders=")) or "default"
+  experiment = (lambda: mosaic_bwd.dq_addition_experiment(adders[0])) if adders else contextlib.nullcontext
+  return mosaic_bench._variant(config, rest), experiment
 
 
 def main() -> None:
@@ -57,7 +71,7 @@ def main() -> None:
         config, block_q=args.block_q or config.block_q, block_kv=args.block_kv or config.block_kv,
         stages=args.stages or config.stages,
     )
-    variants = {spec: mosaic_bench._variant(config, spec) for spec in args.variants}
+    variants = {spec: _variant(config, spec) for spec in args.variants}
     for seq in args.seq:
       batch, heads = max(16384 // seq, 1), 2048 // head_dim
       keys = jax.random.split(jax.random.PRNGKey(seq), 4)
@@ -74,7 +88,7 @@ def main() -> None:
 
         tms = _time_ms(triton_fwd_bwd, (q, k, v, do)) - _time_ms(lambda *a: fwd(*a), (q, k, v))
         want = jax.jit(triton_fwd_bwd)(q, k, v, do)
-        for spec, variant in variants.items():
+        for spec, (variant, experiment) in variants.items():
           kw = dict(causal=causal, config=variant)
 
           def mosaic_grads(q, k, v, do, out, lse, kw=kw):
@@ -82,10 +96,11 @@ def main() -> None:
             return mosaic_bwd.backward(q, k, v, do, lse, delta, **kw)
 
           # With fused_dq the dK/dV kernel computes dQ as well, and there is no dQ kernel.
-          dkv_ms = _time_ms(lambda *a: mosaic_bwd.dkv(*a, **kw), (q, k, v, do, lse, delta))
-          dq_ms = 0.0 if variant.fused_dq else _time_ms(lambda *a: mosaic_bwd.dq(*a, **kw), (q, k, v, do, lse, delta))
-          ms = _time_ms(mosaic_grads, (q, k, v, do, out, lse))
-          got = jax.jit(mosaic_grads)(q, k, v, do, out, lse)
+          with experiment():
+            dkv_ms = _time_ms(lambda *a: mosaic_bwd.dkv(*a, **kw), (q, k, v, do, lse, delta))
+            dq_ms = 0.0 if variant.fused_dq else _time_ms(lambda *a: mosaic_bwd.dq(*a, **kw), (q, k, v, do, lse, delta))
+            ms = _time_ms(mosaic_grads, (q, k, v, do, out, lse))
+            got = jax.jit(mosaic_grads)(q, k, v, do, out, lse)
           diff = max(
               float(np.linalg.norm(np.asarray(g, np.float32) - np.asarray(w, np.float32))
                     / np.linalg.norm(np.asarray(w, np.float32)))

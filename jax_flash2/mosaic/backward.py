@@ -103,6 +103,7 @@ does find one when the producer skips the Q-consumed wait).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -141,6 +142,29 @@ WIDE_HEAD_DIMS = (256,)
 # Rows of the outer operand per CTA: 64 per consumer warpgroup (K/V rows for
 # dkv, Q rows for dq).
 OUTER_ROWS = NUM_CONSUMERS * WGMMA_M
+
+
+# Measurement only (`dq_addition_experiment`): the fused kernel's tiles
+# whose index is a multiple of this add their pieces of dQ, none when 0;
+# None: all of them (the kernel).
+_DQ_ADDERS_EVERY: int | None = None
+
+
+@contextlib.contextmanager
+def dq_addition_experiment(every: int):
+  """Measurement only; the gradients come out wrong. The fused kernels traced
+  inside skip the reduce-adds of dQ of the K/V tiles whose index is not a
+  multiple of `every` (every = 2: half the traffic, as two CTAs summing
+  their pieces before one reduce-add would give; 0: no additions), keeping
+  everything else (the semaphores' order, the staging): how fast the fused
+  kernel would run if its reduce-adds cost less (bench/NOTES.md, session 7;
+  tools/mosaic_bwd_bench.py, variants with `adders=N`)."""
+  global _DQ_ADDERS_EVERY
+  saved, _DQ_ADDERS_EVERY = _DQ_ADDERS_EVERY, every
+  try:
+    yield
+  finally:
+    _DQ_ADDERS_EVERY = saved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -664,8 +688,11 @@ def _dkv_kernel(
       else:
         with jax.named_scope("wait_rank"):
           plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
-        plgpu.copy_smem_to_gmem(staged, target, predicate=rank == 0)
-        plgpu.copy_smem_to_gmem(staged, target, predicate=rank > 0, reduction_op="add")
+        adds = jnp.bool_(True)
+        if _DQ_ADDERS_EVERY is not None:  # dq_addition_experiment
+          adds = lax.rem(tile.kv_index, jnp.int32(_DQ_ADDERS_EVERY)) == 0 if _DQ_ADDERS_EVERY else jnp.bool_(False)
+        plgpu.copy_smem_to_gmem(staged, target, predicate=(rank == 0) & adds)
+        plgpu.copy_smem_to_gmem(staged, target, predicate=(rank > 0) & adds, reduction_op="add")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(dq_free.at[consumer])
       counters.append(counter)
