@@ -276,6 +276,18 @@ stage_fused() {
     fused_dq=1+dkv_persistent=0 2>&1 | tee "$OUT/fused_ab.log"
 }
 
+stage_bwd_stages3() {
+  # A third ring slot in both d128 backward kernels beside the persistent
+  # CTAs' second outer tiles (fits since session 7's measured reserve; the
+  # profile had their consumers waiting 10-13% for the ring), its GPU test,
+  # then the A/B (dkv ms and dq ms apart: the dK/dV kernel spills 160 B with
+  # three slots, non-causal). ~3 min.
+  timeout 60 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k d128_three_slots 2>&1 \
+    | tee "$OUT/bwd_stages3_tests.log" | tail -3
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+    stages=3 2>&1 | tee "$OUT/bwd_stages3_ab.log"
+}
+
 stage_fused_traffic() {
   # How fast the fused kernel would run with half (adders=2) or none
   # (adders=0) of its float32 reduce-adds into dQ (backward.dq_addition_

@@ -938,8 +938,12 @@ def test_bwd_gpu_matches_reference(seq, head_dim, causal):
         ((1, 1000, 1537, 8, 128), jnp.bfloat16, 2, None),  # ragged: padded to whole blocks
         ((1, 1537, 1000, 4, 64), jnp.float16, None, None),
         ((2, 777, 777, 2, 64), jnp.bfloat16, None, BackwardConfig(128, 128, 2)),
+        # Three ring slots beside persistent CTAs' second outer tiles: 231.6 of 232.4 KB.
+        ((2, 4096, 4096, 4, 128), jnp.bfloat16, None, BackwardConfig(64, 64, 3, dq_persistent=True,
+                                                                     dkv_persistent=True)),
     ],
-    ids=["gqa", "seq_q_gt_seq_k", "blocks_128", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_blocks_128"],
+    ids=["gqa", "seq_q_gt_seq_k", "blocks_128", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_blocks_128",
+         "d128_three_slots"],
 )
 def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)

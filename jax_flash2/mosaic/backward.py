@@ -120,7 +120,6 @@ from jax_flash2.mosaic.forward import (
     SMEM_LIMIT,
     SUPPORTED_DTYPES,
     WGMMA_M,
-    _SMEM_RESERVE,
     PersistentSchedule,
     QTile,
     _kv_block_bounds,
@@ -137,6 +136,13 @@ from jax_flash2.mosaic.forward import (
 )
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# What Mosaic adds to the buffers counted by `dkv_smem_bytes` /
+# `dq_smem_bytes` (barriers, 1 KiB alignment of swizzled tiles): 96-688
+# bytes in the head_dim-128 kernels (sm_90a compiles, session 7), where a
+# third ring slot beside persistent CTAs' second outer tiles leaves ~850
+# bytes of the 227 KiB. An estimate: Mosaic itself refuses a kernel that
+# does not fit.
+BWD_SMEM_RESERVE = 1024
 # Served by backward_wide.py (dK + dV of 64 rows do not fit a warpgroup's registers).
 WIDE_HEAD_DIMS = (256,)
 # Rows of the outer operand per CTA: 64 per consumer warpgroup (K/V rows for
@@ -247,7 +253,7 @@ class BackwardConfig:
     if self.fused_dq:  # dS^T, double-buffered; the staged pieces of dQ (float32)
       piece = _dq_piece(head_dim, self.dq_turns)
       fused = 2 * OUTER_ROWS * self.block_q * item + piece.buffers * self.block_q * piece.cols * 4
-    return kv + ring + fused + _SMEM_RESERVE
+    return kv + ring + fused + BWD_SMEM_RESERVE
 
   @property
   def dq_buffers(self) -> int:
@@ -260,7 +266,7 @@ class BackwardConfig:
     item = jnp.dtype(dtype).itemsize
     q = self.dq_buffers * (2 * OUTER_ROWS * head_dim * item + 2 * OUTER_ROWS * 4)
     ring = self.stages * 2 * self.block_kv * head_dim * item
-    return q + ring + _SMEM_RESERVE
+    return q + ring + BWD_SMEM_RESERVE
 
 
 def default_backward_config(head_dim: int) -> BackwardConfig:

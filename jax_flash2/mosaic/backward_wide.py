@@ -90,6 +90,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash2.mosaic.backward import (
+    BWD_SMEM_RESERVE,
     WIDE_HEAD_DIMS,
     BackwardConfig,
     _check_inputs,
@@ -102,7 +103,6 @@ from jax_flash2.mosaic.forward import (
     LOG2_E,
     NUM_CONSUMERS,
     WGMMA_M,
-    _SMEM_RESERVE,
     QTile,
     PersistentSchedule,
     _kv_block_bounds,
@@ -137,7 +137,7 @@ def dkv_smem_bytes(config: BackwardConfig, head_dim: int, dtype) -> int:
   item = jnp.dtype(dtype).itemsize
   outer = 2 * ROWS * head_dim * item
   ring = config.stages * (2 * ROWS * head_dim * item + 2 * ROWS * 4)
-  return outer + ring + 2 * ROWS * ROWS * item + _SMEM_RESERVE
+  return outer + ring + 2 * ROWS * ROWS * item + BWD_SMEM_RESERVE
 
 
 def dq_smem_bytes(config: BackwardConfig, head_dim: int, dtype) -> int:
@@ -146,7 +146,7 @@ def dq_smem_bytes(config: BackwardConfig, head_dim: int, dtype) -> int:
   item = jnp.dtype(dtype).itemsize
   outer = 2 * ROWS * head_dim * item + 2 * ROWS * 4
   ring = config.stages * 2 * ROWS * head_dim * item
-  return outer + ring + ROWS * ROWS * item + _SMEM_RESERVE
+  return outer + ring + ROWS * ROWS * item + BWD_SMEM_RESERVE
 
 
 def _accumulate(accs: tuple[jax.Array, ...], products, *, interpret: bool) -> tuple[jax.Array, ...]:
