@@ -501,12 +501,13 @@ def _dkv_kernel(
   # [stages], 2 arrivals.
   # With fused_dq: ranks_ref, an input, int32 [num_kv, group * num_q]
   # (`_dq_order`); dq_ref, an output, float32 [batch * heads * num_q *
-  # pieces, block_q, piece columns], dQ unscaled, piece by piece; ds_smem: [2, 2, 64, block_q], dS^T of both consumers,
-  # double-buffered by step; dq_smem: [_DQPiece.buffers, block_q,
-  # piece columns] f32, the consumers' pieces of dQ on their way out; ds_ready: [2] barriers of 2
-  # arrivals; tile_done: a barrier of 2 arrivals (neither consumer reads the
-  # other's K tile any more); dq_staged, dq_free: [2] barriers of 1 arrival
-  # (a consumer's piece is in dq_smem; the producer has read it).
+  # pieces, block_q, piece columns], dQ unscaled, piece by piece; ds_smem:
+  # [2, 2, 64, block_q], dS^T of both consumers, double-buffered by step;
+  # dq_smem: [_DQPiece.buffers, block_q, piece columns] f32, the consumers'
+  # pieces of dQ on their way out; ds_ready: [2] barriers of 2 arrivals;
+  # tile_done: a barrier of 2 arrivals (neither consumer reads the other's K
+  # tile any more); dq_staged, dq_free: [2] barriers of 1 arrival (a
+  # consumer's piece is in dq_smem; the producer has read it).
   # staging (interpret mode only): [2, 64, block_q], P^T and dS^T for wgmma;
   # with fused_dq also dq_old: [2, block_q, piece columns] f32 and
   # dq_loaded, [2] barriers (the interpreter adds into dQ by load, add and
