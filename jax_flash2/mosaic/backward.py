@@ -484,6 +484,24 @@ def _dq_order(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: 
 # ---------------------------------------------------------------- dK, dV
 
 
+def _copy_q_block(gmem, smem, ready, released, *, ring_step, stages: int, rows, vec) -> None:
+  """A dK/dV producer's TMA copies of one Q block into ring step
+  `ring_step`'s slot: Q and lse once the consumers released the slot's last
+  Q and lse (released[0]), dO and delta once they released its dO and delta
+  (released[1]); the first round of slots is free from the start. gmem,
+  smem, ready: (Q, lse, dO, delta)'s arrays, slot buffers and ready
+  barriers (one barrier array may serve two of them); rows, vec: the
+  block's index into Q/dO and into lse/delta."""
+  slot = lax.rem(ring_step, jnp.int32(stages))
+  for tile, row_vec, consumed in ((0, 1, released[0]), (2, 3, released[1])):
+    @pl.when(ring_step >= stages)
+    def _():
+      plgpu.barrier_wait(consumed.at[slot])
+
+    plgpu.copy_gmem_to_smem(gmem[tile].at[rows], smem[tile].at[slot], ready[tile].at[slot])
+    plgpu.copy_gmem_to_smem(gmem[row_vec].at[vec], smem[row_vec].at[slot], ready[row_vec].at[slot])
+
+
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
     seq_q: int, seq_k: int, group: int, schedule: PersistentSchedule | None, causal: bool, softmax_scale: float,
@@ -579,26 +597,12 @@ def _dkv_kernel(
     (`add_pieces`), `stages` steps behind the copies: the step whose slot a
     copy waits for is the one whose pieces come next."""
     def load(step):
-      ring_step = ring_base + step
-      slot = lax.rem(ring_step, jnp.int32(stages))
       head = tile.kv_head * group + lax.div(step, tile.visits)
       q0 = tile.q_block(lax.rem(step, tile.visits)) * block_q
-      q_rows = (tile.batch, pl.ds(q0, block_q), head)
-      vec = (tile.batch, head, pl.ds(q0, block_q))
-
-      @pl.when(ring_step >= stages)
-      def _():
-        plgpu.barrier_wait(q_consumed.at[slot])
-
-      plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[slot], q_ready.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], lse_ready.at[slot])
-
-      @pl.when(ring_step >= stages)
-      def _():
-        plgpu.barrier_wait(do_consumed.at[slot])
-
-      plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[slot], do_ready.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], delta_ready.at[slot])
+      _copy_q_block((q_ref, lse_ref, do_ref, delta_ref), (q_smem, lse_smem, do_smem, delta_smem),
+                    (q_ready, lse_ready, do_ready, delta_ready), (q_consumed, do_consumed),
+                    ring_step=ring_base + step, stages=stages, rows=(tile.batch, pl.ds(q0, block_q), head),
+                    vec=(tile.batch, head, pl.ds(q0, block_q)))
 
     load = jax.named_scope("load")(load)
     if not fused:

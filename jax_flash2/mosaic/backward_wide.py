@@ -94,6 +94,7 @@ from jax_flash2.mosaic.backward import (
     WIDE_HEAD_DIMS,
     BackwardConfig,
     _check_inputs,
+    _copy_q_block,
     _pad,
     _q_block_bounds,
     _settings,
@@ -288,25 +289,12 @@ def _dkv_kernel(
     """The producer's TMA copies of the tile's `step` into ring step
     ring_base + step: Q block lo + step % visits of query head step //
     visits of the group."""
-    ring_step = ring_base + step
-    slot = lax.rem(ring_step, jnp.int32(stages))
     head = tile.kv_head * group + lax.div(step, tile.visits)
     q0 = (tile.lo + lax.rem(step, tile.visits)) * ROWS
-    rows, vec = (tile.batch, pl.ds(q0, ROWS), head), (tile.batch, head, pl.ds(q0, ROWS))
-
-    @pl.when(ring_step >= stages)  # the first round of slots is free from the start
-    def _():
-      plgpu.barrier_wait(q_consumed.at[slot])
-
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
-    plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], q_ready.at[slot])
-
-    @pl.when(ring_step >= stages)
-    def _():
-      plgpu.barrier_wait(do_consumed.at[slot])
-
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
-    plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], do_ready.at[slot])
+    # lse completes Q's barrier, delta dO's.
+    _copy_q_block((q_ref, lse_ref, do_ref, delta_ref), (q_smem, lse_smem, do_smem, delta_smem),
+                  (q_ready, q_ready, do_ready, do_ready), (q_consumed, do_consumed), ring_step=ring_base + step,
+                  stages=stages, rows=(tile.batch, pl.ds(q0, ROWS), head), vec=(tile.batch, head, pl.ds(q0, ROWS)))
 
   def produce(tile: _KVTile, ring_base):
     pl.loop(0, tile.num_steps)(lambda step: load_step(tile, ring_base, step))
