@@ -17,7 +17,8 @@
 #
 # Stages (time on one H200):
 #   Tests:    all_tests (the GPU suite but Mosaic and sharding, ~7 min),
-#             mosaic_tests (the Mosaic kernels alone, ~5 min), mosaic_api
+#             mosaic_tests (the Mosaic kernels alone, ~5 min), mosaic_shards (the
+#             same and head_dim 256 in parallel processes, in a stream), mosaic_api
 #             (backend mosaic/auto at the Triton path's bar, ~12 min; split in
 #             mosaic_api_mosaic and mosaic_api_auto), mosaic_rest
 #             (its GQA and 16k determinism cases), new (dropout, bias,
@@ -104,6 +105,26 @@ stage_train() {
 
 stage_mosaic_tests() {
   timeout 400 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_mosaic.py 2>&1 | tee "$OUT/mosaic_tests.log" | tail -30
+}
+
+stage_mosaic_shards() {
+  # Every Mosaic GPU test (both files) in SHARDS parallel pytest processes on
+  # this stream's GPU: a test's ~11 s is mostly compilation, on the CPU, so
+  # four shards take about a quarter of mosaic_tests' time. SHARD_K narrows
+  # the selection (default: all but the three-consumer tests, which
+  # d64_consumers3 runs). Run it in a stream (N:mosaic_shards), where memory
+  # is allocated on demand.
+  local n=${SHARDS:-4} i ids
+  python -m pytest -m gpu --collect-only -q -p no:cacheprovider tests/test_mosaic.py tests/test_mosaic_wide.py \
+    -k "${SHARD_K:-not three_consumers}" | grep "::" >"$OUT/shard_ids.txt"
+  echo "$(wc -l <"$OUT/shard_ids.txt") tests in $n shards"
+  for ((i = 0; i < n; i++)); do
+    mapfile -t ids < <(awk -v n="$n" -v i="$i" 'NR % n == i' "$OUT/shard_ids.txt")
+    timeout "${SHARD_LIMIT:-330}" python -m pytest -m gpu -q -rfE -p no:cacheprovider "${ids[@]}" \
+      >"$OUT/mosaic_shard_$i.log" 2>&1 &
+  done
+  wait
+  grep -hE "FAILED|ERROR" "$OUT"/mosaic_shard_*.log; tail -qn 1 "$OUT"/mosaic_shard_*.log
 }
 
 mosaic_api() {  # mosaic_api NAME -k-EXPRESSION
