@@ -33,7 +33,9 @@
 #             fused_traffic (the fused kernel with half or none of its reduce-adds, speed only, ~2 min),
 #             profile_bwd, profile_fwd64 (Mosaic's profiler: where the warpgroups wait, ~3 / ~2 min),
 #             d64_tiles (256-row Q tiles at d64, ~2 min), d64_consumers3 (three
-#             consumer warpgroups in the d64 forward: tests, A/B; ~3 min), bwd_overlap (the
+#             consumer warpgroups in the d64 forward: tests, A/B; ~3 min),
+#             d64_consumers3_unpadded (the same at 4k and without the padding copy, ~2 min),
+#             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
 #             causal at 2k and 16k, ~2 min), gqa_vs_mha (~2 min), tune / tune256
@@ -114,9 +116,15 @@ stage_mosaic_shards() {
   # the selection (default: all but the three-consumer tests, which
   # d64_consumers3 runs). Run it in a stream (N:mosaic_shards), where memory
   # is allocated on demand.
+  # SHARD_IDS: a file of test ids to run instead (e.g. those a cut-off run
+  # left).
   local n=${SHARDS:-4} i ids
-  python -m pytest -m gpu --collect-only -q -p no:cacheprovider tests/test_mosaic.py tests/test_mosaic_wide.py \
-    -k "${SHARD_K:-not three_consumers}" | grep "::" >"$OUT/shard_ids.txt"
+  if [[ -n ${SHARD_IDS:-} ]]; then
+    grep "::" "$SHARD_IDS" >"$OUT/shard_ids.txt"
+  else
+    python -m pytest -m gpu --collect-only -q -p no:cacheprovider tests/test_mosaic.py tests/test_mosaic_wide.py \
+      -k "${SHARD_K:-not three_consumers}" | grep "::" >"$OUT/shard_ids.txt"
+  fi
   echo "$(wc -l <"$OUT/shard_ids.txt") tests in $n shards"
   for ((i = 0; i < n; i++)); do
     mapfile -t ids < <(awk -v n="$n" -v i="$i" 'NR % n == i' "$OUT/shard_ids.txt")
@@ -318,6 +326,23 @@ stage_fused_traffic() {
   timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
     fused_dq=1+dkv_persistent=0 fused_dq=1+dkv_persistent=0+adders=2 fused_dq=1+dkv_persistent=0+adders=0 2>&1 \
     | tee "$OUT/fused_traffic.log"
+}
+
+stage_fused_unordered() {
+  # Half or none of the fused kernel's reduce-adds made it no faster (session
+  # 8, call 1): is it their order? The same without the waits for it
+  # (dq_addition_experiment(ordered=False): nondeterministic dQ, speed only),
+  # with and without the reduce-adds. ~2 min.
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default \
+    fused_dq=1+dkv_persistent=0 fused_dq=1+dkv_persistent=0+unordered=1 \
+    fused_dq=1+dkv_persistent=0+unordered=1+adders=0 2>&1 | tee "$OUT/fused_unordered.log"
+}
+
+stage_d64_consumers3_unpadded() {
+  # Three consumers at 4k (the threshold) and at 8k-16k without the padding
+  # copy to multiples of 192 (whole 64-row tiles go unpadded since session 8).
+  timeout 150 python tools/mosaic_bench.py --no-triton --seq 4096 8192 16384 --head-dim 64 --variants default \
+    consumers=3+block_q=192 2>&1 | tee "$OUT/d64_consumers3_unpadded.log"
 }
 
 stage_fused64() {

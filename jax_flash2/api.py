@@ -360,7 +360,9 @@ def _mosaic_config(problem: Problem, q) -> mosaic_forward.MosaicConfig | None:
   whole blocks inside."""
   serves = (problem.head_dim in mosaic_forward.SUPPORTED_HEAD_DIMS
             and jnp.dtype(q.dtype) in mosaic_forward.SUPPORTED_DTYPES)
-  return mosaic_forward.default_config(problem.head_dim) if serves and _plain(problem) else None
+  if not (serves and _plain(problem)):
+    return None
+  return mosaic_forward.default_config(problem.head_dim, seq_q=problem.seq_q, causal=problem.window_right == 0)
 
 
 def _mosaic_backward_config(problem: Problem, q) -> mosaic_backward.BackwardConfig | None:

@@ -55,6 +55,38 @@ def test_config_defaults_fit_shared_memory():
   assert MosaicConfig(block_kv=64, persistent=True).smem_bytes(256, jnp.bfloat16) > mosaic.SMEM_LIMIT
 
 
+def test_default_config_three_consumers_from_measured_lengths():
+  """head_dim 64 takes three consumers from 8k without a mask, 16k causal
+  (the measured thresholds); other head_dims never; so does the API."""
+  from jax_flash2 import api
+
+  assert mosaic.default_config(64).consumers == 2
+  assert mosaic.default_config(64, seq_q=4096).consumers == 2
+  assert mosaic.default_config(64, seq_q=8192).consumers == 3
+  assert mosaic.default_config(64, seq_q=8192, causal=True).consumers == 2
+  three = mosaic.default_config(64, seq_q=16384, causal=True)
+  assert (three.consumers, three.block_q) == (3, 192)
+  assert three.smem_bytes(64, jnp.bfloat16) <= mosaic.SMEM_LIMIT
+  assert mosaic.default_config(128, seq_q=16384).consumers == 2
+  causal_16k = api.Problem(16384, 16384, 64, 64, None, 0, 0.125, "bfloat16")
+  q = jax.ShapeDtypeStruct((1, 16384, 2, 64), jnp.bfloat16)
+  assert api._mosaic_config(causal_16k, q) == three
+
+
+def test_three_consumers_skip_the_padding_copy_on_the_gpu():
+  """seq_q 512 in 192-row Q blocks: whole 64-row consumer tiles, so the
+  kernel compiled for the GPU reads q as it is (the TMA engine zero-fills
+  the last block's rows past 512 and drops their stores), and 500 (a
+  partial consumer tile) is padded."""
+  config = MosaicConfig(block_q=192, block_kv=128, stages=4, softmax_overlap=True, persistent=True, consumers=3)
+  for seq_q, padded in ((512, False), (500, True)):
+    q = jax.ShapeDtypeStruct((1, seq_q, 2, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+    text = _lower_for_cuda(q, k, k, False, config)
+    assert ("stablehlo.pad" in text) == padded, seq_q
+    assert f"tensor<1x{seq_q}x2x64xbf16>" in text
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -395,8 +427,12 @@ def test_gpu_matches_reference(seq, head_dim, dtype, causal):
         ((1, 1000, 1537, 8, 128), 2, None),  # ragged: padded to whole blocks
         ((1, 1537, 1000, 4, 64), None, MosaicConfig(block_q=256, block_kv=64, stages=3)),
         ((1, 777, 777, 2, 256), None, None),
+        # Whole 64-row tiles, half a Q block: not padded (the TMA engine
+        # zero-fills the second consumer's rows and drops their stores).
+        ((2, 1088, 1024, 4, 128), None, None),
     ],
-    ids=["gqa", "seq_q_gt_seq_k", "block_kv_64", "d256", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_d256"],
+    ids=["gqa", "seq_q_gt_seq_k", "block_kv_64", "d256", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_d256",
+         "half_block_unpadded"],
 )
 def test_gpu_variants(shape, kv_heads, config):
   for dtype in (jnp.bfloat16, jnp.float16):
@@ -886,16 +922,16 @@ def test_bwd_fused_lowers_for_cuda(shape, causal):
   assert "flash2_bwd_dkv_mosaic" in text and "flash2_bwd_dq_mosaic" not in text
 
 
-@pytest.mark.parametrize("every", [0, 2])
-def test_dq_addition_experiment_lowers_and_restores(every):
-  """The measurement hook (half or none of the reduce-adds) lowers, changes
-  the kernel, and is off again after its block."""
+@pytest.mark.parametrize("every, ordered", [(0, True), (2, True), (1, False)])
+def test_dq_addition_experiment_lowers_and_restores(every, ordered):
+  """The measurement hook (half or none of the reduce-adds, or no waits for
+  their order) lowers, changes the kernel, and is off again after its block."""
   structs = _bwd_structs(1, 1024, 1024, 2, 128)
   lower = lambda: jax.jit(lambda *a: mosaic_bwd.backward(*a, config=mosaic_bwd.fused_backward_config(128))).trace(
       *structs).lower(lowering_platforms=("cuda",)).as_text()
-  with mosaic_bwd.dq_addition_experiment(every):
+  with mosaic_bwd.dq_addition_experiment(every, ordered=ordered):
     text = lower()
-  assert mosaic_bwd._DQ_ADDERS_EVERY is None
+  assert mosaic_bwd._DQ_EXPERIMENT is None
   assert "flash2_bwd_dkv_mosaic" in text and text != lower()
 
 

@@ -7,6 +7,7 @@
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 256 --seq 2048 8192      # backward_wide.py's kernels
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default fused_dq=1+dkv_persistent=0 \
       fused_dq=1+dkv_persistent=0+adders=2   # the fused kernel with half its reduce-adds (wrong dQ: speed only)
+  ... fused_dq=1+dkv_persistent=0+unordered=1   # no adder waits for its rank (nondeterministic: speed only)
 
 Bench convention (as tools/mosaic_bench.py): 16384 tokens per batch, hidden
 2048, bf16; backward TFLOP/s = 2.5 x forward FLOPs / time (5 matmuls; the
@@ -38,14 +39,17 @@ _time_ms = mosaic_bench._time_ms
 
 
 def _variant(config, spec: str):
-  """(config with spec's fields set, a context to time it in): `adders=N` in
-  spec (not a config field) times the fused kernel under
-  mosaic_bwd.dq_addition_experiment(N)."""
+  """(config with spec's fields set, a context to time it in): `adders=N` and
+  `unordered=1` in spec (not config fields) time the fused kernel under
+  mosaic_bwd.dq_addition_experiment(N, ordered=False)."""
   options = spec.split("+")
-  adders = [int(o.split("=")[1]) for o in options if o.startswith("adders=")]
-  rest = "+".join(o for o in options if not o.startswith("adders=")) or "default"
-  experiment = (lambda: mosaic_bwd.dq_addition_experiment(adders[0])) if adders else contextlib.nullcontext
-  return mosaic_bench._variant(config, rest), experiment
+  experiment = {o.split("=")[0]: int(o.split("=")[1]) for o in options if o.startswith(("adders=", "unordered="))}
+  rest = "+".join(o for o in options if not o.startswith(("adders=", "unordered="))) or "default"
+  context = contextlib.nullcontext
+  if experiment:
+    every, ordered = experiment.get("adders", 1), not experiment.get("unordered", 0)
+    context = lambda: mosaic_bwd.dq_addition_experiment(every, ordered=ordered)
+  return mosaic_bench._variant(config, rest), context
 
 
 def main() -> None:

@@ -150,27 +150,35 @@ WIDE_HEAD_DIMS = (256,)
 OUTER_ROWS = NUM_CONSUMERS * WGMMA_M
 
 
-# Measurement only (`dq_addition_experiment`): the fused kernel's tiles
-# whose index is a multiple of this add their pieces of dQ, none when 0;
-# None: all of them (the kernel).
-_DQ_ADDERS_EVERY: int | None = None
+@dataclasses.dataclass(frozen=True)
+class _DQExperiment:
+  """Measurement only (`dq_addition_experiment`): the fused kernel's tiles
+  whose index is a multiple of `every` add their pieces of dQ (none when
+  0); `ordered` False drops the waits for the additions before one's own."""
+  every: int = 1
+  ordered: bool = True
+
+
+_DQ_EXPERIMENT: _DQExperiment | None = None  # None: the kernel as it is
 
 
 @contextlib.contextmanager
-def dq_addition_experiment(every: int):
+def dq_addition_experiment(every: int = 1, *, ordered: bool = True):
   """Measurement only; the gradients come out wrong. The fused kernels traced
   inside skip the reduce-adds of dQ of the K/V tiles whose index is not a
   multiple of `every` (every = 2: half the traffic, as two CTAs summing
   their pieces before one reduce-add would give; 0: no additions), keeping
-  everything else (the semaphores' order, the staging): how fast the fused
-  kernel would run if its reduce-adds cost less (bench/NOTES.md, session 7;
-  tools/mosaic_bwd_bench.py, variants with `adders=N`)."""
-  global _DQ_ADDERS_EVERY
-  saved, _DQ_ADDERS_EVERY = _DQ_ADDERS_EVERY, every
+  everything else (the semaphores' order, the staging); with ordered=False
+  no adder waits for the additions ranked before its own (`_dq_order`), as
+  a nondeterministic kernel would not. How fast the fused kernel would run
+  if its reduce-adds or their order cost less (bench/NOTES.md, sessions
+  7-8; tools/mosaic_bwd_bench.py, variants with `adders=N`, `unordered=1`)."""
+  global _DQ_EXPERIMENT
+  saved, _DQ_EXPERIMENT = _DQ_EXPERIMENT, _DQExperiment(every, ordered)
   try:
     yield
   finally:
-    _DQ_ADDERS_EVERY = saved
+    _DQ_EXPERIMENT = saved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -697,11 +705,13 @@ def _dkv_kernel(
         plgpu.copy_smem_to_gmem(staged, target)
         plgpu.wait_smem_to_gmem(0)
       else:
-        with jax.named_scope("wait_rank"):
-          plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
-        adds = jnp.bool_(True)
-        if _DQ_ADDERS_EVERY is not None:  # dq_addition_experiment
-          adds = lax.rem(tile.kv_index, jnp.int32(_DQ_ADDERS_EVERY)) == 0 if _DQ_ADDERS_EVERY else jnp.bool_(False)
+        experiment = _DQ_EXPERIMENT or _DQExperiment()
+        if experiment.ordered:
+          with jax.named_scope("wait_rank"):
+            plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
+        adds = jnp.bool_(experiment.every == 1)
+        if experiment.every > 1:
+          adds = lax.rem(tile.kv_index, jnp.int32(experiment.every)) == 0
         plgpu.copy_smem_to_gmem(staged, target, predicate=(rank == 0) & adds)
         plgpu.copy_smem_to_gmem(staged, target, predicate=(rank > 0) & adds, reduction_op="add")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -248,13 +248,25 @@ def _sm_count() -> int:
     return _HOPPER_SMS
 
 
-def default_config(head_dim: int) -> MosaicConfig:
-  """The tiling per head_dim: the deepest ring that fits shared memory with
-  128-row K/V blocks (64 for head_dim 256), the softmax overlapped with P V,
-  and persistent CTAs where their second Q buffer fits (head_dim 64 and 128;
-  bench/NOTES.md, sessions 4 and 5)."""
+# head_dim 64 takes three consumer warpgroups (192-row Q tiles) from these
+# lengths of seq_q on, without a mask / causal: measured on the H200
+# (bench/NOTES.md, session 8), +11-15% at 8k-16k without a mask, +5% causal
+# at 16k; at 2k -3% without a mask and -38% causal, -3% causal at 8k.
+THREE_CONSUMERS_MIN_SEQ = {False: 8192, True: 16384}
+
+
+def default_config(head_dim: int, *, seq_q: int = 0, causal: bool = False) -> MosaicConfig:
+  """The tiling per head_dim (and, at head_dim 64, length): the deepest ring
+  that fits shared memory with 128-row K/V blocks (64 for head_dim 256), the
+  softmax overlapped with P V, and persistent CTAs where their second Q
+  buffer fits (head_dim 64 and 128; bench/NOTES.md, sessions 4 and 5); at
+  head_dim 64 and long seq_q three consumer warpgroups, whose 192-row Q
+  tiles halve the K/V reads per query row that two 64-row ones take."""
   if head_dim <= 64:
-    return MosaicConfig(block_q=128, block_kv=128, stages=4, softmax_overlap=True, persistent=True)
+    config = MosaicConfig(block_q=128, block_kv=128, stages=4, softmax_overlap=True, persistent=True)
+    if seq_q >= THREE_CONSUMERS_MIN_SEQ[bool(causal)]:
+      config = dataclasses.replace(config, block_q=3 * WGMMA_M, consumers=3)
+    return config
   if head_dim <= 128:
     return MosaicConfig(block_q=128, block_kv=128, stages=2, softmax_overlap=True, persistent=True)
   return MosaicConfig(block_q=128, block_kv=64, stages=2, softmax_overlap=True)
@@ -614,7 +626,8 @@ def _forward_kernel(
 ):
   # q_ref, out_ref: [batch, seq_q', heads, D] in GMEM; k_ref, v_ref: [batch,
   # seq_k', heads // group, D] in GMEM; lse_ref: [batch, heads, seq_q'] f32;
-  # seq_q', seq_k': the real seq_q, seq_k padded to whole blocks.
+  # seq_q', seq_k': the real seq_q, seq_k padded to whole blocks (seq_q on
+  # the GPU only to whole consumer tiles; see `forward`).
   # C = config.consumers (2, or 3). q_smem: [buffers, C, rows, D] (one Q
   # tile per consumer, reused for its output; two buffers in a persistent
   # CTA, which loads the next tile's Q while the current one's output is
@@ -903,7 +916,8 @@ def forward(
       lengths (ragged ones are padded to whole blocks and sliced back).
     causal: bottom-right aligned causal mask.
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
-    config: tiling; defaults to `default_config(head_dim)`.
+    config: tiling; defaults to `default_config(head_dim, seq_q=...,
+      causal=...)`.
     interpret: run Mosaic GPU's interpreter (CPU) instead of compiling:
       True, or plgpu.InterpretGPUParams (e.g. detect_races=True).
 
@@ -916,7 +930,7 @@ def forward(
       bf16/fp16 (see the module docstring).
   """
   if config is None:
-    config = default_config(q.shape[-1])
+    config = default_config(q.shape[-1], seq_q=q.shape[1], causal=causal)
   _check_inputs(q, k, v, config)
   batch, seq_q, heads, head_dim = q.shape
   seq_k, kv_heads = k.shape[1], k.shape[2]
@@ -924,11 +938,15 @@ def forward(
     softmax_scale = head_dim ** -0.5
   # The kernel works on whole blocks; it bounds and masks with the real
   # seq_q, seq_k, and the rows of padding are sliced off its results.
-  q = pad_seq(q, config.block_q)
-  k, v = pad_seq(k, config.block_kv), pad_seq(v, config.block_kv)
-  num_q_blocks = q.shape[1] // config.block_q
   interpret_params, interpret = interpret_params_of(interpret)
   rows, dtype, consumers = config.rows_per_consumer, q.dtype, config.consumers
+  if interpret or seq_q % rows:
+    q = pad_seq(q, config.block_q)
+  # else a last Q block past seq_q (192-row blocks over multiples of 128)
+  # needs no copy: its consumers' tiles lie wholly inside q or wholly past
+  # its end, where the TMA engine loads zeros and drops the stores.
+  k, v = pad_seq(k, config.block_kv), pad_seq(v, config.block_kv)
+  num_q_blocks = pl.cdiv(q.shape[1], config.block_q)
 
   # 128-byte swizzle (64 elements of 16 bits per swizzled row) lets wgmma and
   # the TMA engine read the tiles without bank conflicts; head_dim is a
