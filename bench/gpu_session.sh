@@ -180,7 +180,7 @@ stage_bench128() {
 }
 
 stage_bench64() {
-  timeout 200 $BENCH --seqlens 2048 8192 16384 --head-dims 64 --modes fwd fwd+bwd \
+  timeout 250 $BENCH --seqlens 2048 4096 8192 16384 --head-dims 64 --modes fwd fwd+bwd \
     --impls flash2 flash2-triton cudnn --out "$OUT/bench_d64" 2>&1 | grep -v "^$" | tail -30
 }
 

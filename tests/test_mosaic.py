@@ -56,28 +56,28 @@ def test_config_defaults_fit_shared_memory():
 
 
 def test_default_config_three_consumers_from_measured_lengths():
-  """head_dim 64 takes three consumers from 8k without a mask, 16k causal
+  """head_dim 64 takes three consumers from 4k without a mask, 8k causal
   (the measured thresholds); other head_dims never; so does the API."""
   from jax_flash2 import api
 
   assert mosaic.default_config(64).consumers == 2
-  assert mosaic.default_config(64, seq_q=4096).consumers == 2
-  assert mosaic.default_config(64, seq_q=8192).consumers == 3
-  assert mosaic.default_config(64, seq_q=8192, causal=True).consumers == 2
-  three = mosaic.default_config(64, seq_q=16384, causal=True)
+  assert mosaic.default_config(64, seq_q=2048).consumers == 2
+  assert mosaic.default_config(64, seq_q=4096).consumers == 3
+  assert mosaic.default_config(64, seq_q=4096, causal=True).consumers == 2
+  three = mosaic.default_config(64, seq_q=8192, causal=True)
   assert (three.consumers, three.block_q) == (3, 192)
   assert three.smem_bytes(64, jnp.bfloat16) <= mosaic.SMEM_LIMIT
   assert mosaic.default_config(128, seq_q=16384).consumers == 2
-  causal_16k = api.Problem(16384, 16384, 64, 64, None, 0, 0.125, "bfloat16")
-  q = jax.ShapeDtypeStruct((1, 16384, 2, 64), jnp.bfloat16)
-  assert api._mosaic_config(causal_16k, q) == three
+  causal_8k = api.Problem(8192, 8192, 64, 64, None, 0, 0.125, "bfloat16")
+  q = jax.ShapeDtypeStruct((1, 8192, 2, 64), jnp.bfloat16)
+  assert api._mosaic_config(causal_8k, q) == three
 
 
 def test_three_consumers_skip_the_padding_copy_on_the_gpu():
   """seq_q 512 in 192-row Q blocks: whole 64-row consumer tiles, so the
   kernel compiled for the GPU reads q as it is (the TMA engine zero-fills
-  the last block's rows past 512 and drops their stores), and 500 (a
-  partial consumer tile) is padded."""
+  the last block's rows past 512, which store nothing), and 500 (a partial
+  consumer tile) is padded."""
   config = MosaicConfig(block_q=192, block_kv=128, stages=4, softmax_overlap=True, persistent=True, consumers=3)
   for seq_q, padded in ((512, False), (500, True)):
     q = jax.ShapeDtypeStruct((1, seq_q, 2, 64), jnp.bfloat16)
@@ -428,7 +428,7 @@ def test_gpu_matches_reference(seq, head_dim, dtype, causal):
         ((1, 1537, 1000, 4, 64), None, MosaicConfig(block_q=256, block_kv=64, stages=3)),
         ((1, 777, 777, 2, 256), None, None),
         # Whole 64-row tiles, half a Q block: not padded (the TMA engine
-        # zero-fills the second consumer's rows and drops their stores).
+        # zero-fills the second consumer's rows, which store nothing).
         ((2, 1088, 1024, 4, 128), None, None),
     ],
     ids=["gqa", "seq_q_gt_seq_k", "block_kv_64", "d256", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_d256",

@@ -250,9 +250,10 @@ def _sm_count() -> int:
 
 # head_dim 64 takes three consumer warpgroups (192-row Q tiles) from these
 # lengths of seq_q on, without a mask / causal: measured on the H200
-# (bench/NOTES.md, session 8), +11-15% at 8k-16k without a mask, +5% causal
-# at 16k; at 2k -3% without a mask and -38% causal, -3% causal at 8k.
-THREE_CONSUMERS_MIN_SEQ = {False: 8192, True: 16384}
+# (bench/NOTES.md, session 8; the last Q block unpadded) +14-16% at 8k-16k
+# without a mask, +5-7% causal; at 4k equal causal; at 2k (padded) -3%
+# without a mask and -38% causal.
+THREE_CONSUMERS_MIN_SEQ = {False: 4096, True: 8192}
 
 
 def default_config(head_dim: int, *, seq_q: int = 0, causal: bool = False) -> MosaicConfig:
@@ -882,8 +883,13 @@ def _forward_kernel(
     # Ordinary stores must be made visible to the TMA engine (the async proxy)
     # before it reads shared memory.
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile, out_ref.at[tile.batch, pl.ds(q_start, rows), tile.head])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile.batch, tile.head, pl.ds(q_start, rows)])
+    # A tile wholly past seq_q (a last Q block that `forward` left unpadded)
+    # stores nothing: the TMA engine would drop its output rows, but its lse
+    # rows landed on the next head's first ones (H200, session 8).
+    @pl.when(q_start < seq_q)
+    def _():
+      plgpu.copy_smem_to_gmem(q_tile, out_ref.at[tile.batch, pl.ds(q_start, rows), tile.head])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile.batch, tile.head, pl.ds(q_start, rows)])
 
   def compute(tile: QTile, buffer, ring_base):
     plgpu.barrier_wait(q_ready.at[buffer * consumers + wg])
@@ -944,7 +950,7 @@ def forward(
     q = pad_seq(q, config.block_q)
   # else a last Q block past seq_q (192-row blocks over multiples of 128)
   # needs no copy: its consumers' tiles lie wholly inside q or wholly past
-  # its end, where the TMA engine loads zeros and drops the stores.
+  # its end, where the TMA engine loads zeros and the kernel stores nothing.
   k, v = pad_seq(k, config.block_kv), pad_seq(v, config.block_kv)
   num_q_blocks = pl.cdiv(q.shape[1], config.block_q)
 
