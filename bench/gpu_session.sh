@@ -35,6 +35,7 @@
 #             d64_tiles (256-row Q tiles at d64, ~2 min), d64_consumers3 (three
 #             consumer warpgroups in the d64 forward: tests, A/B; ~3 min),
 #             d64_consumers3_unpadded (the same at 4k and without the padding copy, ~2 min),
+#             d64_dq_consumers3 (three consumers in the d64 dQ kernel: tests, A/B; ~3 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
@@ -390,6 +391,16 @@ stage_d64_consumers3() {
     | tee "$OUT/d64_consumers3_tests.log" | tail -5
   timeout 150 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 64 --variants default \
     consumers=3+block_q=192 consumers=3+block_q=192+block_kv=64 2>&1 | tee "$OUT/d64_consumers3_ab.log"
+}
+
+stage_d64_dq_consumers3() {
+  # Three consumer warpgroups in the d64 dQ kernel (BackwardConfig.dq_consumers;
+  # block_kv 64, the 128 of the default spills 256-788 B with three): GPU
+  # tests, then the A/B (dq ms). ~3 min.
+  timeout 120 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k three_dq_consumers 2>&1 \
+    | tee "$OUT/d64_dq_consumers3_tests.log" | tail -5
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants \
+    dq_consumers=2+block_kv=128 dq_consumers=3+block_kv=64 2>&1 | tee "$OUT/d64_dq_consumers3_ab.log"
 }
 
 stage_d64_tiles() {

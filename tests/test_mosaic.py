@@ -666,6 +666,8 @@ def test_bwd_config():
       (dict(fused_dq=True, block_q=128), "fused_dq needs block_q 64"),
       (dict(fused_dq=True, softmax_overlap=True), "does not take softmax_overlap"),
       (dict(dq_turns=1), "dq_turns must be a bool"),
+      (dict(dq_consumers=4), "dq_consumers must be 2 or 3"),
+      (dict(dq_consumers=3.0), "dq_consumers must be an int"),
   ):
     with pytest.raises(ValueError, match=match):
       BackwardConfig(**kwargs)
@@ -692,6 +694,9 @@ def test_bwd_config():
 
 def test_bwd_rejects():
   q, k, v, do, lse, delta = (jnp.zeros(s.shape, s.dtype) for s in _bwd_structs(1, 256, 256, 2, 64))
+  d128 = [jnp.zeros(s.shape, s.dtype) for s in _bwd_structs(1, 256, 256, 2, 128)]
+  with pytest.raises(NotImplementedError, match="dq_consumers 3 needs head_dim 64"):
+    mosaic_bwd.dq(*d128, config=BackwardConfig(dq_consumers=3))
   for fn in (mosaic_bwd.dkv, mosaic_bwd.dq):
     with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
       fn(*(x.astype(jnp.float32) for x in (q, k, v, do)), lse, delta)
@@ -835,6 +840,30 @@ def test_bwd_interpreter_persistent(kernel, shape, dtype, causal, kv_heads, conf
 
 
 @pytest.mark.parametrize(
+    "shape, dtype, causal, kv_heads, config",
+    # 192-row Q blocks over operands padded to 128-row multiples: the last
+    # block's third consumer tile lies past them (on the GPU zero-filled and
+    # not stored; here padded further); grouped-query and causal with the
+    # diagonal's drain; persistent CTAs over several tiles.
+    [
+        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, dq_consumers=3)),
+        ((1, 200, 136, 2, 64), jnp.float16, False, None, BackwardConfig(64, 128, 2, dq_consumers=3)),
+        ((2, 384, 320, 3, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_persistent=True,
+                                                                     dq_consumers=3)),
+    ],
+    ids=["causal_gqa_drain", "ragged_block_kv_128", "persistent_causal_gqa"],
+)
+def test_bwd_interpreter_three_dq_consumers(shape, dtype, causal, kv_heads, config):
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  (q, k, v, do, lse, delta), (ref_dq, _, _) = _bwd_problem(*shape, dtype, causal, kv_heads)
+  dq = mosaic_bwd.dq(q, k, v, do, lse, delta, causal=causal, config=config,
+                     interpret=plgpu.InterpretGPUParams(detect_races=True))
+  assert dq.shape == q.shape and rel_err(dq, ref_dq) < 1e-2
+  assert not gpu_callbacks.get_races().races_found
+
+
+@pytest.mark.parametrize(
     "shape, dtype, causal, kv_heads",
     # One CTA takes every tile in turn (see _fused_schedule): the ring, the
     # dS^T buffers and the additions into dQ carry across tiles and heads.
@@ -974,12 +1003,17 @@ def test_bwd_gpu_matches_reference(seq, head_dim, causal):
         ((1, 1000, 1537, 8, 128), jnp.bfloat16, 2, None),  # ragged: padded to whole blocks
         ((1, 1537, 1000, 4, 64), jnp.float16, None, None),
         ((2, 777, 777, 2, 64), jnp.bfloat16, None, BackwardConfig(128, 128, 2)),
+        # Three dQ consumers: 192-row Q blocks, the last one's tiles past the
+        # operands (4096 = 21 x 192 + 64) zero-filled and not stored.
+        ((2, 4096, 4096, 4, 64), jnp.bfloat16, None, BackwardConfig(64, 64, 2, dq_persistent=True,
+                                                                    dq_consumers=3)),
+        ((1, 1000, 1537, 8, 64), jnp.float16, 2, BackwardConfig(64, 128, 2, dq_consumers=3)),
         # Three ring slots beside persistent CTAs' second outer tiles: 231.6 of 232.4 KB.
         ((2, 4096, 4096, 4, 128), jnp.bfloat16, None, BackwardConfig(64, 64, 3, dq_persistent=True,
                                                                      dkv_persistent=True)),
     ],
     ids=["gqa", "seq_q_gt_seq_k", "blocks_128", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_blocks_128",
-         "d128_three_slots"],
+         "three_dq_consumers", "three_dq_consumers_ragged_gqa", "d128_three_slots"],
 )
 def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)

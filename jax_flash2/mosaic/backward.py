@@ -115,6 +115,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash2.mosaic.forward import (
+    CONSUMER_REGISTERS,
     LOG2_E,
     NUM_CONSUMERS,
     SMEM_LIMIT,
@@ -210,6 +211,10 @@ class BackwardConfig:
       so that gradients stay deterministic; S and dP are computed once, not
       twice. Needs block_q 64. Off by default: slower than the two kernels
       on the H200, bound by the reduce-adds (bench/NOTES.md, session 7).
+    dq_consumers: consumer warpgroups of the dQ kernel, 2 or 3 (head_dim
+      64 only: 160 registers each; 192 Q rows per CTA, three consumers'
+      element-wise work beside one another's matmuls, as the forward's
+      MosaicConfig.consumers).
     dq_turns: with fused_dq, the two consumers take turns at adding dQ,
       each a whole-width piece at every other step, instead of each adding
       half the columns at every step (`_dq_piece`); at head_dim 64 they
@@ -227,18 +232,21 @@ class BackwardConfig:
   dkv_persistent: bool = False
   fused_dq: bool = False
   dq_turns: bool = False
+  dq_consumers: int = NUM_CONSUMERS
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
-    for name in ("block_q", "block_kv", "stages"):
+    for name in ("block_q", "block_kv", "stages", "dq_consumers"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"BackwardConfig.{name} must be an int, got {value!r}")
     for name in ("block_q", "block_kv"):
       if getattr(self, name) not in (64, 128):
         raise ValueError(f"BackwardConfig.{name} must be 64 or 128, got {getattr(self, name)}")
+    if self.dq_consumers not in CONSUMER_REGISTERS:
+      raise ValueError(f"BackwardConfig.dq_consumers must be 2 or 3, got {self.dq_consumers}")
     if not 2 <= self.stages <= 8:
       raise ValueError(f"BackwardConfig.stages must be between 2 and 8, got {self.stages}")
     if self.fused_dq and self.block_q != WGMMA_M:
@@ -272,7 +280,8 @@ class BackwardConfig:
     if head_dim in WIDE_HEAD_DIMS:
       return _wide().dq_smem_bytes(self, head_dim, dtype)
     item = jnp.dtype(dtype).itemsize
-    q = self.dq_buffers * (2 * OUTER_ROWS * head_dim * item + 2 * OUTER_ROWS * 4)
+    rows = self.dq_consumers * WGMMA_M
+    q = self.dq_buffers * (2 * rows * head_dim * item + 2 * rows * 4)
     ring = self.stages * 2 * self.block_kv * head_dim * item
     return q + ring + BWD_SMEM_RESERVE
 
@@ -284,9 +293,12 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   128 even at head_dim 64. dq holds only dQ and takes 128-row K/V blocks at
   head_dim 64. Both kernels run as persistent CTAs (2-13% faster at head_dim
   64, 0-6% at 128 up to 8k, within 2% at 16k), whose second outer buffers
-  leave room for two ring slots at head_dim 128."""
+  leave room for two ring slots at head_dim 128. At head_dim 64 dq runs
+  three consumer warpgroups (192 Q rows per CTA; session 8) on 64-row K/V
+  blocks (128 spill with three)."""
   if head_dim <= 64:
-    return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_persistent=True, dkv_persistent=True)
+    return BackwardConfig(block_q=64, block_kv=64, stages=4, dq_persistent=True, dkv_persistent=True,
+                          dq_consumers=3)
   if head_dim in WIDE_HEAD_DIMS:
     # backward_wide.py: 64-row blocks, room for two ring slots; persistent dQ
     # CTAs (2-17% faster; persistent dK/dV CTAs spill and lose up to 11%).
@@ -332,6 +344,9 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
     raise NotImplementedError(f"the Mosaic GPU backward supports bfloat16 and float16, got {q.dtype}")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  if "dq" in kernels and config.dq_consumers != NUM_CONSUMERS and head_dim != 64:
+    raise NotImplementedError(
+        f"BackwardConfig.dq_consumers {config.dq_consumers} needs head_dim 64 (registers), got {head_dim}")
   for kernel in kernels:
     smem = getattr(config, f"{kernel}_smem_bytes")(head_dim, q.dtype)
     if smem > SMEM_LIMIT:
@@ -1166,17 +1181,20 @@ def _dq_kernel(
     seq_q: int, seq_k: int, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, causal: bool,
     softmax_scale: float, config: BackwardConfig, interpret: bool,
 ):
-  # Arrays in GMEM as in _dkv_kernel (padded to multiples of OUTER_ROWS).
-  # q_smem, do_smem: [buffers, 2, 64, D] (per consumer; Q's tile stages dQ
+  # Arrays in GMEM as in _dkv_kernel (padded to multiples of OUTER_ROWS;
+  # with three consumers the last Q block may reach past them by whole
+  # consumer tiles, which the TMA engine zero-fills and which store
+  # nothing). C = config.dq_consumers (2, or 3).
+  # q_smem, do_smem: [buffers, C, 64, D] (per consumer; Q's tile stages dQ
   # at the end; two buffers in a persistent CTA, which loads the next tile's
   # rows while the current one's dQ is stored); lse_smem, delta_smem:
-  # [buffers, 2, 64]; k_smem, v_smem: [stages, block_kv, D].
-  # q_ready: [buffers * 2] barriers of 4 arrivals (Q, dO, lse, delta);
-  # k_ready, v_ready: [stages] (TMA); k_consumed, v_consumed: [stages], 2
-  # arrivals. staging (interpret mode only): [2, 64, block_kv], dS for wgmma.
+  # [buffers, C, 64]; k_smem, v_smem: [stages, block_kv, D].
+  # q_ready: [buffers * C] barriers of 4 arrivals (Q, dO, lse, delta);
+  # k_ready, v_ready: [stages] (TMA); k_consumed, v_consumed: [stages], C
+  # arrivals. staging (interpret mode only): [C, 64, block_kv], dS for wgmma.
   # schedule: None for one CTA per tile (grid q x heads x batch), else the
   # persistent CTAs' tiles (forward.PersistentSchedule).
-  rows, block_kv, stages = WGMMA_M, config.block_kv, config.stages
+  rows, block_kv, stages, consumers = WGMMA_M, config.block_kv, config.stages, config.dq_consumers
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   if interpret:
@@ -1184,15 +1202,15 @@ def _dq_kernel(
   wg = lax.axis_index("wg")
   qk_scale = softmax_scale * LOG2_E
 
-  tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=OUTER_ROWS, block_kv=block_kv,
-                              seq_q=seq_q, seq_k=seq_k, causal=causal)
+  tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=consumers * rows, block_kv=block_kv,
+                              seq_q=seq_q, seq_k=seq_k, causal=causal, consumers=consumers)
 
   def load_rows(tile: QTile, buffer):
     """Starts the copies of this consumer's Q, dO, lse and delta rows of
     `tile` into `buffer`."""
     q_rows = (tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head)
     vec = (tile.batch, tile.head, pl.ds(tile.q_start + wg * rows, rows))
-    ready = q_ready.at[buffer * NUM_CONSUMERS + wg]
+    ready = q_ready.at[buffer * consumers + wg]
     plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem.at[buffer, wg], ready)
     plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem.at[buffer, wg], ready)
     plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[buffer, wg], ready)
@@ -1203,7 +1221,7 @@ def _dq_kernel(
     ring's steps ring_base, ring_base + 1, ...; its rows are in `buffer`."""
     q_start = tile.q_start + wg * rows
     q_tile, do_tile = q_smem.at[buffer, wg], do_smem.at[buffer, wg]
-    plgpu.barrier_wait(q_ready.at[buffer * NUM_CONSUMERS + wg])
+    plgpu.barrier_wait(q_ready.at[buffer * consumers + wg])
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
     lse = plgpu.load(lse_smem.at[buffer, wg], layout=row_layout) * LOG2_E
     delta = plgpu.load(delta_smem.at[buffer, wg], layout=row_layout)
@@ -1296,16 +1314,19 @@ def _dq_kernel(
 
   def store_dq(tile: QTile, buffer, dq):
     """Scales dQ and starts its TMA store, staged in the Q tile (every wgmma
-    reading it has completed)."""
+    reading it has completed); nothing for a tile wholly past the array's
+    end (see forward.store_output)."""
     q_tile = q_smem.at[buffer, wg]
     q_tile[...] = (dq * softmax_scale).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head])
+    q_start = tile.q_start + wg * rows
+    pl.when(q_start < dq_ref.shape[1])(
+        lambda: plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[tile.batch, pl.ds(q_start, rows), tile.head]))
 
   produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                       group=group, block_kv=block_kv, stages=stages)
   run_tiles(schedule, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_rows, compute=gradient,
-            store=store_dq)
+            store=store_dq, consumers=consumers)
 
 
 def dq(
@@ -1332,37 +1353,44 @@ def dq(
 def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float,
              config: BackwardConfig, interpret) -> jax.Array:
   """The dQ kernel on operands padded by `_pad`, of real lengths seq_q, seq_k."""
+  interpret_params, interpret = interpret_params_of(interpret)
+  consumers = config.dq_consumers
+  padded_q = q.shape[1]
+  if interpret:  # the interpreter slices, it does not zero-fill: whole blocks
+    block_q = consumers * WGMMA_M
+    q, do = pad_seq(q, block_q), pad_seq(do, block_q)
+    lse, delta = pad_seq(lse, block_q, axis=2, value=jnp.inf), pad_seq(delta, block_q, axis=2)
   batch, _, heads, head_dim = q.shape
   kv_heads = k.shape[2]
-  interpret_params, interpret = interpret_params_of(interpret)
   dtype, stages, block_kv = q.dtype, config.stages, config.block_kv
   transforms = _swizzled(head_dim, dtype)
   buffers = config.dq_buffers
   scratch = [
-      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # Q
-      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # dO
-      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M), jnp.float32),  # lse
-      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M), jnp.float32),  # delta
+      plgpu.SMEM((buffers, consumers, WGMMA_M, head_dim), dtype, transforms=transforms),  # Q
+      plgpu.SMEM((buffers, consumers, WGMMA_M, head_dim), dtype, transforms=transforms),  # dO
+      plgpu.SMEM((buffers, consumers, WGMMA_M), jnp.float32),  # lse
+      plgpu.SMEM((buffers, consumers, WGMMA_M), jnp.float32),  # delta
       plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),  # K
       plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),  # V
-      plgpu.Barrier(num_arrivals=4, num_barriers=buffers * NUM_CONSUMERS),  # Q, dO, lse, delta
+      plgpu.Barrier(num_arrivals=4, num_barriers=buffers * consumers),  # Q, dO, lse, delta
       plgpu.Barrier(num_barriers=stages),  # K ready
       plgpu.Barrier(num_barriers=stages),  # V ready
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # K consumed
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # V consumed
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # K consumed
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # V consumed
   ]
   if interpret:
-    scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_kv), dtype, transforms=_swizzled(block_kv, dtype)))
-  num_q_blocks = q.shape[1] // OUTER_ROWS
+    scratch.append(plgpu.SMEM((consumers, WGMMA_M, block_kv), dtype, transforms=_swizzled(block_kv, dtype)))
+  num_q_blocks = pl.cdiv(q.shape[1], consumers * WGMMA_M)
   schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.dq_persistent,
                                           causal=causal, interpret=interpret)
   kernel = functools.partial(
       _dq_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
       schedule=schedule, causal=causal, softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
-  return specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
-                            grid_names=grid_names, interpret_params=interpret_params,
-                            name="flash2_bwd_dq_mosaic")(q, k, v, do, lse, delta)
+  dq = specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
+                          grid_names=grid_names, interpret_params=interpret_params, name="flash2_bwd_dq_mosaic",
+                          consumers=consumers)(q, k, v, do, lse, delta)
+  return unpad_seq(dq, padded_q)
 
 
 # ---------------------------------------------------------------- both

@@ -883,10 +883,11 @@ def _forward_kernel(
     # Ordinary stores must be made visible to the TMA engine (the async proxy)
     # before it reads shared memory.
     plgpu.commit_smem()
-    # A tile wholly past seq_q (a last Q block that `forward` left unpadded)
-    # stores nothing: the TMA engine would drop its output rows, but its lse
-    # rows landed on the next head's first ones (H200, session 8).
-    @pl.when(q_start < seq_q)
+    # A tile wholly past the arrays' end (of a last Q block that `forward`
+    # left unpadded) stores nothing: the TMA engine would drop its output
+    # rows, but its lse rows landed on the next head's first ones (H200,
+    # session 8).
+    @pl.when(q_start < out_ref.shape[1])
     def _():
       plgpu.copy_smem_to_gmem(q_tile, out_ref.at[tile.batch, pl.ds(q_start, rows), tile.head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile.batch, tile.head, pl.ds(q_start, rows)])
