@@ -214,7 +214,8 @@ class BackwardConfig:
     dq_consumers: consumer warpgroups of the dQ kernel, 2 or 3 (head_dim
       64 only: 160 registers each; 192 Q rows per CTA, three consumers'
       element-wise work beside one another's matmuls, as the forward's
-      MosaicConfig.consumers).
+      MosaicConfig.consumers). Three were no faster on the H200 (session
+      8), hence two by default.
     dq_turns: with fused_dq, the two consumers take turns at adding dQ,
       each a whole-width piece at every other step, instead of each adding
       half the columns at every step (`_dq_piece`); at head_dim 64 they
@@ -293,12 +294,11 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   128 even at head_dim 64. dq holds only dQ and takes 128-row K/V blocks at
   head_dim 64. Both kernels run as persistent CTAs (2-13% faster at head_dim
   64, 0-6% at 128 up to 8k, within 2% at 16k), whose second outer buffers
-  leave room for two ring slots at head_dim 128. At head_dim 64 dq runs
-  three consumer warpgroups (192 Q rows per CTA; session 8) on 64-row K/V
-  blocks (128 spill with three)."""
+  leave room for two ring slots at head_dim 128. Three dQ consumers at
+  head_dim 64 (dq_consumers; 64-row K/V blocks, 128 spill) gave -13% to +32%
+  of the dQ kernel's time, no gain overall (session 8): two."""
   if head_dim <= 64:
-    return BackwardConfig(block_q=64, block_kv=64, stages=4, dq_persistent=True, dkv_persistent=True,
-                          dq_consumers=3)
+    return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_persistent=True, dkv_persistent=True)
   if head_dim in WIDE_HEAD_DIMS:
     # backward_wide.py: 64-row blocks, room for two ring slots; persistent dQ
     # CTAs (2-17% faster; persistent dK/dV CTAs spill and lose up to 11%).
