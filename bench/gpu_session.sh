@@ -36,6 +36,8 @@
 #             consumer warpgroups in the d64 forward: tests, A/B; ~3 min),
 #             d64_consumers3_unpadded (the same at 4k and without the padding copy, ~2 min),
 #             d64_dq_consumers3 (three consumers in the d64 dQ kernel: tests, A/B; ~3 min),
+#             dq_overlap64 / dq_overlap128 (the dQ kernel's softmax overlap, ~2 min each),
+#             d64_causal4k (the three-consumer causal forward at 4k-8k, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
@@ -401,6 +403,24 @@ stage_d64_dq_consumers3() {
     | tee "$OUT/d64_dq_consumers3_tests.log" | tail -5
   timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants \
     dq_consumers=2+block_kv=128 dq_consumers=3+block_kv=64 2>&1 | tee "$OUT/d64_dq_consumers3_ab.log"
+}
+
+dq_overlap() {  # dq_overlap HEAD_DIM
+  # The softmax under dP's wgmma in the dQ kernel alone: session 5 timed
+  # BackwardConfig.softmax_overlap in both kernels (dK/dV lost 1-11%, dQ
+  # gained up to 11%); the dq ms column of softmax_overlap=1 is the dQ
+  # kernel's part. ~2 min.
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim "$1" --variants default \
+    softmax_overlap=1 2>&1 | tee "$OUT/dq_overlap$1.log"
+}
+stage_dq_overlap64() { dq_overlap 64; }
+stage_dq_overlap128() { dq_overlap 128; }
+
+stage_d64_causal4k() {
+  # The three-consumer forward, causal at 4k (two consumers by default
+  # there) with block_kv 64, which compiles without the 216 B of spills. ~1 min.
+  timeout 90 python tools/mosaic_bench.py --no-triton --seq 4096 8192 --head-dim 64 --causal yes --variants default \
+    consumers=3+block_q=192 consumers=3+block_q=192+block_kv=64 2>&1 | tee "$OUT/d64_causal4k.log"
 }
 
 stage_d64_tiles() {
