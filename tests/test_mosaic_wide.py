@@ -63,12 +63,16 @@ def test_wide_rejects():
         (BackwardConfig(128, 64, 2), "block_q = block_kv = 64"),
         (BackwardConfig(64, 64, 2, softmax_overlap=True), "takes none of"),
         (BackwardConfig(64, 64, 2, fused_dq=True), "takes none of"),
+        (BackwardConfig(64, 64, 2, dq_softmax_overlap=True), "takes none of"),
         (BackwardConfig(64, 64, 3), "shared memory"),
     ):
       with pytest.raises(ValueError, match=match):
         fn(q, k, v, do, lse, delta, config=config)
     with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
       fn(*(x.astype(jnp.float32) for x in (q, k, v, do)), lse, delta)
+    if fn is not mosaic_bwd.dkv:  # three dQ consumers: head_dim 64 only
+      with pytest.raises(NotImplementedError, match="dq_consumers 3 needs head_dim 64"):
+        fn(q, k, v, do, lse, delta, config=BackwardConfig(64, 64, 2, dq_consumers=3))
     with pytest.raises(ValueError, match="lse must be float32"):
       fn(q, k, v, do, lse[:, :, :64], delta)
 

@@ -192,9 +192,11 @@ class BackwardConfig:
     stages: ring slots (>= 2).
     softmax_overlap: let the element-wise work of a step run while the
       tensor cores finish the product issued before it (as the forward's
-      option of that name): dkv computes P^T while dP^T = V dO^T runs and
-      dS^T while dV += P^T dO runs; dq computes P while dP runs. Not yet
-      timed on a GPU, hence off by default.
+      option of that name), in both kernels: dkv computes P^T while dP^T =
+      V dO^T runs and dS^T while dV += P^T dO runs; dq computes P while dP
+      runs. dkv loses 1-11% (session 5), hence off by default.
+    dq_softmax_overlap: the same in the dQ kernel alone, on by default at
+      head_dim 64 and 128: 1-5% off its time at most lengths (session 8).
     dq_persistent: run the dQ kernel (Q-outer, the forward's structure) as
       the forward's persistent CTAs (forward.MosaicConfig.persistent): one
       per SM over many tiles, each tile's start and end overlapping the
@@ -229,6 +231,7 @@ class BackwardConfig:
   block_kv: int = 64
   stages: int = 2
   softmax_overlap: bool = False
+  dq_softmax_overlap: bool = False
   dq_persistent: bool = False
   dkv_persistent: bool = False
   fused_dq: bool = False
@@ -236,7 +239,7 @@ class BackwardConfig:
   dq_consumers: int = NUM_CONSUMERS
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns"):
+    for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers"):
@@ -296,14 +299,18 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   64, 0-6% at 128 up to 8k, within 2% at 16k), whose second outer buffers
   leave room for two ring slots at head_dim 128. Three dQ consumers at
   head_dim 64 (dq_consumers; 64-row K/V blocks, 128 spill) gave -13% to +32%
-  of the dQ kernel's time, no gain overall (session 8): two."""
+  of the dQ kernel's time, no gain overall (session 8): two. The dQ kernel
+  overlaps its softmax with dP's product (1-5% faster at most lengths,
+  session 8; the dK/dV kernel loses with it, session 5)."""
   if head_dim <= 64:
-    return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_persistent=True, dkv_persistent=True)
+    return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
+                          dkv_persistent=True)
   if head_dim in WIDE_HEAD_DIMS:
     # backward_wide.py: 64-row blocks, room for two ring slots; persistent dQ
     # CTAs (2-17% faster; persistent dK/dV CTAs spill and lose up to 11%).
     return BackwardConfig(block_q=64, block_kv=64, stages=2, dq_persistent=True)
-  return BackwardConfig(block_q=64, block_kv=64, stages=2, dq_persistent=True, dkv_persistent=True)
+  return BackwardConfig(block_q=64, block_kv=64, stages=2, dq_softmax_overlap=True, dq_persistent=True,
+                        dkv_persistent=True)
 
 
 def _wide():
@@ -1281,7 +1288,7 @@ def _dq_kernel(
         return p, dp_ref[...]
 
       tile_acc = plgpu.ACC((rows, block_kv), jnp.float32)
-      if config.softmax_overlap:
+      if config.softmax_overlap or config.dq_softmax_overlap:
         with jax.named_scope("scores"):
           p, dp = pl.run_scoped(probs_under_dp, tile_acc, tile_acc)
         plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
