@@ -251,8 +251,9 @@ def _sm_count() -> int:
 # head_dim 64 takes three consumer warpgroups (192-row Q tiles) from these
 # lengths of seq_q on, without a mask / causal: measured on the H200
 # (bench/NOTES.md, session 8; the last Q block unpadded) +14-16% at 8k-16k
-# without a mask, +5-7% causal; at 4k equal causal; at 2k (padded) -3%
-# without a mask and -38% causal.
+# without a mask and more at 4k, +4-7% causal at 8k-16k; equal causal at
+# 4k; at 2k (then padded to 192-row blocks) -3% without a mask and -38%
+# causal.
 THREE_CONSUMERS_MIN_SEQ = {False: 4096, True: 8192}
 
 
@@ -261,8 +262,10 @@ def default_config(head_dim: int, *, seq_q: int = 0, causal: bool = False) -> Mo
   that fits shared memory with 128-row K/V blocks (64 for head_dim 256), the
   softmax overlapped with P V, and persistent CTAs where their second Q
   buffer fits (head_dim 64 and 128; bench/NOTES.md, sessions 4 and 5); at
-  head_dim 64 and long seq_q three consumer warpgroups, whose 192-row Q
-  tiles halve the K/V reads per query row that two 64-row ones take."""
+  head_dim 64 and long seq_q three consumer warpgroups: 192-row Q tiles
+  read K and V a third less often per query row, and three consumers' softmax
+  keeps the tensor cores busier (session 7's profile: the d64 forward is
+  bound by its element-wise work)."""
   if head_dim <= 64:
     config = MosaicConfig(block_q=128, block_kv=128, stages=4, softmax_overlap=True, persistent=True)
     if seq_q >= THREE_CONSUMERS_MIN_SEQ[bool(causal)]:
