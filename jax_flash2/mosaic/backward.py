@@ -343,7 +343,8 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
     raise ValueError(f"q's heads ({heads}) must be a multiple of k's ({k.shape[2]})")
   for name, x in (("lse", lse), ("delta", delta)):
     if x.shape != (batch, heads, seq_q) or x.dtype != jnp.float32:
-      raise ValueError(f"{name} must be float32 [batch, heads, seq_q] = {(batch, heads, seq_q)}, got {x.dtype} {x.shape}")
+      raise ValueError(
+          f"{name} must be float32 [batch, heads, seq_q] = {(batch, heads, seq_q)}, got {x.dtype} {x.shape}")
   dtypes = {jnp.dtype(x.dtype) for x in (q, k, v, do)}
   if len(dtypes) != 1:
     raise ValueError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {do.dtype}")
