@@ -32,6 +32,7 @@
 #             fused (dQ folded into the dK/dV kernel: tests, then d128 A/B, ~9 min), fused64 (its d64 A/B, ~2 min),
 #             fused_traffic (the fused kernel with half or none of its reduce-adds, speed only, ~2 min),
 #             profile_bwd, profile_fwd64 (Mosaic's profiler: where the warpgroups wait, ~3 / ~2 min),
+#             profile_fused_bare (the fused kernel without dQ traffic, profiled at 4k, ~1.5 min),
 #             d64_tiles (256-row Q tiles at d64, ~2 min), d64_consumers3 (three
 #             consumer warpgroups in the d64 forward: tests, A/B; ~3 min),
 #             d64_consumers3_unpadded (the same at 4k and without the padding copy, ~2 min),
@@ -360,6 +361,14 @@ stage_profile_bwd() {
     timeout 120 python tools/mosaic_profile.py --seq 2048 --head-dim 128 $causal \
       --variants default fused_dq=1+dkv_persistent=0 2>&1 | tee -a "$OUT/profile_bwd.log"
   done
+}
+
+stage_profile_fused_bare() {
+  # Where the fused kernel with no dQ traffic and no order (unordered=1+adders=0:
+  # wrong dQ) loses 26% to the two kernels at 4k while winning 9% at 16k
+  # (session 8, call 2). ~1.5 min.
+  timeout 120 python tools/mosaic_profile.py --seq 4096 --head-dim 128 --batch 1 --heads 8 \
+    --variants default fused_dq=1+dkv_persistent=0+unordered=1+adders=0 2>&1 | tee "$OUT/profile_fused_bare.log"
 }
 
 stage_profile_fwd64() {

@@ -1,7 +1,7 @@
 """Where the Mosaic kernels' warpgroups spend their time, from Mosaic GPU's profiler.
 
   PYTHONPATH=. python tools/mosaic_profile.py --seq 2048 --head-dim 128 [--causal] \\
-      [--variants default fused_dq=1+dkv_persistent=0] [--batch 1 --heads 8] [--keep DIR]
+      [--variants default fused_dq=1+dkv_persistent=0+unordered=1+adders=0] [--batch 1 --heads 8] [--keep DIR]
   PYTHONPATH=. python tools/mosaic_profile.py --kernel forward --head-dim 64 --seq 8192 --heads 4
 
 Runs `backward` (or `forward`) once per variant (a BackwardConfig, or a
@@ -92,6 +92,7 @@ def main() -> int:
 
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
   import mosaic_bench  # tools/: its variant parser
+  import mosaic_bwd_bench  # and the backward's (with the fused kernel's measurement options)
 
   shape = (args.batch, args.seq, args.heads, args.head_dim)
   q, k, v, do = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.PRNGKey(0), 4))
@@ -106,10 +107,11 @@ def main() -> int:
       if args.kernel == "forward":
         config = mosaic_bench._variant(mosaic_fwd.default_config(args.head_dim), spec)
         result = jax.jit(lambda *a: mosaic_fwd.forward(*a, causal=args.causal, config=config))(q, k, v)
-      else:
-        config = mosaic_bench._variant(mosaic_bwd.default_backward_config(args.head_dim), spec)
-        result = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=args.causal, config=config))(
-            q, k, v, do, lse, delta)
+      else:  # `adders=N`, `unordered=1`: dq_addition_experiment (fused_dq; wrong dQ)
+        config, experiment = mosaic_bwd_bench._variant(mosaic_bwd.default_backward_config(args.head_dim), spec)
+        with experiment():
+          result = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=args.causal, config=config))(
+              q, k, v, do, lse, delta)
       jax.block_until_ready(result)
     jax.effects_barrier()  # the traces are written by host callbacks
     print(f"== {spec}")
