@@ -39,6 +39,7 @@
 #             d64_dq_consumers3 (three consumers in the d64 dQ kernel: tests, A/B; ~3 min),
 #             dq_overlap64 / dq_overlap128 (the dQ kernel's softmax overlap, ~2 min each),
 #             d64_causal4k (the three-consumer causal forward at 4k-8k, ~1 min),
+#             registers64 / registers128 (the backward's fixed operands in registers: tests, A/B; ~4 / ~2 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
@@ -424,6 +425,23 @@ dq_overlap() {  # dq_overlap HEAD_DIM
 }
 stage_dq_overlap64() { dq_overlap 64; }
 stage_dq_overlap128() { dq_overlap 128; }
+
+stage_registers64() {
+  # The backward's score products with their fixed A operand in registers
+  # (BackwardConfig.kv_registers for dK/dV, q_registers for dQ): half the
+  # shared-memory reads of those products (bench/NOTES.md, session 8's
+  # model). GPU tests, then the A/B at d64 (dkv ms, dq ms). ~4 min.
+  timeout 150 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k "registers" 2>&1 \
+    | tee "$OUT/registers_tests.log" | tail -5
+  timeout 200 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
+    kv_registers=1 q_registers=1 kv_registers=1+q_registers=1 2>&1 | tee "$OUT/registers64_ab.log"
+}
+
+stage_registers128() {
+  # The same at d128, where only the dQ kernel's fit (no spills). ~2 min.
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+    q_registers=1 2>&1 | tee "$OUT/registers128_ab.log"
+}
 
 stage_d64_causal4k() {
   # The three-consumer forward, causal at 4k (two consumers by default

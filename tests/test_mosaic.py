@@ -668,6 +668,8 @@ def test_bwd_config():
       (dict(dq_turns=1), "dq_turns must be a bool"),
       (dict(dq_consumers=4), "dq_consumers must be 2 or 3"),
       (dict(dq_softmax_overlap=1), "dq_softmax_overlap must be a bool"),
+      (dict(kv_registers=1), "kv_registers must be a bool"),
+      (dict(q_registers="yes"), "q_registers must be a bool"),
       (dict(dq_consumers=3.0), "dq_consumers must be an int"),
   ):
     with pytest.raises(ValueError, match=match):
@@ -750,6 +752,26 @@ def test_bwd_lowers_for_cuda_ragged(shape, causal, kv_heads, config):
   assert f"tensor<{batch}x{round_up(seq_q)}x{heads}x{head_dim}xbf16>" in text
   assert f"tensor<{batch}x{round_up(seq_k)}x{kv_heads or heads}x{head_dim}xbf16>" in text
   assert f"tensor<{batch}x{heads}x{round_up(seq_q)}xf32>" in text  # lse and delta
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_operands_in_registers_lower_for_cuda(head_dim):
+  """K and V (dK/dV kernel, head_dim 64), Q and dO (dQ kernel) in registers
+  for the score products (GPU only: the interpreter reads them from shared
+  memory): the kernels lower and change (their wgmmas take their A
+  operands from registers); dK/dV at head_dim 128 is refused (no room in
+  the registers)."""
+  structs = _bwd_structs(1, 512, 512, 2, head_dim)
+  lower = lambda fn, config: jax.jit(lambda *a: fn(*a, causal=True, config=config)).trace(
+      *structs).lower(lowering_platforms=("cuda",)).as_text()
+  plain = mosaic_bwd.default_backward_config(head_dim)
+  assert lower(mosaic_bwd.dq, dataclasses.replace(plain, q_registers=True)) != lower(mosaic_bwd.dq, plain)
+  if head_dim == 64:
+    assert lower(mosaic_bwd.dkv, dataclasses.replace(plain, kv_registers=True)) != lower(mosaic_bwd.dkv, plain)
+    return
+  d128 = [jnp.zeros(x.shape, x.dtype) for x in _bwd_structs(1, 256, 256, 2, 128)]
+  with pytest.raises(NotImplementedError, match="kv_registers needs head_dim 64"):
+    mosaic_bwd.dkv(*d128, config=BackwardConfig(kv_registers=True))
 
 
 def test_bwd_only_ragged_lengths_pay_for_padding():
@@ -1011,12 +1033,21 @@ def test_bwd_gpu_matches_reference(seq, head_dim, causal):
         ((2, 4096, 4096, 4, 64), jnp.bfloat16, None, BackwardConfig(64, 64, 2, dq_persistent=True,
                                                                     dq_consumers=3)),
         ((1, 1000, 1537, 8, 64), jnp.float16, 2, BackwardConfig(64, 128, 2, dq_consumers=3)),
+        # K and V in registers for the dK/dV kernel's score products (the
+        # default d64 tiling otherwise): persistent, and ragged grouped-query.
+        ((2, 4096, 4096, 4, 64), jnp.bfloat16, None, dataclasses.replace(
+            mosaic_bwd.default_backward_config(64), kv_registers=True)),
+        ((1, 1000, 1537, 8, 64), jnp.float16, 2, BackwardConfig(64, 64, 2, kv_registers=True, q_registers=True)),
+        ((2, 4096, 4096, 4, 128), jnp.bfloat16, None, dataclasses.replace(
+            mosaic_bwd.default_backward_config(128), q_registers=True)),
         # Three ring slots beside persistent CTAs' second outer tiles: 231.6 of 232.4 KB.
         ((2, 4096, 4096, 4, 128), jnp.bfloat16, None, BackwardConfig(64, 64, 3, dq_persistent=True,
                                                                      dkv_persistent=True)),
     ],
     ids=["gqa", "seq_q_gt_seq_k", "blocks_128", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_blocks_128",
-         "three_dq_consumers", "three_dq_consumers_ragged_gqa", "d128_three_slots"],
+         "three_dq_consumers", "three_dq_consumers_ragged_gqa", "kv_registers", "operands_in_registers_ragged_gqa",
+         "d128_q_registers",
+         "d128_three_slots"],
 )
 def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)

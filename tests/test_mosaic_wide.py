@@ -64,6 +64,7 @@ def test_wide_rejects():
         (BackwardConfig(64, 64, 2, softmax_overlap=True), "takes none of"),
         (BackwardConfig(64, 64, 2, fused_dq=True), "takes none of"),
         (BackwardConfig(64, 64, 2, dq_softmax_overlap=True), "takes none of"),
+        (BackwardConfig(64, 64, 2, q_registers=True), "takes none of"),
         (BackwardConfig(64, 64, 3), "shared memory"),
     ):
       with pytest.raises(ValueError, match=match):

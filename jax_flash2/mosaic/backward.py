@@ -213,6 +213,16 @@ class BackwardConfig:
       so that gradients stay deterministic; S and dP are computed once, not
       twice. Needs block_q 64. Off by default: slower than the two kernels
       on the H200, bound by the reduce-adds (bench/NOTES.md, session 7).
+    kv_registers: the dK/dV kernel's consumers hold their K and V rows in
+      registers for S^T = K Q^T and dP^T = V dO^T, so that those products
+      read only Q and dO from shared memory (half the bytes: at N = 64 both
+      operands from shared memory take its whole bandwidth; bench/NOTES.md,
+      session 8). head_dim 64 only (32 more registers). Not yet timed on a
+      GPU, hence off.
+    q_registers: the same for the dQ kernel: its consumers hold their Q and
+      dO rows in registers for S = Q K^T and dP = dO V^T (head_dim 64 and
+      128: no spills on sm_90a, where kv_registers spills at 128). Not yet
+      timed on a GPU, hence off.
     dq_consumers: consumer warpgroups of the dQ kernel, 2 or 3 (head_dim
       64 only: 160 registers each; 192 Q rows per CTA, three consumers'
       element-wise work beside one another's matmuls, as the forward's
@@ -236,10 +246,13 @@ class BackwardConfig:
   dkv_persistent: bool = False
   fused_dq: bool = False
   dq_turns: bool = False
+  kv_registers: bool = False
+  q_registers: bool = False
   dq_consumers: int = NUM_CONSUMERS
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns"):
+    for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
+                 "kv_registers", "q_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers"):
@@ -352,6 +365,8 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
     raise NotImplementedError(f"the Mosaic GPU backward supports bfloat16 and float16, got {q.dtype}")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  if "dkv" in kernels and config.kv_registers and head_dim != 64:
+    raise NotImplementedError(f"BackwardConfig.kv_registers needs head_dim 64 (registers), got {head_dim}")
   if "dq" in kernels and config.dq_consumers != NUM_CONSUMERS and head_dim != 64:
     raise NotImplementedError(
         f"BackwardConfig.dq_consumers {config.dq_consumers} needs head_dim 64 (registers), got {head_dim}")
@@ -787,6 +802,12 @@ def _dkv_kernel(
     k_start = tile.k_start + wg * rows
     k_tile, v_tile = k_smem.at[buffer, wg], v_smem.at[buffer, wg]
     plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + wg])
+    # The A operands of S^T and dP^T: K and V from shared memory, or loaded
+    # once per tile into registers (kv_registers; the interpreter reads
+    # them from shared memory either way).
+    k_a, v_a = k_tile, v_tile
+    if config.kv_registers and not interpret:
+      k_a, v_a = (plgpu.load(t, layout=plgpu.Layout.WGMMA) for t in (k_tile, v_tile))
     lo, full_lo = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
     vec_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
 
@@ -825,9 +846,9 @@ def _dkv_kernel(
       plgpu.barrier_arrive(q_consumed.at[slot])
 
     def issue_scores(s_ref, dp_ref, q_tile, do_tile):
-      # S^T = K Q^T and dP^T = V dO^T, both operands in SMEM: two groups.
-      plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
-      plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
+      # S^T = K Q^T and dP^T = V dO^T (K and V in SMEM, or registers): two groups.
+      plgpu.wgmma(s_ref, k_a, q_tile.transpose((1, 0)))
+      plgpu.wgmma(dp_ref, v_a, do_tile.transpose((1, 0)))
 
     def update(qb, slot, dk, dv, *, masked: bool, ring_step=None):
       """dK and dV with Q block qb (in `slot`) added; with fused_dq also
@@ -1230,6 +1251,11 @@ def _dq_kernel(
     q_start = tile.q_start + wg * rows
     q_tile, do_tile = q_smem.at[buffer, wg], do_smem.at[buffer, wg]
     plgpu.barrier_wait(q_ready.at[buffer * consumers + wg])
+    # The A operands of S and dP: Q and dO from shared memory, or loaded once
+    # per tile into registers (q_registers; not in the interpreter).
+    q_a, do_a = q_tile, do_tile
+    if config.q_registers and not interpret:
+      q_a, do_a = (plgpu.load(t, layout=plgpu.Layout.WGMMA) for t in (q_tile, do_tile))
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
     lse = plgpu.load(lse_smem.at[buffer, wg], layout=row_layout) * LOG2_E
     delta = plgpu.load(delta_smem.at[buffer, wg], layout=row_layout)
@@ -1247,9 +1273,9 @@ def _dq_kernel(
       return p
 
     def issue_scores(s_ref, dp_ref, k_tile, v_tile):
-      # S = Q K^T and dP = dO V^T, both operands in SMEM: two groups.
-      plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
-      plgpu.wgmma(dp_ref, do_tile, v_tile.transpose((1, 0)))
+      # S = Q K^T and dP = dO V^T (Q and dO in SMEM, or registers): two groups.
+      plgpu.wgmma(s_ref, q_a, k_tile.transpose((1, 0)))
+      plgpu.wgmma(dp_ref, do_a, v_tile.transpose((1, 0)))
 
     def add_dq(dq, ds, k_tile):
       """dQ + dS K, waited for."""
