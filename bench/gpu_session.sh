@@ -40,6 +40,7 @@
 #             dq_overlap64 / dq_overlap128 (the dQ kernel's softmax overlap, ~2 min each),
 #             d64_causal4k (the three-consumer causal forward at 4k-8k, ~1 min),
 #             registers64 / registers128 (the backward's fixed operands in registers: tests, A/B; ~4 / ~2 min),
+#             fwd_registers (the forward's Q in registers: tests, A/B; ~3 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
@@ -441,6 +442,18 @@ stage_registers128() {
   # The same at d128, where only the dQ kernel's fit (no spills). ~2 min.
   timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
     q_registers=1 2>&1 | tee "$OUT/registers128_ab.log"
+}
+
+stage_fwd_registers() {
+  # The forward's Q in registers for S = Q K^T (MosaicConfig.q_registers;
+  # two consumers only: three spill): its GPU tests, then the A/B where two
+  # consumers run (d64 up to 4k, d128). ~3 min.
+  timeout 100 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k "q_registers and not bwd" \
+    2>&1 | tee "$OUT/fwd_registers_tests.log" | tail -5
+  timeout 80 python tools/mosaic_bench.py --no-triton --seq 2048 4096 --head-dim 64 --variants default \
+    q_registers=1 2>&1 | tee "$OUT/fwd_registers_ab.log"
+  timeout 100 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 128 --variants default \
+    q_registers=1 2>&1 | tee -a "$OUT/fwd_registers_ab.log"
 }
 
 stage_d64_causal4k() {

@@ -73,6 +73,15 @@ def test_default_config_three_consumers_from_measured_lengths():
   assert api._mosaic_config(causal_8k, q) == three
 
 
+def test_q_registers_lowers_for_cuda():
+  """Q in registers for S = Q K^T (GPU only: the interpreter reads it from
+  shared memory): the kernel lowers and changes."""
+  q = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+  plain = mosaic.default_config(64)
+  assert _lower_for_cuda(q, q, q, True, dataclasses.replace(plain, q_registers=True)) != _lower_for_cuda(
+      q, q, q, True, plain)
+
+
 def test_three_consumers_skip_the_padding_copy_on_the_gpu():
   """seq_q 512 in 192-row Q blocks: whole 64-row consumer tiles, so the
   kernel compiled for the GPU reads q as it is (the TMA engine zero-fills
@@ -100,6 +109,7 @@ def test_three_consumers_skip_the_padding_copy_on_the_gpu():
         (dict(stages=2.0), "stages must be an int"),
         (dict(block_q=True), "block_q must be an int"),
         (dict(softmax_overlap=1), "softmax_overlap must be a bool"),
+        (dict(q_registers=1), "q_registers must be a bool"),
         (dict(persistent=None), "persistent must be a bool"),
         (dict(pingpong=1), "pingpong must be a bool"),
         (dict(pingpong=True), "pingpong needs softmax_overlap"),
@@ -430,9 +440,13 @@ def test_gpu_matches_reference(seq, head_dim, dtype, causal):
         # Whole 64-row tiles, half a Q block: not padded (the TMA engine
         # zero-fills the second consumer's rows, which store nothing).
         ((2, 1088, 1024, 4, 128), None, None),
+        # Q in registers for S = Q K^T (q_registers): the d64 and d128
+        # defaults, persistent, one ragged and grouped-query.
+        ((2, 2048, 2048, 4, 64), None, dataclasses.replace(mosaic.default_config(64), q_registers=True)),
+        ((1, 1000, 1537, 8, 128), 2, dataclasses.replace(mosaic.default_config(128), q_registers=True)),
     ],
     ids=["gqa", "seq_q_gt_seq_k", "block_kv_64", "d256", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_d256",
-         "half_block_unpadded"],
+         "half_block_unpadded", "d64_q_registers", "d128_q_registers_ragged_gqa"],
 )
 def test_gpu_variants(shape, kv_heads, config):
   for dtype in (jnp.bfloat16, jnp.float16):

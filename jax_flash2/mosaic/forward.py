@@ -179,7 +179,13 @@ class MosaicConfig:
       the tensor cores two other consumers' matmuls to run while one
       computes its softmax, which at head_dim 64 takes about as long as its
       matmuls; and a 192-row Q tile reads K and V a third less often per
-      FLOP. Not yet timed on a GPU.
+      FLOP. The head_dim-64 default from 4k (8k causal; session 8).
+    q_registers: each consumer loads its Q rows into registers once per tile
+      and takes them from there as the A operand of every S = Q K^T, which
+      then reads only K from shared memory (a third of the bytes at block_kv
+      128; bench/NOTES.md, session 8's model). Costs D / 4 registers per
+      thread per 64 rows. The interpreter reads Q from shared memory either
+      way. Not yet timed on a GPU, hence off.
   Sequence lengths need not be multiples of the blocks: `forward` pads them
   (ragged lengths; see the module docstring).
   """
@@ -191,9 +197,10 @@ class MosaicConfig:
   persistent: bool = False
   pingpong: bool = False
   consumers: int = NUM_CONSUMERS
+  q_registers: bool = False
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "persistent", "pingpong"):
+    for name in ("softmax_overlap", "persistent", "pingpong", "q_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
     if self.pingpong and not self.softmax_overlap:
@@ -698,13 +705,18 @@ def _forward_kernel(
     divided by l_i."""
     q_start = tile.q_start + wg * rows
     full_hi, hi = _kv_block_bounds(q_start, rows, seq_q, seq_k, block_kv, causal)
+    # The A operand of S = Q K^T: Q in shared memory, or in registers
+    # (config.q_registers), loaded once for all of the tile's K blocks.
+    q_a = q_tile
+    if config.q_registers and not interpret:
+      q_a = plgpu.load(q_tile, layout=plgpu.Layout.WGMMA)
 
     def slot_of(kb):
       return lax.rem(ring_base + kb, jnp.int32(stages))
 
     def issue_scores(s_ref, slot):
       # Starts S = Q K^T of the K block in `slot` on the tensor cores.
-      plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+      plgpu.wgmma(s_ref, q_a, k_smem.at[slot].transpose((1, 0)))
 
     def scores_now(slot):
       """S = Q K^T [rows, block_kv] of the K block in `slot`, waited for;
