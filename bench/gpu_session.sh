@@ -41,6 +41,7 @@
 #             d64_causal4k (the three-consumer causal forward at 4k-8k, ~1 min),
 #             registers64 / registers128 (the backward's fixed operands in registers: tests, A/B; ~4 / ~2 min),
 #             fwd_registers (the forward's Q in registers: tests, A/B; ~3 min),
+#             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
@@ -454,6 +455,13 @@ stage_fwd_registers() {
     q_registers=1 2>&1 | tee "$OUT/fwd_registers_ab.log"
   timeout 100 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 128 --variants default \
     q_registers=1 2>&1 | tee -a "$OUT/fwd_registers_ab.log"
+}
+
+stage_wgmma() {
+  # tools/wgmma_bench.py: wgmma's throughput with A in shared memory or in
+  # registers, N 64-256, one or two warpgroups per SM (tests session 8's
+  # shared-memory model of the backward's score products). ~1 min.
+  timeout 120 python tools/wgmma_bench.py 2>&1 | tee "$OUT/wgmma.log"
 }
 
 stage_d64_causal4k() {
