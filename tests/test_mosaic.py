@@ -842,7 +842,7 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
         ((1, 200, 136, 2, 64), jnp.bfloat16, False, None, BackwardConfig(64, 64, 2, softmax_overlap=True)),
         ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, softmax_overlap=True)),
         # The dQ kernel's alone (the default at head_dim 64 and 128).
-        ((1, 200, 136, 2, 128), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True)),
+        ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True)),
     ],
     ids=["full_seq_q_lt_seq_k", "causal_gqa_drain", "causal_seq_q_lt_seq_k", "causal_seq_q_gt_seq_k",
          "overlap_causal_gqa_drain", "overlap_ragged", "overlap_causal_seq_q_gt_seq_k", "dq_overlap_ragged_gqa"],
