@@ -201,18 +201,19 @@ class BackwardConfig:
       the forward's persistent CTAs (forward.MosaicConfig.persistent): one
       per SM over many tiles, each tile's start and end overlapping the
       neighbouring tiles' work. Costs a second set of Q, dO, lse and delta
-      rows in shared memory. Not yet timed on a GPU, hence off by default.
+      rows in shared memory. On in the defaults (`default_backward_config`).
     dkv_persistent: the same for the dK/dV kernel (K/V-outer; causal tiles
       paired K/V block 0 with the last, ...). Costs a second set of K and V
-      tiles (at head_dim 128 room for a ring slot: stages 2). Not yet timed
-      on a GPU, hence off by default. With fused_dq (whose CTAs are
+      tiles (at head_dim 128 room for a ring slot: stages 2). On in the
+      defaults at head_dim 64 and 128. With fused_dq (whose CTAs are
       persistent anyway) it says whether they keep that second set.
     fused_dq: fold dQ into the dK/dV kernel (FlashAttention-2's single
       backward kernel): each K/V tile adds dS K into a float32 dQ in global
       memory, in an order fixed per Q block (semaphores; see `_dq_order`),
       so that gradients stay deterministic; S and dP are computed once, not
       twice. Needs block_q 64. Off by default: slower than the two kernels
-      on the H200, bound by the reduce-adds (bench/NOTES.md, session 7).
+      on the H200, and not for its reduce-adds: without them, or without
+      their order, it is no faster (bench/NOTES.md, sessions 7-8).
     kv_registers: the dK/dV kernel's consumers hold their K and V rows in
       registers for S^T = K Q^T and dP^T = V dO^T, so that those products
       read only Q and dO from shared memory (half the bytes: at N = 64 both
