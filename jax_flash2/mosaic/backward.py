@@ -90,9 +90,9 @@ Status: runs on the H200 and passes its GPU tests at the Triton path's bar,
 ragged lengths included (session 4; persistent by default since session 6;
 speed in bench/NOTES.md). The fused kernel passes its GPU tests, bit-for-bit
 deterministic, but is 7-29% slower than the two kernels at head_dim 128
-and 0-14% at 64 (session 7): float32 TMA reduce-adds run at 1-2.4 TB/s on
-the H200 (tools/tma_reduce_bench.py), so a step's two 16 KiB pieces cost
-about what its matmuls do. Checked on CPU: lowering for CUDA,
+and 0-14% at 64 (session 7), and not for its reduce-adds into dQ: without
+them, or without their order, it is no faster (session 8,
+`dq_addition_experiment`). Checked on CPU: lowering for CUDA,
 compilation to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no
 spills except a few scalars in the causal dkv at head_dim 128; dkv at
 block_q 128 and head_dim 128 spills heavily: S^T and dP^T then take 128
@@ -1073,15 +1073,16 @@ def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float 
   return config, float(head_dim ** -0.5 if softmax_scale is None else softmax_scale)
 
 
-def _pad(q, k, v, do, lse, delta):
-  """The operands padded along their sequence axes to multiples of
-  OUTER_ROWS, for both kernels. Padded query rows get lse = +inf, so that
-  P = exp2(S - lse) = 0 there (finite S: Q is 0), and dO = 0, delta = 0,
-  so that dS = P * (dP - delta) = 0 as well."""
-  q, do = pad_seq(q, OUTER_ROWS), pad_seq(do, OUTER_ROWS)
+def _pad(q, k, v, do, lse, delta, *, q_rows: int = OUTER_ROWS):
+  """The operands padded along their sequence axes, for both kernels: q,
+  do, lse and delta to multiples of q_rows, k and v of OUTER_ROWS (an
+  operand already a multiple is returned as it is). Padded query rows get
+  lse = +inf, so that P = exp2(S - lse) = 0 there (finite S: Q is 0), and
+  dO = 0, delta = 0, so that dS = P * (dP - delta) = 0 as well."""
+  q, do = pad_seq(q, q_rows), pad_seq(do, q_rows)
   k, v = pad_seq(k, OUTER_ROWS), pad_seq(v, OUTER_ROWS)
-  lse = pad_seq(lse, OUTER_ROWS, axis=2, value=jnp.inf)
-  delta = pad_seq(delta, OUTER_ROWS, axis=2)
+  lse = pad_seq(lse, q_rows, axis=2, value=jnp.inf)
+  delta = pad_seq(delta, q_rows, axis=2)
   return q, k, v, do, lse, delta
 
 
@@ -1392,9 +1393,7 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
   consumers = config.dq_consumers
   padded_q = q.shape[1]
   if interpret:  # the interpreter slices, it does not zero-fill: whole blocks
-    block_q = consumers * WGMMA_M
-    q, do = pad_seq(q, block_q), pad_seq(do, block_q)
-    lse, delta = pad_seq(lse, block_q, axis=2, value=jnp.inf), pad_seq(delta, block_q, axis=2)
+    q, k, v, do, lse, delta = _pad(q, k, v, do, lse, delta, q_rows=consumers * WGMMA_M)
   batch, _, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   dtype, stages, block_kv = q.dtype, config.stages, config.block_kv

@@ -84,8 +84,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
-# Consumer warpgroups per CTA (the forward may take 3: MosaicConfig.consumers);
-# the producer warpgroup comes after them.
+# Consumer warpgroups per CTA (the forward and the dQ kernel may take 3:
+# MosaicConfig.consumers, BackwardConfig.dq_consumers); the producer
+# warpgroup comes after them.
 NUM_CONSUMERS = 2
 # wgmma works on M = 64 rows per warpgroup instruction.
 WGMMA_M = 64
