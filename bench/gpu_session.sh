@@ -41,6 +41,7 @@
 #             d64_causal4k (the three-consumer causal forward at 4k-8k, ~1 min),
 #             registers64 / registers128 (the backward's fixed operands in registers: tests, A/B; ~4 / ~2 min),
 #             fwd_registers (the forward's Q in registers: tests, A/B; ~3 min),
+#             registers_ab (the three A/Bs above without their tests, ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
@@ -454,6 +455,20 @@ stage_fwd_registers() {
   timeout 80 python tools/mosaic_bench.py --no-triton --seq 2048 4096 --head-dim 64 --variants default \
     q_registers=1 2>&1 | tee "$OUT/fwd_registers_ab.log"
   timeout 100 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 128 --variants default \
+    q_registers=1 2>&1 | tee -a "$OUT/fwd_registers_ab.log"
+}
+
+stage_registers_ab() {
+  # registers64, registers128 and fwd_registers without their tests (run
+  # them first as N:mosaic_shards with SHARD_K=registers, in parallel): the
+  # A/B of every operand held in registers, in one stream. ~6 min.
+  timeout 170 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
+    kv_registers=1 q_registers=1 kv_registers=1+q_registers=1 2>&1 | tee "$OUT/registers64_ab.log"
+  timeout 120 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+    q_registers=1 2>&1 | tee "$OUT/registers128_ab.log"
+  timeout 70 python tools/mosaic_bench.py --no-triton --seq 2048 4096 --head-dim 64 --variants default \
+    q_registers=1 2>&1 | tee "$OUT/fwd_registers_ab.log"
+  timeout 80 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 128 --variants default \
     q_registers=1 2>&1 | tee -a "$OUT/fwd_registers_ab.log"
 }
 
