@@ -42,6 +42,7 @@
 #             registers64 / registers128 (the backward's fixed operands in registers: tests, A/B; ~4 / ~2 min),
 #             fwd_registers (the forward's Q in registers: tests, A/B; ~3 min),
 #             registers_ab (the three A/Bs above without their tests, ~6 min),
+#             poly_ab (part of the exponentials as a polynomial: d64 fwd, bwd, d128 fwd; ~5 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
@@ -430,20 +431,20 @@ stage_dq_overlap64() { dq_overlap 64; }
 stage_dq_overlap128() { dq_overlap 128; }
 
 stage_registers64() {
-  # The backward's score products with their fixed A operand in registers
-  # (BackwardConfig.kv_registers for dK/dV, q_registers for dQ): half the
-  # shared-memory reads of those products (bench/NOTES.md, session 8's
-  # model). GPU tests, then the A/B at d64 (dkv ms, dq ms). ~4 min.
+  # The dQ kernel's score products with Q and dO in registers
+  # (BackwardConfig.q_registers, the default since session 9; kv_registers,
+  # the dK/dV kernel's, was removed: wrong without a causal mask). GPU
+  # tests, then the A/B at d64 (dkv ms, dq ms). ~3 min.
   timeout 150 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k "registers" 2>&1 \
     | tee "$OUT/registers_tests.log" | tail -5
   timeout 200 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
-    kv_registers=1 q_registers=1 kv_registers=1+q_registers=1 2>&1 | tee "$OUT/registers64_ab.log"
+    q_registers=0 2>&1 | tee "$OUT/registers64_ab.log"
 }
 
 stage_registers128() {
   # The same at d128, where only the dQ kernel's fit (no spills). ~2 min.
   timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
-    q_registers=1 2>&1 | tee "$OUT/registers128_ab.log"
+    q_registers=0 2>&1 | tee "$OUT/registers128_ab.log"
 }
 
 stage_fwd_registers() {
@@ -463,13 +464,27 @@ stage_registers_ab() {
   # them first as N:mosaic_shards with SHARD_K=registers, in parallel): the
   # A/B of every operand held in registers, in one stream. ~6 min.
   timeout 170 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
-    kv_registers=1 q_registers=1 kv_registers=1+q_registers=1 2>&1 | tee "$OUT/registers64_ab.log"
+    q_registers=0 2>&1 | tee "$OUT/registers64_ab.log"
   timeout 120 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
-    q_registers=1 2>&1 | tee "$OUT/registers128_ab.log"
+    q_registers=0 2>&1 | tee "$OUT/registers128_ab.log"
   timeout 70 python tools/mosaic_bench.py --no-triton --seq 2048 4096 --head-dim 64 --variants default \
     q_registers=1 2>&1 | tee "$OUT/fwd_registers_ab.log"
   timeout 80 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 128 --variants default \
     q_registers=1 2>&1 | tee -a "$OUT/fwd_registers_ab.log"
+}
+
+stage_poly_ab() {
+  # Part of each tile's exponentials as a polynomial on the FP32 units
+  # (MosaicConfig.poly_columns, BackwardConfig.dkv_/dq_poly_columns;
+  # poly_exp2.py): the d64 forward, where the SFU's ex2 takes as long as the
+  # matmuls, then the d64 backward and the d128 forward. Tests first as
+  # N:mosaic_shards with SHARD_K=poly. ~5 min.
+  timeout 170 python tools/mosaic_bench.py --no-triton --seq 2048 4096 16384 --head-dim 64 --variants default \
+    poly_columns=16 poly_columns=32 poly_columns=48 2>&1 | tee "$OUT/poly64_fwd_ab.log"
+  timeout 110 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default \
+    dq_poly_columns=16 dkv_poly_columns=16 2>&1 | tee "$OUT/poly64_bwd_ab.log"
+  timeout 60 python tools/mosaic_bench.py --no-triton --seq 4096 16384 --head-dim 128 --variants default \
+    poly_columns=32 2>&1 | tee "$OUT/poly128_fwd_ab.log"
 }
 
 stage_wgmma() {

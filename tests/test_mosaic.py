@@ -117,6 +117,9 @@ def test_three_consumers_skip_the_padding_copy_on_the_gpu():
         (dict(consumers=3.0), "consumers must be an int"),
         (dict(consumers=3), "block_q must be 192 or 384"),
         (dict(consumers=3, block_q=192, softmax_overlap=True, pingpong=True), "pingpong takes two consumers"),
+        (dict(poly_columns=12), "poly_columns must be a multiple of 8 between 0 and 128"),
+        (dict(block_kv=64, poly_columns=72), "poly_columns must be a multiple of 8 between 0 and 64"),
+        (dict(poly_columns=16.0), "poly_columns must be an int"),
     ],
 )
 def test_config_rejects(kwargs, match):
@@ -210,6 +213,10 @@ def test_lowers_for_cuda(head_dim, dtype, causal):
         ((2, 1024, 1024, 4, 128), None, MosaicConfig(softmax_overlap=True, persistent=True, pingpong=True)),
         ((2, 1000, 1537, 4, 64), 2, MosaicConfig(block_q=192, stages=4, softmax_overlap=True, persistent=True,
                                                  consumers=3)),
+        # Part of the exponentials as a polynomial (bitcasts, a shift, a
+        # register-tile split), in the plain and the overlapped loop.
+        ((1, 1000, 1537, 2, 64), None, MosaicConfig(poly_columns=32)),
+        ((1, 2048, 2048, 2, 64), None, MosaicConfig(block_q=192, consumers=3, softmax_overlap=True, poly_columns=128)),
     ],
 )
 def test_lowers_for_cuda_variants(shape, kv_heads, config):
@@ -281,8 +288,11 @@ def _check_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, causal
         # first consumer stops a block before the second.
         ((1, 256, 256, 1, 64), jnp.float16, True, None, MosaicConfig(block_q=128, block_kv=64, stages=3)),
         ((1, 128, 384, 2, 64), jnp.bfloat16, True, 1, MosaicConfig(block_q=128, block_kv=64, stages=2)),
+        # A quarter of each tile's exponentials as the polynomial; causal,
+        # so masked scores (-inf) must still give exactly 0.
+        ((1, 256, 256, 1, 64), jnp.float16, True, None, MosaicConfig(block_q=128, block_kv=64, poly_columns=16)),
     ],
-    ids=["full", "causal_drain", "gqa_seq_q_lt_seq_k"],
+    ids=["full", "causal_drain", "gqa_seq_q_lt_seq_k", "poly_exp2_causal"],
 )
 def test_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
   _check_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
@@ -451,6 +461,24 @@ def test_gpu_matches_reference(seq, head_dim, dtype, causal):
 def test_gpu_variants(shape, kv_heads, config):
   for dtype in (jnp.bfloat16, jnp.float16):
     _check_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape, kv_heads, config",
+    # Part of the exponentials as a polynomial: two consumers; three, ragged
+    # grouped-query with seq_q > seq_k (causal: rows that see no key).
+    [
+        ((2, 2048, 2048, 4, 64), None, dataclasses.replace(mosaic.default_config(64), poly_columns=32)),
+        ((1, 2000, 1537, 8, 64), 2, dataclasses.replace(mosaic.default_config(64, seq_q=8192), poly_columns=48)),
+    ],
+    ids=["d64", "three_consumers_ragged_gqa"],
+)
+def test_gpu_poly_exp2(shape, kv_heads, config, causal):
+  for dtype in (jnp.bfloat16, jnp.float16):
+    _check_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
 @pytest.mark.gpu
@@ -682,9 +710,11 @@ def test_bwd_config():
       (dict(dq_turns=1), "dq_turns must be a bool"),
       (dict(dq_consumers=4), "dq_consumers must be 2 or 3"),
       (dict(dq_softmax_overlap=1), "dq_softmax_overlap must be a bool"),
-      (dict(kv_registers=1), "kv_registers must be a bool"),
       (dict(q_registers="yes"), "q_registers must be a bool"),
       (dict(dq_consumers=3.0), "dq_consumers must be an int"),
+      (dict(dkv_poly_columns=72), "dkv_poly_columns must be a multiple of 8 between 0 and 64"),
+      (dict(block_kv=128, dq_poly_columns=4), "dq_poly_columns must be a multiple of 8 between 0 and 128"),
+      (dict(dq_poly_columns=True), "dq_poly_columns must be an int"),
   ):
     with pytest.raises(ValueError, match=match):
       BackwardConfig(**kwargs)
@@ -770,22 +800,15 @@ def test_bwd_lowers_for_cuda_ragged(shape, causal, kv_heads, config):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bwd_operands_in_registers_lower_for_cuda(head_dim):
-  """K and V (dK/dV kernel, head_dim 64), Q and dO (dQ kernel) in registers
-  for the score products (GPU only: the interpreter reads them from shared
-  memory): the kernels lower and change (their wgmmas take their A
-  operands from registers); dK/dV at head_dim 128 is refused (no room in
-  the registers)."""
+  """Q and dO in registers for the dQ kernel's score products (GPU only:
+  the interpreter reads them from shared memory): the kernel lowers and
+  changes (its wgmmas take their A operands from registers)."""
   structs = _bwd_structs(1, 512, 512, 2, head_dim)
   lower = lambda fn, config: jax.jit(lambda *a: fn(*a, causal=True, config=config)).trace(
       *structs).lower(lowering_platforms=("cuda",)).as_text()
-  plain = mosaic_bwd.default_backward_config(head_dim)
-  assert lower(mosaic_bwd.dq, dataclasses.replace(plain, q_registers=True)) != lower(mosaic_bwd.dq, plain)
-  if head_dim == 64:
-    assert lower(mosaic_bwd.dkv, dataclasses.replace(plain, kv_registers=True)) != lower(mosaic_bwd.dkv, plain)
-    return
-  d128 = [jnp.zeros(x.shape, x.dtype) for x in _bwd_structs(1, 256, 256, 2, 128)]
-  with pytest.raises(NotImplementedError, match="kv_registers needs head_dim 64"):
-    mosaic_bwd.dkv(*d128, config=BackwardConfig(kv_registers=True))
+  default = mosaic_bwd.default_backward_config(head_dim)
+  assert default.q_registers
+  assert lower(mosaic_bwd.dq, default) != lower(mosaic_bwd.dq, dataclasses.replace(default, q_registers=False))
 
 
 def test_bwd_only_ragged_lengths_pay_for_padding():
@@ -843,9 +866,14 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
         ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, softmax_overlap=True)),
         # The dQ kernel's alone (the default at head_dim 64 and 128).
         ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True)),
+        # Exponentials as the polynomial, part of dkv's tiles and all of
+        # dq's, with rows that see no key (lse = -inf: P must be 0, not NaN).
+        ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True,
+                                                                     dkv_poly_columns=24, dq_poly_columns=64)),
     ],
     ids=["full_seq_q_lt_seq_k", "causal_gqa_drain", "causal_seq_q_lt_seq_k", "causal_seq_q_gt_seq_k",
-         "overlap_causal_gqa_drain", "overlap_ragged", "overlap_causal_seq_q_gt_seq_k", "dq_overlap_ragged_gqa"],
+         "overlap_causal_gqa_drain", "overlap_ragged", "overlap_causal_seq_q_gt_seq_k", "dq_overlap_ragged_gqa",
+         "poly_exp2_causal_ragged_gqa"],
 )
 def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
@@ -1047,24 +1075,38 @@ def test_bwd_gpu_matches_reference(seq, head_dim, causal):
         ((2, 4096, 4096, 4, 64), jnp.bfloat16, None, BackwardConfig(64, 64, 2, dq_persistent=True,
                                                                     dq_consumers=3)),
         ((1, 1000, 1537, 8, 64), jnp.float16, 2, BackwardConfig(64, 128, 2, dq_consumers=3)),
-        # K and V in registers for the dK/dV kernel's score products (the
-        # default d64 tiling otherwise): persistent, and ragged grouped-query.
-        ((2, 4096, 4096, 4, 64), jnp.bfloat16, None, dataclasses.replace(
-            mosaic_bwd.default_backward_config(64), kv_registers=True)),
-        ((1, 1000, 1537, 8, 64), jnp.float16, 2, BackwardConfig(64, 64, 2, kv_registers=True, q_registers=True)),
-        ((2, 4096, 4096, 4, 128), jnp.bfloat16, None, dataclasses.replace(
-            mosaic_bwd.default_backward_config(128), q_registers=True)),
+        # Q and dO in registers for the dQ kernel's score products, not
+        # persistent, ragged grouped-query (the defaults take them too).
+        ((1, 1000, 1537, 8, 64), jnp.float16, 2, BackwardConfig(64, 64, 2, q_registers=True)),
         # Three ring slots beside persistent CTAs' second outer tiles: 231.6 of 232.4 KB.
         ((2, 4096, 4096, 4, 128), jnp.bfloat16, None, BackwardConfig(64, 64, 3, dq_persistent=True,
                                                                      dkv_persistent=True)),
     ],
     ids=["gqa", "seq_q_gt_seq_k", "blocks_128", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_blocks_128",
-         "three_dq_consumers", "three_dq_consumers_ragged_gqa", "kv_registers", "operands_in_registers_ragged_gqa",
-         "d128_q_registers",
-         "d128_three_slots"],
+         "three_dq_consumers", "three_dq_consumers_ragged_gqa", "q_registers_ragged_gqa", "d128_three_slots"],
 )
 def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape, dtype, kv_heads, config",
+    # Part of the exponentials as a polynomial, in the d64 and d128 defaults
+    # (persistent, dQ overlap): seq_q > seq_k (causal: rows that see no
+    # key), ragged grouped-query.
+    [
+        ((1, 2048, 1024, 4, 64), jnp.bfloat16, None, dataclasses.replace(
+            mosaic_bwd.default_backward_config(64), dkv_poly_columns=16, dq_poly_columns=24)),
+        ((1, 1000, 1537, 8, 128), jnp.float16, 2, dataclasses.replace(
+            mosaic_bwd.default_backward_config(128), dkv_poly_columns=16, dq_poly_columns=16)),
+    ],
+    ids=["d64_seq_q_gt_seq_k", "d128_ragged_gqa"],
+)
+def test_bwd_gpu_poly_exp2(shape, dtype, kv_heads, config, causal):
+  _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
 @pytest.mark.gpu

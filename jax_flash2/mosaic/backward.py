@@ -114,6 +114,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_flash2.mosaic import poly_exp2
 from jax_flash2.mosaic.forward import (
     CONSUMER_REGISTERS,
     LOG2_E,
@@ -214,16 +215,10 @@ class BackwardConfig:
       twice. Needs block_q 64. Off by default: slower than the two kernels
       on the H200, and not for its reduce-adds: without them, or without
       their order, it is no faster (bench/NOTES.md, sessions 7-8).
-    kv_registers: the dK/dV kernel's consumers hold their K and V rows in
-      registers for S^T = K Q^T and dP^T = V dO^T, so that those products
-      read only Q and dO from shared memory (half the bytes: at N = 64 both
-      operands from shared memory take its whole bandwidth; bench/NOTES.md,
-      session 8). head_dim 64 only (32 more registers). Not yet timed on a
-      GPU, hence off.
-    q_registers: the same for the dQ kernel: its consumers hold their Q and
-      dO rows in registers for S = Q K^T and dP = dO V^T (head_dim 64 and
-      128: no spills on sm_90a, where kv_registers spills at 128). Not yet
-      timed on a GPU, hence off.
+    q_registers: the dQ kernel's consumers hold their Q and dO rows in
+      registers for S = Q K^T and dP = dO V^T, which then read only K and V
+      from shared memory (head_dim 64 and 128: no spills on sm_90a). On in
+      the defaults: 0-9% off the dQ kernel's time (session 9).
     dq_consumers: consumer warpgroups of the dQ kernel, 2 or 3 (head_dim
       64 only: 160 registers each; 192 Q rows per CTA, three consumers'
       element-wise work beside one another's matmuls, as the forward's
@@ -233,6 +228,11 @@ class BackwardConfig:
       each a whole-width piece at every other step, instead of each adding
       half the columns at every step (`_dq_piece`); at head_dim 64 they
       always take turns. At head_dim 128 slower than the split (session 7).
+    dkv_poly_columns, dq_poly_columns: the last columns of each P^T tile of
+      the dK/dV kernel (of block_q) and each P tile of the dQ kernel (of
+      block_kv) whose exponentials are a polynomial on the FP32 units
+      instead of the SFU's ex2 (as forward.MosaicConfig.poly_columns;
+      `poly_exp2.py`). Multiples of 8; 0: ex2 alone.
   The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
   Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
   lengths; see the module docstring).
@@ -247,13 +247,14 @@ class BackwardConfig:
   dkv_persistent: bool = False
   fused_dq: bool = False
   dq_turns: bool = False
-  kv_registers: bool = False
   q_registers: bool = False
   dq_consumers: int = NUM_CONSUMERS
+  dkv_poly_columns: int = 0
+  dq_poly_columns: int = 0
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
-                 "kv_registers", "q_registers"):
+                 "q_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers"):
@@ -271,6 +272,8 @@ class BackwardConfig:
       raise ValueError(f"BackwardConfig.fused_dq needs block_q {WGMMA_M}, got {self.block_q}")
     if self.fused_dq and self.softmax_overlap:
       raise ValueError("BackwardConfig.fused_dq does not take softmax_overlap")
+    poly_exp2.check_poly_columns("BackwardConfig.dkv_poly_columns", self.dkv_poly_columns, self.block_q)
+    poly_exp2.check_poly_columns("BackwardConfig.dq_poly_columns", self.dq_poly_columns, self.block_kv)
 
   @property
   def dkv_buffers(self) -> int:
@@ -315,16 +318,17 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   head_dim 64 (dq_consumers; 64-row K/V blocks, 128 spill) gave -13% to +32%
   of the dQ kernel's time, no gain overall (session 8): two. The dQ kernel
   overlaps its softmax with dP's product (1-5% faster at most lengths,
-  session 8; the dK/dV kernel loses with it, session 5)."""
+  session 8; the dK/dV kernel loses with it, session 5) and takes Q and dO
+  from registers (q_registers: 0-9% faster, session 9)."""
   if head_dim <= 64:
     return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
-                          dkv_persistent=True)
+                          dkv_persistent=True, q_registers=True)
   if head_dim in WIDE_HEAD_DIMS:
     # backward_wide.py: 64-row blocks, room for two ring slots; persistent dQ
     # CTAs (2-17% faster; persistent dK/dV CTAs spill and lose up to 11%).
     return BackwardConfig(block_q=64, block_kv=64, stages=2, dq_persistent=True)
   return BackwardConfig(block_q=64, block_kv=64, stages=2, dq_softmax_overlap=True, dq_persistent=True,
-                        dkv_persistent=True)
+                        dkv_persistent=True, q_registers=True)
 
 
 def _wide():
@@ -366,8 +370,6 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
     raise NotImplementedError(f"the Mosaic GPU backward supports bfloat16 and float16, got {q.dtype}")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-  if "dkv" in kernels and config.kv_registers and head_dim != 64:
-    raise NotImplementedError(f"BackwardConfig.kv_registers needs head_dim 64 (registers), got {head_dim}")
   if "dq" in kernels and config.dq_consumers != NUM_CONSUMERS and head_dim != 64:
     raise NotImplementedError(
         f"BackwardConfig.dq_consumers {config.dq_consumers} needs head_dim 64 (registers), got {head_dim}")
@@ -803,12 +805,6 @@ def _dkv_kernel(
     k_start = tile.k_start + wg * rows
     k_tile, v_tile = k_smem.at[buffer, wg], v_smem.at[buffer, wg]
     plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + wg])
-    # The A operands of S^T and dP^T: K and V from shared memory, or loaded
-    # once per tile into registers (kv_registers; the interpreter reads
-    # them from shared memory either way).
-    k_a, v_a = k_tile, v_tile
-    if config.kv_registers and not interpret:
-      k_a, v_a = (plgpu.load(t, layout=plgpu.Layout.WGMMA) for t in (k_tile, v_tile))
     lo, full_lo = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
     vec_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
 
@@ -819,7 +815,7 @@ def _dkv_kernel(
       """P^T [keys, queries] from S^T and the lse of the Q block in `slot`."""
       plgpu.barrier_wait(lse_ready.at[slot])
       lse = plgpu.load(lse_smem.at[slot], layout=vec_layout) * LOG2_E
-      p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      p_t = poly_exp2.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), config.dkv_poly_columns)
       if masked:
         key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
         query = qb * block_q + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
@@ -847,9 +843,9 @@ def _dkv_kernel(
       plgpu.barrier_arrive(q_consumed.at[slot])
 
     def issue_scores(s_ref, dp_ref, q_tile, do_tile):
-      # S^T = K Q^T and dP^T = V dO^T (K and V in SMEM, or registers): two groups.
-      plgpu.wgmma(s_ref, k_a, q_tile.transpose((1, 0)))
-      plgpu.wgmma(dp_ref, v_a, do_tile.transpose((1, 0)))
+      # S^T = K Q^T and dP^T = V dO^T: two groups.
+      plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
+      plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
 
     def update(qb, slot, dk, dv, *, masked: bool, ring_step=None):
       """dK and dV with Q block qb (in `slot`) added; with fused_dq also
@@ -1267,7 +1263,7 @@ def _dq_kernel(
       return lax.rem(ring_base + kb, jnp.int32(stages))
 
     def probs(s, kb, *, masked: bool):
-      p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+      p = poly_exp2.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]), config.dq_poly_columns)
       if masked:
         row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
         col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)

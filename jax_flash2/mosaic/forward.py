@@ -81,6 +81,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_flash2.mosaic import poly_exp2
+
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
@@ -187,6 +189,11 @@ class MosaicConfig:
       128; bench/NOTES.md, session 8's model). Costs D / 4 registers per
       thread per 64 rows. The interpreter reads Q from shared memory either
       way. Not yet timed on a GPU, hence off.
+    poly_columns: the last `poly_columns` columns of each S tile take their
+      exponentials as a polynomial on the FP32 units instead of the SFU's
+      ex2 (FlashAttention-4's trick; `exp2.py`): at head_dim 64 the SFU,
+      not the tensor cores, sets the forward's pace. A multiple of 8 up to
+      block_kv; 0: ex2 alone.
   Sequence lengths need not be multiples of the blocks: `forward` pads them
   (ragged lengths; see the module docstring).
   """
@@ -199,6 +206,7 @@ class MosaicConfig:
   pingpong: bool = False
   consumers: int = NUM_CONSUMERS
   q_registers: bool = False
+  poly_columns: int = 0
 
   def __post_init__(self):
     for name in ("softmax_overlap", "persistent", "pingpong", "q_registers"):
@@ -222,6 +230,7 @@ class MosaicConfig:
       raise ValueError(f"MosaicConfig.block_kv must be 64, 128 or 256, got {self.block_kv}")
     if not 2 <= self.stages <= 8:
       raise ValueError(f"MosaicConfig.stages must be between 2 and 8, got {self.stages}")
+    poly_exp2.check_poly_columns("MosaicConfig.poly_columns", self.poly_columns, self.block_kv)
 
   @property
   def rows_per_consumer(self) -> int:
@@ -750,7 +759,7 @@ def _forward_kernel(
         # so that exp2 gives 0 rather than exp2(-inf + inf) = NaN.
         m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      p = poly_exp2.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]), config.poly_columns)
       return p, m_new, l_i * alpha + jnp.sum(p, axis=1), alpha
 
     def rescale(acc, alpha):
