@@ -232,7 +232,8 @@ class BackwardConfig:
       the dK/dV kernel (of block_q) and each P tile of the dQ kernel (of
       block_kv) whose exponentials are a polynomial on the FP32 units
       instead of the SFU's ex2 (as forward.MosaicConfig.poly_columns;
-      `poly_exp2.py`). Multiples of 8; 0: ex2 alone.
+      `poly_exp2.py`). Multiples of 8; 0: ex2 alone. Off: no faster at
+      head_dim 64 (session 9).
   The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
   Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
   lengths; see the module docstring).

@@ -191,9 +191,11 @@ class MosaicConfig:
       way. Not yet timed on a GPU, hence off.
     poly_columns: the last `poly_columns` columns of each S tile take their
       exponentials as a polynomial on the FP32 units instead of the SFU's
-      ex2 (FlashAttention-4's trick; `exp2.py`): at head_dim 64 the SFU,
-      not the tensor cores, sets the forward's pace. A multiple of 8 up to
-      block_kv; 0: ex2 alone.
+      ex2 (FlashAttention-4's trick; `poly_exp2.py`). A multiple of 8 up to
+      block_kv; 0: ex2 alone. Off: on the H200 it was no faster at 16
+      columns and 2-18% slower at 32-48 (session 9): the consumers are
+      bound by instruction issue, where an SFU instruction costs one slot
+      and the polynomial nine.
   Sequence lengths need not be multiples of the blocks: `forward` pads them
   (ragged lengths; see the module docstring).
   """

@@ -24,10 +24,17 @@ f = x - j in [-1/2, 1/2]:
 - x is clamped at -127 first: j + 127 = 0 gives 2^j = +0.0, so masked
   scores (-inf) still give exactly 0, as ex2 does.
 
-Seven FP32 operations and one shift against one SFU operation (eight FP32
-operations' worth of throughput): the polynomial is no cheaper per element,
-only elsewhere, so a tile takes it for some of its columns (`poly_columns`)
-and ex2 for the rest.
+Eight FP32 instructions and one shift against one SFU instruction (eight
+FP32 instructions' worth of the SFU's throughput): the polynomial is no
+cheaper per element, only elsewhere, so a tile takes it for some of its
+columns (`poly_columns`) and ex2 for the rest.
+
+Measured on the H200 (bench/NOTES.md, session 9): no faster anywhere, and
+slower the more columns take it. Each instruction also takes an issue
+slot, one per cycle per SM sub-partition, which is what the kernels'
+consumers run short of; an SFU instruction takes one slot, the polynomial
+nine. The option stays, off, for GPUs or kernels where the SFU is the
+bound.
 """
 
 from __future__ import annotations
