@@ -193,9 +193,9 @@ class MosaicConfig:
       exponentials as a polynomial on the FP32 units instead of the SFU's
       ex2 (FlashAttention-4's trick; `poly_exp2.py`). A multiple of 8 up to
       block_kv; 0: ex2 alone. Off: on the H200 it was no faster at 16
-      columns and 2-18% slower at 32-48 (session 9): the consumers are
-      bound by instruction issue, where an SFU instruction costs one slot
-      and the polynomial nine.
+      columns and 2-18% slower at 32-48 (session 9): the SFU is not what
+      binds there, and the polynomial's nine instructions per score cost
+      more issue slots than the one SFU instruction they replace.
   Sequence lengths need not be multiples of the blocks: `forward` pads them
   (ragged lengths; see the module docstring).
   """

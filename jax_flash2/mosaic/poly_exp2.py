@@ -30,11 +30,11 @@ cheaper per element, only elsewhere, so a tile takes it for some of its
 columns (`poly_columns`) and ex2 for the rest.
 
 Measured on the H200 (bench/NOTES.md, session 9): no faster anywhere, and
-slower the more columns take it. Each instruction also takes an issue
-slot, one per cycle per SM sub-partition, which is what the kernels'
-consumers run short of; an SFU instruction takes one slot, the polynomial
-nine. The option stays, off, for GPUs or kernels where the SFU is the
-bound.
+slower the more columns take it. So the SFU is not what binds these
+kernels there; and each instruction also takes an issue slot (one warp
+instruction per cycle per SM sub-partition), one for ex2, nine for the
+polynomial. The option stays, off, for GPUs or kernels where the SFU is
+the bound.
 """
 
 from __future__ import annotations
