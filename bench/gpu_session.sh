@@ -43,6 +43,7 @@
 #             fwd_registers (the forward's Q in registers: tests, A/B; ~3 min),
 #             registers_ab (the three A/Bs above without their tests, ~6 min),
 #             poly_ab (part of the exponentials as a polynomial: d64 fwd, bwd, d128 fwd; ~5 min),
+#             dkv_ring128 (the d128 dK/dV kernel with 3-4 ring slots, not persistent; ~2 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
@@ -485,6 +486,17 @@ stage_poly_ab() {
     dq_poly_columns=16 dkv_poly_columns=16 2>&1 | tee "$OUT/poly64_bwd_ab.log"
   timeout 60 python tools/mosaic_bench.py --no-triton --seq 4096 16384 --head-dim 128 --variants default \
     poly_columns=32 2>&1 | tee "$OUT/poly128_fwd_ab.log"
+}
+
+stage_dkv_ring128() {
+  # The d128 dK/dV kernel with more ring slots instead of the persistent
+  # CTAs' second K/V tiles (their 64 KiB hold two more Q/dO slots): its
+  # consumers waited 10-13% for the ring (session 8), and at 4 slots it
+  # compiles without spills (session 9). Read the dkv column: the dQ kernel
+  # is made plain too, to fit 4 slots. ~2 min.
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 16384 --head-dim 128 --variants default \
+    stages=3+dkv_persistent=0+dq_persistent=0 stages=4+dkv_persistent=0+dq_persistent=0 2>&1 \
+    | tee "$OUT/dkv_ring128.log"
 }
 
 stage_wgmma() {
