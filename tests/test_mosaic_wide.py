@@ -65,6 +65,9 @@ def test_wide_rejects():
         (BackwardConfig(64, 64, 2, fused_dq=True), "takes none of"),
         (BackwardConfig(64, 64, 2, dq_softmax_overlap=True), "takes none of"),
         (BackwardConfig(64, 64, 2, q_registers=True), "takes none of"),
+        # The wide kernels compute every exponential with ex2.
+        (BackwardConfig(64, 64, 2, dkv_poly_columns=16), "takes none of"),
+        (BackwardConfig(64, 64, 2, dq_poly_columns=8), "takes none of"),
         (BackwardConfig(64, 64, 3), "shared memory"),
     ):
       with pytest.raises(ValueError, match=match):

@@ -258,7 +258,7 @@ class BackwardConfig:
                  "q_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
-    for name in ("block_q", "block_kv", "stages", "dq_consumers"):
+    for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"BackwardConfig.{name} must be an int, got {value!r}")

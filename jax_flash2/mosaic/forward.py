@@ -216,7 +216,7 @@ class MosaicConfig:
         raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
     if self.pingpong and not self.softmax_overlap:
       raise ValueError("MosaicConfig.pingpong needs softmax_overlap=True (a turn is one overlapped step)")
-    for name in ("block_q", "block_kv", "stages", "consumers"):
+    for name in ("block_q", "block_kv", "stages", "consumers", "poly_columns"):
       if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig.{name} must be an int, got {getattr(self, name)!r}")
     if self.consumers not in CONSUMER_REGISTERS:

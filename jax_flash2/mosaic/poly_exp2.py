@@ -4,11 +4,11 @@ The Mosaic kernels' exponentials run on the SM's special-function units
 (`ex2.approx`, 16 per cycle per SM on Hopper), their other element-wise work
 and the polynomial below on the FP32 units (128 per cycle). At head_dim 64 the
 forward's tensor-core work per score (4 * 64 FLOP at ~4k FLOP per cycle per
-SM) takes as long as its exponential, so the SFU, not the tensor cores, sets
-the pace; the backward's kernels spend half (dK/dV) and two thirds (dQ) of
-their matmul time on the SFU. Computing part of each tile's exponentials as a
-polynomial on the FP32 units (FlashAttention-4's trick) moves work from the
-busiest unit to one with room.
+SM) takes as long as its exponential, so the SFU could set the pace; the
+backward's kernels spend half (dK/dV) and two thirds (dQ) of their matmul
+time on the SFU. Computing part of each tile's exponentials as a polynomial
+on the FP32 units (FlashAttention-4's trick) moves work from that unit to
+one with room.
 
 2^x for x <= 0 (a probability's exponent) as 2^j * 2^f, j = round(x),
 f = x - j in [-1/2, 1/2]:
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 # 2^f ~ 1 + f (C1 + f (C2 + f C3)) on [-1/2, 1/2]; relative error < 1.02e-4
-# (float32 evaluation included; tests/test_mosaic.py checks it).
+# (float32 evaluation included; tests/test_poly_exp2.py checks it).
 C1, C2, C3 = 0.69328288, 0.24221021, 0.05500862
 ROUND = 1.5 * 2.0**23 + 127  # x + ROUND: j + 127 in the low mantissa bits
 MIN_EXPONENT = -127.0  # 2^j = +0.0 at and below it
@@ -73,10 +73,8 @@ def exp2(x: jnp.ndarray, poly_columns: int) -> jnp.ndarray:
   return jnp.concatenate([jnp.exp2(x[:, :split]), polynomial(x[:, split:])], axis=1)
 
 
-def check_poly_columns(owner: str, value, width: int) -> None:
-  """Raises ValueError unless `value` (owner's field) is a multiple of
-  COLUMN_TILE between 0 and the tile's `width`."""
-  if not isinstance(value, int) or isinstance(value, bool):
-    raise ValueError(f"{owner} must be an int, got {value!r}")
+def check_poly_columns(owner: str, value: int, width: int) -> None:
+  """Raises ValueError unless the int `value` (owner's field) is a multiple
+  of COLUMN_TILE between 0 and the tile's `width`."""
   if not (0 <= value <= width and value % COLUMN_TILE == 0):
     raise ValueError(f"{owner} must be a multiple of {COLUMN_TILE} between 0 and {width}, got {value}")
