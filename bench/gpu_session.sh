@@ -44,6 +44,7 @@
 #             registers_ab (the three A/Bs above without their tests, ~6 min),
 #             poly_ab (part of the exponentials as a polynomial: d64 fwd, bwd, d128 fwd; ~5 min),
 #             dkv_ring128 (the d128 dK/dV kernel with 3-4 ring slots, not persistent; ~2 min),
+#             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
@@ -497,6 +498,20 @@ stage_dkv_ring128() {
   timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 16384 --head-dim 128 --variants default \
     stages=3+dkv_persistent=0+dq_persistent=0 stages=4+dkv_persistent=0+dq_persistent=0 2>&1 \
     | tee "$OUT/dkv_ring128.log"
+}
+
+stage_dkv_trace128() {
+  # Mosaic's profiler on the d128 backward at 4k (defaults), traces kept:
+  # whether the two dK/dV consumers run their softmaxes at the same time
+  # (tensor cores idle) or under each other's matmuls (tools/trace_overlap.py
+  # reads the traces). Also the dK/dV kernel's softmax_overlap with today's
+  # other defaults (lost 1-11% in session 5). ~3 min.
+  for causal in "" "--causal"; do
+    timeout 100 python tools/mosaic_profile.py --seq 4096 --head-dim 128 --batch 1 --heads 8 $causal \
+      --variants default --keep "$OUT/traces${causal:+_causal}" 2>&1 | tee -a "$OUT/dkv_trace128.log"
+  done
+  timeout 100 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
+    softmax_overlap=1 2>&1 | tee -a "$OUT/dkv_trace128.log"
 }
 
 stage_wgmma() {
