@@ -44,6 +44,7 @@
 #             registers_ab (the three A/Bs above without their tests, ~6 min),
 #             poly_ab (part of the exponentials as a polynomial: d64 fwd, bwd, d128 fwd; ~5 min),
 #             dkv_ring128 (the d128 dK/dV kernel with 3-4 ring slots, not persistent; ~2 min),
+#             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
@@ -512,6 +513,16 @@ stage_dkv_trace128() {
   done
   timeout 100 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
     softmax_overlap=1 2>&1 | tee -a "$OUT/dkv_trace128.log"
+}
+
+stage_ring3_128() {
+  # Both d128 backward kernels persistent with three ring slots instead of
+  # two (session 8: within 2% per kernel, when the dK/dV kernel spilled
+  # 160 B; sm_90a now: 12 B non-causal, 68 B causal, as with two). The
+  # session-10 traces: the dK/dV consumers wait 12% for Q/dO, the dQ
+  # consumers 9-11% for K/V. ~2.5 min.
+  timeout 170 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+    stages=3 2>&1 | tee "$OUT/ring3_128.log"
 }
 
 stage_wgmma() {

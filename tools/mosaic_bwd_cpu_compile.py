@@ -3,7 +3,8 @@
 The backward counterpart of tools/mosaic_cpu_compile.py (same setup, same
 /tmp venv with the CUDA plugin and ptxas; see its docstring):
 
-  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_bwd_cpu_compile.py [--dump DIR] [--only d256]
+  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_bwd_cpu_compile.py [--dump DIR] [--only d256] \
+      [--set softmax_overlap=1 stages=3]
 
 Prints, per kernel and case, ptxas's registers and spills and what the SASS
 holds (HGMMA shapes, local memory).
@@ -48,7 +49,8 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dump", default=None, help="keep Mosaic's dumps (PTX, ptxas, SASS) here")
   parser.add_argument("--only", default="", help="only the cases whose name contains this")
-  parser.add_argument("--softmax-overlap", action="store_true", help="every case with BackwardConfig.softmax_overlap")
+  parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                      help="BackwardConfig fields set in every case (ints; bools as 0/1), e.g. softmax_overlap=1")
   args = parser.parse_args()
   dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_bwd_dump_"))
   compile_fn = fwd_tool.setup_compiler()
@@ -61,8 +63,9 @@ def main() -> int:
   i = 0
   for batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles in CASES:
     config = backward.BackwardConfig(*tiles) if tiles else backward.default_backward_config(head_dim)
-    if args.softmax_overlap:
-      config = dataclasses.replace(config, softmax_overlap=True)
+    for field, value in (item.split("=") for item in args.set):
+      default = getattr(config, field)
+      config = dataclasses.replace(config, **{field: type(default)(int(value))})
     q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
     vec = jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)
