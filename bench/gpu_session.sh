@@ -44,6 +44,7 @@
 #             registers_ab (the three A/Bs above without their tests, ~6 min),
 #             poly_ab (part of the exponentials as a polynomial: d64 fwd, bwd, d128 fwd; ~5 min),
 #             dkv_ring128 (the d128 dK/dV kernel with 3-4 ring slots, not persistent; ~2 min),
+#             elementwise_ab (the backward without its element-wise work, speed only; ~2.5 min),
 #             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -523,6 +524,15 @@ stage_ring3_128() {
   # consumers 9-11% for K/V. ~2.5 min.
   timeout 170 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
     stages=3 2>&1 | tee "$OUT/ring3_128.log"
+}
+
+stage_elementwise_ab() {
+  # The backward kernels with and without their element-wise work
+  # (elementwise=0: P = S, dS = dP; wrong gradients, speed only): what the
+  # exponentials, scaling and conversions cost beyond the matmuls and the
+  # ring. ~2.5 min.
+  timeout 170 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants default \
+    elementwise=0 2>&1 | tee "$OUT/elementwise_ab.log"
 }
 
 stage_wgmma() {

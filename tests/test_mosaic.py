@@ -1031,6 +1031,21 @@ def test_dq_addition_experiment_lowers_and_restores(every, ordered):
   assert "flash2_bwd_dkv_mosaic" in text and text != lower()
 
 
+def test_elementwise_experiment_changes_both_kernels_and_restores():
+  """The measurement hook (P = S, dS = dP) lowers, changes both kernels, and
+  is off again after its block, also inside dq_addition_experiment."""
+  structs = _bwd_structs(1, 1024, 1024, 2, 128)
+  lower = lambda kernel: jax.jit(lambda *a: kernel(*a)).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+  with mosaic_bwd.dq_addition_experiment(2):
+    with mosaic_bwd.elementwise_experiment():
+      texts = [lower(kernel) for kernel in (mosaic_bwd.dkv, mosaic_bwd.dq)]
+      assert mosaic_bwd._DQ_EXPERIMENT.every == 2
+    assert mosaic_bwd._DQ_EXPERIMENT.elementwise
+  assert mosaic_bwd._DQ_EXPERIMENT is None
+  for kernel, text in zip((mosaic_bwd.dkv, mosaic_bwd.dq), texts):
+    assert "exp2" not in text and text != lower(kernel)
+
+
 @pytest.mark.parametrize("shape, dtype, causal, kv_heads", RAGGED, ids=RAGGED_IDS)
 def test_bwd_interpreter_ragged_matches_reference(shape, dtype, causal, kv_heads):
   """The kernels on the operands padded as `backward` pads them, so that the

@@ -8,6 +8,7 @@
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default fused_dq=1+dkv_persistent=0 \
       fused_dq=1+dkv_persistent=0+adders=2   # the fused kernel with half its reduce-adds (wrong dQ: speed only)
   ... fused_dq=1+dkv_persistent=0+unordered=1   # no adder waits for its rank (nondeterministic: speed only)
+  ... --variants default elementwise=0   # P = S, dS = dP: the kernels without element-wise work (speed only)
 
 Bench convention (as tools/mosaic_bench.py): 16384 tokens per batch, hidden
 2048, bf16; backward TFLOP/s = 2.5 x forward FLOPs / time (5 matmuls; the
@@ -38,17 +39,28 @@ import mosaic_bench  # tools/, for its timer
 _time_ms = mosaic_bench._time_ms
 
 
+_EXPERIMENTS = ("adders=", "unordered=", "elementwise=")
+
+
 def _variant(config, spec: str):
   """(config with spec's fields set, a context to time it in): `adders=N` and
   `unordered=1` in spec (not config fields) time the fused kernel under
-  mosaic_bwd.dq_addition_experiment(N, ordered=False)."""
+  mosaic_bwd.dq_addition_experiment(N, ordered=False); `elementwise=0` the
+  kernels under mosaic_bwd.elementwise_experiment()."""
   options = spec.split("+")
-  experiment = {o.split("=")[0]: int(o.split("=")[1]) for o in options if o.startswith(("adders=", "unordered="))}
-  rest = "+".join(o for o in options if not o.startswith(("adders=", "unordered="))) or "default"
-  context = contextlib.nullcontext
-  if experiment:
-    every, ordered = experiment.get("adders", 1), not experiment.get("unordered", 0)
-    context = lambda: mosaic_bwd.dq_addition_experiment(every, ordered=ordered)
+  experiment = {o.split("=")[0]: int(o.split("=")[1]) for o in options if o.startswith(_EXPERIMENTS)}
+  rest = "+".join(o for o in options if not o.startswith(_EXPERIMENTS)) or "default"
+
+  @contextlib.contextmanager
+  def context():
+    with contextlib.ExitStack() as stack:
+      if "adders" in experiment or "unordered" in experiment:
+        every, ordered = experiment.get("adders", 1), not experiment.get("unordered", 0)
+        stack.enter_context(mosaic_bwd.dq_addition_experiment(every, ordered=ordered))
+      if not experiment.get("elementwise", 1):
+        stack.enter_context(mosaic_bwd.elementwise_experiment())
+      yield
+
   return mosaic_bench._variant(config, rest), context
 
 

@@ -156,9 +156,11 @@ OUTER_ROWS = NUM_CONSUMERS * WGMMA_M
 class _DQExperiment:
   """Measurement only (`dq_addition_experiment`): the fused kernel's tiles
   whose index is a multiple of `every` add their pieces of dQ (none when
-  0); `ordered` False drops the waits for the additions before one's own."""
+  0); `ordered` False drops the waits for the additions before one's own.
+  `elementwise` False (`elementwise_experiment`): P = S and dS = dP."""
   every: int = 1
   ordered: bool = True
+  elementwise: bool = True
 
 
 _DQ_EXPERIMENT: _DQExperiment | None = None  # None: the kernel as it is
@@ -181,6 +183,26 @@ def dq_addition_experiment(every: int = 1, *, ordered: bool = True):
     yield
   finally:
     _DQ_EXPERIMENT = saved
+
+
+@contextlib.contextmanager
+def elementwise_experiment():
+  """Measurement only; the gradients come out wrong. The dK/dV and dQ
+  kernels traced inside skip their element-wise work (P = S: no
+  exponentials, no lse; dS = dP: no delta), keeping the matmuls, the ring
+  and every wait: how fast the kernels would run if that work were free
+  (bench/NOTES.md, session 10; tools/mosaic_bwd_bench.py, `elementwise=0`)."""
+  global _DQ_EXPERIMENT
+  saved = _DQ_EXPERIMENT
+  _DQ_EXPERIMENT = dataclasses.replace(saved or _DQExperiment(), elementwise=False)
+  try:
+    yield
+  finally:
+    _DQ_EXPERIMENT = saved
+
+
+def _elementwise() -> bool:
+  return _DQ_EXPERIMENT is None or _DQ_EXPERIMENT.elementwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -815,6 +837,8 @@ def _dkv_kernel(
     def probs_t(s_t, qb, slot, *, masked: bool):
       """P^T [keys, queries] from S^T and the lse of the Q block in `slot`."""
       plgpu.barrier_wait(lse_ready.at[slot])
+      if not _elementwise():
+        return s_t
       lse = plgpu.load(lse_smem.at[slot], layout=vec_layout) * LOG2_E
       p_t = poly_exp2.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), config.dkv_poly_columns)
       if masked:
@@ -828,6 +852,8 @@ def _dkv_kernel(
     def grad_scores_t(p_t, dp_t, slot):
       """dS^T = P^T * (dP^T - delta), delta of the Q block in `slot`."""
       plgpu.barrier_wait(delta_ready.at[slot])
+      if not _elementwise():
+        return dp_t
       delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
       return p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
 
@@ -1264,6 +1290,8 @@ def _dq_kernel(
       return lax.rem(ring_base + kb, jnp.int32(stages))
 
     def probs(s, kb, *, masked: bool):
+      if not _elementwise():
+        return s
       p = poly_exp2.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]), config.dq_poly_columns)
       if masked:
         row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -1325,7 +1353,7 @@ def _dq_kernel(
         with jax.named_scope("softmax"):
           p = probs(s, kb, masked=masked)
       with jax.named_scope("dq"):
-        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0])) if _elementwise() else dp
         dq = add_dq(dq, ds, k_tile)
       plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
       return dq
