@@ -44,6 +44,7 @@
 #             registers_ab (the three A/Bs above without their tests, ~6 min),
 #             poly_ab (part of the exponentials as a polynomial: d64 fwd, bwd, d128 fwd; ~5 min),
 #             dkv_ring128 (the d128 dK/dV kernel with 3-4 ring slots, not persistent; ~2 min),
+#             dkv_pingpong_ab (the dK/dV consumers taking turns vs the defaults, ~4 min),
 #             elementwise_ab (the backward without its element-wise work, speed only; ~2.5 min),
 #             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
@@ -533,6 +534,13 @@ stage_elementwise_ab() {
   # ring. ~2.5 min.
   timeout 170 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants default \
     elementwise=0 2>&1 | tee "$OUT/elementwise_ab.log"
+}
+
+stage_dkv_pingpong_ab() {
+  # The dK/dV consumers taking turns at the tensor cores (dkv_pingpong)
+  # against the defaults, d64 and d128. ~4 min.
+  timeout 280 python tools/mosaic_bwd_bench.py --seq 2048 8192 16384 --head-dim 64 128 --variants default \
+    dkv_pingpong=1 2>&1 | tee "$OUT/dkv_pingpong_ab.log"
 }
 
 stage_wgmma() {

@@ -711,6 +711,9 @@ def test_bwd_config():
       (dict(dq_consumers=4), "dq_consumers must be 2 or 3"),
       (dict(dq_softmax_overlap=1), "dq_softmax_overlap must be a bool"),
       (dict(q_registers="yes"), "q_registers must be a bool"),
+      (dict(dkv_pingpong=1), "dkv_pingpong must be a bool"),
+      (dict(dkv_pingpong=True, softmax_overlap=True), "dkv_pingpong takes the plain dK/dV step"),
+      (dict(dkv_pingpong=True, fused_dq=True), "dkv_pingpong takes the plain dK/dV step"),
       (dict(dq_consumers=3.0), "dq_consumers must be an int"),
       (dict(dkv_poly_columns=72), "dkv_poly_columns must be a multiple of 8 between 0 and 64"),
       (dict(block_kv=128, dq_poly_columns=4), "dq_poly_columns must be a multiple of 8 between 0 and 128"),
@@ -903,6 +906,29 @@ def test_bwd_interpreter_persistent(kernel, shape, dtype, causal, kv_heads, conf
   else:
     dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kwargs)
     assert rel_err(dk, ref_dk) < 1e-2 and rel_err(dv, ref_dv) < 1e-2
+  assert not gpu_callbacks.get_races().races_found
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, causal, kv_heads, config",
+    # The dK/dV consumers taking turns: a drained Q block passes its two
+    # turns (causal, grouped-query: the second consumer drains the first
+    # block of each head); rows that see no key; persistent CTAs over
+    # several tiles, the turns running on across them.
+    [
+        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, dkv_pingpong=True)),
+        ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, dkv_pingpong=True)),
+        ((1, 200, 136, 2, 64), jnp.bfloat16, False, None, BackwardConfig(64, 64, 2, dkv_pingpong=True)),
+        ((2, 384, 320, 3, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dkv_persistent=True,
+                                                                     dkv_pingpong=True)),
+    ],
+    ids=["causal_gqa_drain", "causal_seq_q_gt_seq_k", "ragged", "persistent_causal_gqa"],
+)
+def test_bwd_interpreter_dkv_pingpong(shape, dtype, causal, kv_heads, config):
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config,
+                               interpret=plgpu.InterpretGPUParams(detect_races=True))
   assert not gpu_callbacks.get_races().races_found
 
 
@@ -1173,8 +1199,11 @@ def test_bwd_gpu_fused_dq_turns(shape, kv_heads, causal):
      ((1, 1537, 1000, 4, 64), None)],
     ids=["d64", "d128", "ragged_gqa", "ragged_seq_q_gt_seq_k"],
 )
-def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal):
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), softmax_overlap=True)
+@pytest.mark.parametrize("option", ["softmax_overlap", "dkv_pingpong"])
+def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal, option):
+  """Options of the dK/dV kernel's step on the defaults (persistent, the dQ
+  kernel's overlap and registers), both masks."""
+  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), **{option: True})
   _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 

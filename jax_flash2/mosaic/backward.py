@@ -241,6 +241,16 @@ class BackwardConfig:
       registers for S = Q K^T and dP = dO V^T, which then read only K and V
       from shared memory (head_dim 64 and 128: no spills on sm_90a). On in
       the defaults: 0-9% off the dQ kernel's time (session 9).
+    dkv_pingpong: the dK/dV kernel's two consumers take turns at issuing
+      their matmuls (FlashAttention-3's warpgroup ping-pong): each issues a
+      step's (S^T, dP^T) and then its (dV, dK) only after the other issued
+      its group before, so the tensor cores run the groups one consumer's
+      after the other's, and one consumer's element-wise work runs under the
+      other's matmuls. Without it the tensor cores interleave both
+      consumers' groups instruction by instruction, both finish together
+      and both compute their element-wise work at once (the traces of
+      session 10). The plain step only (not with softmax_overlap or
+      fused_dq).
     dq_consumers: consumer warpgroups of the dQ kernel, 2 or 3 (head_dim
       64 only: 160 registers each; 192 Q rows per CTA, three consumers'
       element-wise work beside one another's matmuls, as the forward's
@@ -271,13 +281,14 @@ class BackwardConfig:
   fused_dq: bool = False
   dq_turns: bool = False
   q_registers: bool = False
+  dkv_pingpong: bool = False
   dq_consumers: int = NUM_CONSUMERS
   dkv_poly_columns: int = 0
   dq_poly_columns: int = 0
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
-                 "q_registers"):
+                 "q_registers", "dkv_pingpong"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
@@ -295,6 +306,8 @@ class BackwardConfig:
       raise ValueError(f"BackwardConfig.fused_dq needs block_q {WGMMA_M}, got {self.block_q}")
     if self.fused_dq and self.softmax_overlap:
       raise ValueError("BackwardConfig.fused_dq does not take softmax_overlap")
+    if self.dkv_pingpong and (self.fused_dq or self.softmax_overlap):
+      raise ValueError("BackwardConfig.dkv_pingpong takes the plain dK/dV step: not with fused_dq or softmax_overlap")
     poly_exp2.check_poly_columns("BackwardConfig.dkv_poly_columns", self.dkv_poly_columns, self.block_q)
     poly_exp2.check_poly_columns("BackwardConfig.dq_poly_columns", self.dq_poly_columns, self.block_kv)
 
@@ -598,6 +611,8 @@ def _dkv_kernel(
   # tile_done: a barrier of 2 arrivals (neither consumer reads the other's K
   # tile any more); dq_staged, dq_free: [2] barriers of 1 arrival (a
   # consumer's piece is in dq_smem; the producer has read it).
+  # turn (with dkv_pingpong, the last scratch): [2] barriers of 1 arrival,
+  # turn[w] lets consumer w issue its next wgmma group.
   # staging (interpret mode only): [2, 64, block_q], P^T and dS^T for wgmma;
   # with fused_dq also dq_old: [2, block_q, piece columns] f32 and
   # dq_loaded, [2] barriers (the interpreter adds into dQ by load, add and
@@ -606,6 +621,7 @@ def _dkv_kernel(
   # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks).
   fused = config.fused_dq
   refs = list(refs)
+  turn = refs.pop() if config.dkv_pingpong else None
   ranks_ref = refs.pop(0) if fused else None
   dk_ref, dv_ref = refs.pop(0), refs.pop(0)
   dq_ref = refs.pop(0) if fused else None
@@ -822,6 +838,30 @@ def _dkv_kernel(
       staged_any = (end_step > 0) & (owner(end_step - 1) == previous_owner)
     pl.when(staged_any)(lambda: plgpu.barrier_wait(dq_free.at[previous_owner]))
 
+  # Ping-pong (dkv_pingpong): consumer w waits for turn[w] before it issues
+  # a wgmma group and passes the turn on right after, so the groups reach
+  # the tensor cores alternately: (S^T, dP^T) of consumer 0, of consumer 1,
+  # (dV, dK) of consumer 0, of consumer 1, ... Both take two turns per Q
+  # block of a tile, a drained one too, so neither waits for a turn that
+  # never comes. Consumer 1 gives consumer 0 the first turn; consumer 0
+  # observes the last pass at the end.
+  def take_turn():
+    if turn is not None:
+      plgpu.barrier_wait(turn.at[wg])
+
+  def pass_turn():
+    if turn is not None:
+      plgpu.barrier_arrive(turn.at[1 - wg])
+
+  def start_turns():
+    if turn is not None:
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
+
+  def epilogue(end_step):
+    last_release(end_step)
+    if turn is not None:
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
+
   def gradients(tile: KVTile, buffer, ring_base):
     """(dK unscaled, dV) of this consumer's rows of `tile`, its Q blocks at
     the ring's steps from ring_base; its K and V rows are in `buffer`."""
@@ -888,7 +928,9 @@ def _dkv_kernel(
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
       def scores(s_ref, dp_ref):
+        take_turn()
         issue_scores(s_ref, dp_ref, q_tile, do_tile)
+        pass_turn()
         return s_ref[...], dp_ref[...]  # waits for both
 
       score_acc = plgpu.ACC((rows, block_q), jnp.float32)
@@ -907,6 +949,7 @@ def _dkv_kernel(
         fresh = plgpu.ACC((block_q, piece_cols), jnp.float32)
 
       if interpret:
+        take_turn()
         stage = staging.at[wg]
         stage[...] = p_t.astype(dtype)
         plgpu.commit_smem()
@@ -924,6 +967,7 @@ def _dkv_kernel(
           return acc_ref[...]
 
         dk = dk + pl.run_scoped(dk_fresh, plgpu.ACC(dk.shape, jnp.float32))
+        pass_turn()
       elif fused and split:
         def grads(refs):
           dv_ref, dk_ref, dq_ref = refs
@@ -938,8 +982,10 @@ def _dkv_kernel(
       else:
         def grads(refs):
           dv_ref, dk_ref = refs
+          take_turn()
           plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
           plgpu.wgmma(dk_ref, ds_t, q_tile)
+          pass_turn()
 
         with jax.named_scope("grads"):
           dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))  # one wait
@@ -1015,6 +1061,9 @@ def _dkv_kernel(
       plgpu.barrier_wait(do_ready.at[slot])
       plgpu.barrier_wait(delta_ready.at[slot])
       release_q_block(slot)
+      for _ in range(2):  # the block's two turns (ping-pong)
+        take_turn()
+        pass_turn()
 
     def fused_step(position, carry, *, g, masked: bool):
       # `step` on the Q block at `position` of the tile's visits, with this
@@ -1087,7 +1136,8 @@ def _dkv_kernel(
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
 
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
-            compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers)
+            compute=gradients, store=store_gradients, prologue=start_turns, epilogue=epilogue,
+            buffers=config.dkv_buffers)
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):
@@ -1201,6 +1251,8 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
           plgpu.SMEM((NUM_CONSUMERS, block_q, piece.cols), jnp.float32, transforms=_swizzled(piece.cols, jnp.float32)),
           plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # dQ loaded
       ]
+  if config.dkv_pingpong:
+    scratch.append(plgpu.Barrier(num_barriers=NUM_CONSUMERS))  # turn
   kernel = functools.partial(
       _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=group, schedule=schedule, causal=causal,
       softmax_scale=softmax_scale, config=config, interpret=interpret,
