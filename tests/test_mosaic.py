@@ -714,6 +714,8 @@ def test_bwd_config():
       (dict(dkv_pingpong=1), "dkv_pingpong must be a bool"),
       (dict(dkv_pingpong=True, softmax_overlap=True), "dkv_pingpong takes the plain dK/dV step"),
       (dict(dkv_pingpong=True, fused_dq=True), "dkv_pingpong takes the plain dK/dV step"),
+      (dict(dq_pingpong=0), "dq_pingpong must be a bool"),
+      (dict(dq_pingpong=True, dq_consumers=3), "dq_pingpong takes 2 dQ consumers"),
       (dict(dq_consumers=3.0), "dq_consumers must be an int"),
       (dict(dkv_poly_columns=72), "dkv_poly_columns must be a multiple of 8 between 0 and 64"),
       (dict(block_kv=128, dq_poly_columns=4), "dq_poly_columns must be a multiple of 8 between 0 and 128"),
@@ -921,10 +923,18 @@ def test_bwd_interpreter_persistent(kernel, shape, dtype, causal, kv_heads, conf
         ((1, 200, 136, 2, 64), jnp.bfloat16, False, None, BackwardConfig(64, 64, 2, dkv_pingpong=True)),
         ((2, 384, 320, 3, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dkv_persistent=True,
                                                                      dkv_pingpong=True)),
+        # The dQ consumers taking turns: the first one drains the last K/V
+        # block (causal); with the dQ kernel's overlap; persistent.
+        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, dq_pingpong=True)),
+        ((1, 200, 136, 2, 64), jnp.float16, False, None, BackwardConfig(64, 128, 2, dq_pingpong=True,
+                                                                      dq_softmax_overlap=True)),
+        ((2, 384, 320, 3, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_persistent=True,
+                                                                     dq_pingpong=True, dkv_pingpong=True)),
     ],
-    ids=["causal_gqa_drain", "causal_seq_q_gt_seq_k", "ragged", "persistent_causal_gqa"],
+    ids=["causal_gqa_drain", "causal_seq_q_gt_seq_k", "ragged", "persistent_causal_gqa", "dq_causal_gqa_drain",
+         "dq_overlap_ragged", "both_persistent_causal_gqa"],
 )
-def test_bwd_interpreter_dkv_pingpong(shape, dtype, causal, kv_heads, config):
+def test_bwd_interpreter_pingpong(shape, dtype, causal, kv_heads, config):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config,
@@ -1199,7 +1209,7 @@ def test_bwd_gpu_fused_dq_turns(shape, kv_heads, causal):
      ((1, 1537, 1000, 4, 64), None)],
     ids=["d64", "d128", "ragged_gqa", "ragged_seq_q_gt_seq_k"],
 )
-@pytest.mark.parametrize("option", ["softmax_overlap", "dkv_pingpong"])
+@pytest.mark.parametrize("option", ["softmax_overlap", "dkv_pingpong", "dq_pingpong"])
 def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal, option):
   """Options of the dK/dV kernel's step on the defaults (persistent, the dQ
   kernel's overlap and registers), both masks."""

@@ -124,6 +124,7 @@ from jax_flash2.mosaic.forward import (
     WGMMA_M,
     PersistentSchedule,
     QTile,
+    Turns,
     _kv_block_bounds,
     _sm_count,
     interpret_params_of,
@@ -251,6 +252,8 @@ class BackwardConfig:
       and both compute their element-wise work at once (the traces of
       session 10). The plain step only (not with softmax_overlap or
       fused_dq).
+    dq_pingpong: the same in the dQ kernel: turns for (S, dP) and for dQ
+      += dS K. Two dQ consumers only.
     dq_consumers: consumer warpgroups of the dQ kernel, 2 or 3 (head_dim
       64 only: 160 registers each; 192 Q rows per CTA, three consumers'
       element-wise work beside one another's matmuls, as the forward's
@@ -282,13 +285,15 @@ class BackwardConfig:
   dq_turns: bool = False
   q_registers: bool = False
   dkv_pingpong: bool = False
+  dq_pingpong: bool = False
   dq_consumers: int = NUM_CONSUMERS
   dkv_poly_columns: int = 0
   dq_poly_columns: int = 0
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
-                 "q_registers", "dkv_pingpong"):
+                 "q_registers", "dkv_pingpong",
+                 "dq_pingpong"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
@@ -308,6 +313,8 @@ class BackwardConfig:
       raise ValueError("BackwardConfig.fused_dq does not take softmax_overlap")
     if self.dkv_pingpong and (self.fused_dq or self.softmax_overlap):
       raise ValueError("BackwardConfig.dkv_pingpong takes the plain dK/dV step: not with fused_dq or softmax_overlap")
+    if self.dq_pingpong and self.dq_consumers != NUM_CONSUMERS:
+      raise ValueError(f"BackwardConfig.dq_pingpong takes {NUM_CONSUMERS} dQ consumers, got {self.dq_consumers}")
     poly_exp2.check_poly_columns("BackwardConfig.dkv_poly_columns", self.dkv_poly_columns, self.block_q)
     poly_exp2.check_poly_columns("BackwardConfig.dq_poly_columns", self.dq_poly_columns, self.block_kv)
 
@@ -838,29 +845,15 @@ def _dkv_kernel(
       staged_any = (end_step > 0) & (owner(end_step - 1) == previous_owner)
     pl.when(staged_any)(lambda: plgpu.barrier_wait(dq_free.at[previous_owner]))
 
-  # Ping-pong (dkv_pingpong): consumer w waits for turn[w] before it issues
-  # a wgmma group and passes the turn on right after, so the groups reach
-  # the tensor cores alternately: (S^T, dP^T) of consumer 0, of consumer 1,
-  # (dV, dK) of consumer 0, of consumer 1, ... Both take two turns per Q
-  # block of a tile, a drained one too, so neither waits for a turn that
-  # never comes. Consumer 1 gives consumer 0 the first turn; consumer 0
-  # observes the last pass at the end.
-  def take_turn():
-    if turn is not None:
-      plgpu.barrier_wait(turn.at[wg])
-
-  def pass_turn():
-    if turn is not None:
-      plgpu.barrier_arrive(turn.at[1 - wg])
-
-  def start_turns():
-    if turn is not None:
-      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
+  # Ping-pong (dkv_pingpong, `Turns`): two turns per Q block, (S^T, dP^T)
+  # and (dV, dK), a drained block's too; the groups reach the tensor cores
+  # as (S^T, dP^T) of consumer 0, of consumer 1, (dV, dK) of consumer 0, ...
+  turns = Turns(turn, wg)
+  take_turn, pass_turn = turns.take, turns.pass_on
 
   def epilogue(end_step):
     last_release(end_step)
-    if turn is not None:
-      pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
+    turns.end()
 
   def gradients(tile: KVTile, buffer, ring_base):
     """(dK unscaled, dV) of this consumer's rows of `tile`, its Q blocks at
@@ -1136,7 +1129,7 @@ def _dkv_kernel(
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
 
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
-            compute=gradients, store=store_gradients, prologue=start_turns, epilogue=epilogue,
+            compute=gradients, store=store_gradients, prologue=turns.start, epilogue=epilogue,
             buffers=config.dkv_buffers)
 
 
@@ -1298,13 +1291,18 @@ def _dq_kernel(
   # q_ready: [buffers * C] barriers of 4 arrivals (Q, dO, lse, delta);
   # k_ready, v_ready: [stages] (TMA); k_consumed, v_consumed: [stages], C
   # arrivals. staging (interpret mode only): [C, 64, block_kv], dS for wgmma.
+  # turn (with dq_pingpong, the last scratch): [2] barriers of 1 arrival
+  # (`Turns`: two per K/V block, (S, dP) and dQ += dS K, a drained block's
+  # too).
   # schedule: None for one CTA per tile (grid q x heads x batch), else the
   # persistent CTAs' tiles (forward.PersistentSchedule).
   rows, block_kv, stages, consumers = WGMMA_M, config.block_kv, config.stages, config.dq_consumers
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
+  extra = list(staging)
+  turns = Turns(extra.pop() if config.dq_pingpong else None, lax.axis_index("wg"))
   if interpret:
-    [staging] = staging
+    [staging] = extra
   wg = lax.axis_index("wg")
   qk_scale = softmax_scale * LOG2_E
 
@@ -1364,13 +1362,17 @@ def _dq_kernel(
         plgpu.commit_smem()
 
         def dq_fresh(acc_ref):
+          turns.take()
           plgpu.wgmma(acc_ref, ds_stage, k_tile)
+          turns.pass_on()
           return acc_ref[...]
 
         return dq + pl.run_scoped(dq_fresh, plgpu.ACC(dq.shape, jnp.float32))
 
       def dq_step(dq_ref):
+        turns.take()
         plgpu.wgmma(dq_ref, ds.astype(dtype), k_tile)
+        turns.pass_on()
 
       return pl.run_state(dq_step)(plgpu.ACC.init(dq))
 
@@ -1384,11 +1386,15 @@ def _dq_kernel(
         plgpu.barrier_wait(v_ready.at[slot])
 
       def scores(s_ref, dp_ref):
+        turns.take()
         issue_scores(s_ref, dp_ref, k_tile, v_tile)
+        turns.pass_on()
         return s_ref[...], dp_ref[...]  # waits for both
 
       def probs_under_dp(s_ref, dp_ref):
+        turns.take()
         issue_scores(s_ref, dp_ref, k_tile, v_tile)
+        turns.pass_on()
         # Groups retire in order: wait for S alone, compute P while dP runs.
         p = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), kb, masked=masked)
         return p, dp_ref[...]
@@ -1416,6 +1422,9 @@ def _dq_kernel(
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_arrive(v_consumed.at[slot])
       plgpu.barrier_arrive(k_consumed.at[slot])
+      for _ in range(2):  # the block's two turns (ping-pong)
+        turns.take()
+        turns.pass_on()
 
     dq = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     dq = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), dq)
@@ -1439,7 +1448,7 @@ def _dq_kernel(
   produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                       group=group, block_kv=block_kv, stages=stages)
   run_tiles(schedule, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_rows, compute=gradient,
-            store=store_dq, consumers=consumers)
+            store=store_dq, prologue=turns.start, epilogue=lambda end_step: turns.end(), consumers=consumers)
 
 
 def dq(
@@ -1491,6 +1500,8 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
   ]
   if interpret:
     scratch.append(plgpu.SMEM((consumers, WGMMA_M, block_kv), dtype, transforms=_swizzled(block_kv, dtype)))
+  if config.dq_pingpong:
+    scratch.append(plgpu.Barrier(num_barriers=consumers))  # turn
   num_q_blocks = pl.cdiv(q.shape[1], consumers * WGMMA_M)
   schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.dq_persistent,
                                           causal=causal, interpret=interpret)

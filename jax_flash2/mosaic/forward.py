@@ -438,6 +438,40 @@ def kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed,
   return produce, observe
 
 
+@dataclasses.dataclass(frozen=True)
+class Turns:
+  """Two consumer warpgroups taking turns at issuing wgmma groups
+  (FlashAttention-3's ping-pong). Consumer w waits for barriers[w] before it
+  issues a group and passes the turn to the other right after issuing, so
+  the groups reach the tensor cores one consumer's after the other's and one
+  consumer's element-wise work runs under the other's matmuls; without turns
+  the tensor cores interleave both consumers' groups instruction by
+  instruction, both finish together and both then compute at once. Both
+  consumers must take the same number of turns (a consumer with nothing to
+  compute in a step takes and passes its turns all the same); consumer 1
+  gives consumer 0 the first turn (`start`) and consumer 0 observes the last
+  pass (`end`). With barriers None every method does nothing."""
+
+  barriers: object  # [2] barriers of one arrival each, or None
+  wg: jax.Array
+
+  def take(self) -> None:
+    if self.barriers is not None:
+      plgpu.barrier_wait(self.barriers.at[self.wg])
+
+  def pass_on(self) -> None:
+    if self.barriers is not None:
+      plgpu.barrier_arrive(self.barriers.at[1 - self.wg])
+
+  def start(self) -> None:
+    if self.barriers is not None:
+      pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(self.barriers.at[0]))
+
+  def end(self) -> None:
+    if self.barriers is not None:
+      pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(self.barriers.at[0]))
+
+
 def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, produce, observe, load, compute,
               store, prologue=lambda: None, epilogue=lambda end_step: None, buffers: int = 2,
               consumers: int = NUM_CONSUMERS) -> None:
@@ -677,30 +711,12 @@ def _forward_kernel(
   overlap = config.softmax_overlap and not may_see_nothing
   pingpong = config.pingpong and overlap
 
-  # Ping-pong: consumer w waits for turn[w] before it issues a step's
-  # matmuls and passes the turn on right after issuing them, so the
-  # consumers' steps reach the tensor cores alternately. Both take one turn
-  # per K/V block of the tile and one more (block 0's scores alone, then one
-  # step per block, then the last block's P V; a consumer past its diagonal
-  # passes its turn in the drain), so neither waits for a turn that never
-  # comes. Consumer 0 takes the first turn, and observes the last pass at the
-  # end.
-  def take_turn():
-    if pingpong:
-      plgpu.barrier_wait(turn.at[wg])
-
-  def pass_turn():
-    if pingpong:
-      plgpu.barrier_arrive(turn.at[1 - wg])
-
-  def start_turns():
-    if pingpong:
-      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
-
-  def end_turns(end_step):
-    del end_step
-    if pingpong:
-      pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
+  # Ping-pong (`Turns`): one turn per step's matmuls. Both consumers take
+  # one per K/V block of the tile and one more (block 0's scores alone, then
+  # one step per block, then the last block's P V; a consumer past its
+  # diagonal passes its turn in the drain).
+  turns = Turns(turn if pingpong else None, wg)
+  take_turn, pass_turn = turns.take, turns.pass_on
   any_masked = causal or bool(seq_k % block_kv)  # a diagonal, or a last block partly of padding
 
   consumers = config.consumers
@@ -929,7 +945,7 @@ def _forward_kernel(
   produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                       group=group, block_kv=block_kv, stages=stages)
   run_tiles(schedule, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_q, compute=compute,
-            store=store, prologue=start_turns, epilogue=end_turns, consumers=consumers)
+            store=store, prologue=turns.start, epilogue=lambda end_step: turns.end(), consumers=consumers)
 
 
 def forward(
