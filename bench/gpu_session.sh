@@ -44,6 +44,8 @@
 #             registers_ab (the three A/Bs above without their tests, ~6 min),
 #             poly_ab (part of the exponentials as a polynomial: d64 fwd, bwd, d128 fwd; ~5 min),
 #             dkv_ring128 (the d128 dK/dV kernel with 3-4 ring slots, not persistent; ~2 min),
+#             power_probe (SM clock and power while the backward runs, ~1.5 min),
+#             dq_pingpong_ab (the dQ consumers taking turns, d128, ~1.5 min),
 #             dkv_pingpong_ab (the dK/dV consumers taking turns vs the defaults, ~4 min),
 #             elementwise_ab (the backward without its element-wise work, speed only; ~2.5 min),
 #             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
@@ -541,6 +543,25 @@ stage_dkv_pingpong_ab() {
   # against the defaults, d64 and d128. ~4 min.
   timeout 280 python tools/mosaic_bwd_bench.py --seq 2048 8192 16384 --head-dim 64 128 --variants default \
     dkv_pingpong=1 2>&1 | tee "$OUT/dkv_pingpong_ab.log"
+}
+
+stage_power_probe() {
+  # Whether the backward kernels run at a power-limited clock: the SM clock
+  # and power draw (nvidia-smi every 100 ms, epoch seconds in the second
+  # column) while dK/dV and dQ run back to back with and without their
+  # element-wise work (tools/power_probe.py prints each run's window). ~1.5 min.
+  (while true; do echo "$(date +%s.%N),$(nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,\
+temperature.gpu --format=csv,noheader,nounits)"; sleep 0.1; done) >"$OUT/power_smi.csv" 2>&1 &
+  local sampler=$!
+  timeout 80 python tools/power_probe.py --kernel dkv --variants default elementwise=0 2>&1 | tee "$OUT/power_probe.log"
+  timeout 60 python tools/power_probe.py --kernel dq --variants default 2>&1 | tee -a "$OUT/power_probe.log"
+  kill $sampler
+}
+
+stage_dq_pingpong_ab() {
+  # The dQ consumers taking turns (dq_pingpong) against the defaults at d128. ~1.5 min.
+  timeout 120 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
+    dq_pingpong=1 2>&1 | tee "$OUT/dq_pingpong_ab.log"
 }
 
 stage_wgmma() {
