@@ -715,6 +715,8 @@ def test_bwd_config():
       (dict(dkv_pingpong=True, softmax_overlap=True), "dkv_pingpong takes the plain dK/dV step"),
       (dict(dkv_pingpong=True, fused_dq=True), "dkv_pingpong takes the plain dK/dV step"),
       (dict(dq_pingpong=0), "dq_pingpong must be a bool"),
+      (dict(dkv_log2_lse=1), "dkv_log2_lse must be a bool"),
+      (dict(dkv_packed_ds="yes"), "dkv_packed_ds must be a bool"),
       (dict(dq_pingpong=True, dq_consumers=3), "dq_pingpong takes 2 dQ consumers"),
       (dict(dq_consumers=3.0), "dq_consumers must be an int"),
       (dict(dkv_poly_columns=72), "dkv_poly_columns must be a multiple of 8 between 0 and 64"),
@@ -871,6 +873,15 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
         ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, softmax_overlap=True)),
         # The dQ kernel's alone (the default at head_dim 64 and 128).
         ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True)),
+        # The dK/dV kernel's leaner element-wise work: lse in log2 units
+        # (+-inf rows: padding, rows that see no key), dS^T as a bf16x2
+        # product (float16: the float32 product).
+        ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dkv_log2_lse=True,
+                                                                     dkv_packed_ds=True)),
+        ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, dkv_log2_lse=True,
+                                                                       dkv_packed_ds=True)),
+        ((1, 256, 256, 2, 64), jnp.bfloat16, False, 1, BackwardConfig(64, 64, 3, softmax_overlap=True,
+                                                                      dkv_packed_ds=True)),
         # Exponentials as the polynomial, part of dkv's tiles and all of
         # dq's, with rows that see no key (lse = -inf: P must be 0, not NaN).
         ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True,
@@ -878,6 +889,7 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
     ],
     ids=["full_seq_q_lt_seq_k", "causal_gqa_drain", "causal_seq_q_lt_seq_k", "causal_seq_q_gt_seq_k",
          "overlap_causal_gqa_drain", "overlap_ragged", "overlap_causal_seq_q_gt_seq_k", "dq_overlap_ragged_gqa",
+         "lean_causal_ragged_gqa", "lean_f16_causal_seq_q_gt_seq_k", "packed_ds_overlap_gqa",
          "poly_exp2_causal_ragged_gqa"],
 )
 def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
@@ -1209,7 +1221,7 @@ def test_bwd_gpu_fused_dq_turns(shape, kv_heads, causal):
      ((1, 1537, 1000, 4, 64), None)],
     ids=["d64", "d128", "ragged_gqa", "ragged_seq_q_gt_seq_k"],
 )
-@pytest.mark.parametrize("option", ["softmax_overlap", "dkv_pingpong", "dq_pingpong"])
+@pytest.mark.parametrize("option", ["softmax_overlap", "dkv_pingpong", "dq_pingpong", "dkv_log2_lse", "dkv_packed_ds"])
 def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal, option):
   """Options of the dK/dV kernel's step on the defaults (persistent, the dQ
   kernel's overlap and registers), both masks."""

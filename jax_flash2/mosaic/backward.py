@@ -254,6 +254,17 @@ class BackwardConfig:
       fused_dq).
     dq_pingpong: the same in the dQ kernel: turns for (S, dP) and for dQ
       += dS K. Two dQ consumers only.
+    dkv_log2_lse, dkv_packed_ds: fewer instructions in the dK/dV kernel's
+      element-wise work, which costs it 16-29% of its time (session 10's
+      elementwise experiment): lse scaled to log2 units once outside the
+      kernel (by XLA) instead of by a float32 multiply per query column and
+      step; dS^T = P^T * (dP^T - delta) as a bf16x2 product of P^T (which
+      dV's product converts anyway) and dP^T - delta rounded to bf16, a
+      packed multiply per two scores instead of two float32 multiplies and
+      the conversion after (bf16 operands only; float16 keeps the float32
+      product, since dP^T - delta may pass float16's range where dS^T does
+      not). The second rounds twice more before dS^T's own rounding to
+      bf16.
     dq_consumers: consumer warpgroups of the dQ kernel, 2 or 3 (head_dim
       64 only: 160 registers each; 192 Q rows per CTA, three consumers'
       element-wise work beside one another's matmuls, as the forward's
@@ -286,6 +297,8 @@ class BackwardConfig:
   q_registers: bool = False
   dkv_pingpong: bool = False
   dq_pingpong: bool = False
+  dkv_log2_lse: bool = False
+  dkv_packed_ds: bool = False
   dq_consumers: int = NUM_CONSUMERS
   dkv_poly_columns: int = 0
   dq_poly_columns: int = 0
@@ -293,7 +306,7 @@ class BackwardConfig:
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
                  "q_registers", "dkv_pingpong",
-                 "dq_pingpong"):
+                 "dq_pingpong", "dkv_log2_lse", "dkv_packed_ds"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
@@ -643,6 +656,7 @@ def _dkv_kernel(
     dq_old, dq_loaded = refs
   rows, block_q, stages = WGMMA_M, config.block_q, config.stages
   dtype = q_ref.dtype
+  packed_ds = config.dkv_packed_ds and dtype == jnp.bfloat16
   head_dim = q_ref.shape[-1]
   wg = lax.axis_index("wg")
   num_q = pl.cdiv(seq_q, block_q)
@@ -872,7 +886,9 @@ def _dkv_kernel(
       plgpu.barrier_wait(lse_ready.at[slot])
       if not _elementwise():
         return s_t
-      lse = plgpu.load(lse_smem.at[slot], layout=vec_layout) * LOG2_E
+      lse = plgpu.load(lse_smem.at[slot], layout=vec_layout)
+      if not config.dkv_log2_lse:
+        lse = lse * LOG2_E
       p_t = poly_exp2.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), config.dkv_poly_columns)
       if masked:
         key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -888,7 +904,10 @@ def _dkv_kernel(
       if not _elementwise():
         return dp_t
       delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
-      return p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+      dp_minus_delta = dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1])
+      if packed_ds:
+        return p_t.astype(dtype) * dp_minus_delta.astype(dtype)
+      return p_t * dp_minus_delta
 
     def wait_q_block(qb, g):
       """(slot, Q tile, dO tile) of Q block qb of head g, once loaded."""
@@ -1195,6 +1214,8 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   dtype, stages, block_q = q.dtype, config.stages, config.block_q
   transforms = _swizzled(head_dim, dtype)
   buffers = config.dkv_buffers
+  if config.dkv_log2_lse:
+    lse = lse * LOG2_E  # the kernel's exponentials are base 2
   scratch = [
       plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # K
       plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # V
