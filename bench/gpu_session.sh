@@ -44,6 +44,7 @@
 #             registers_ab (the three A/Bs above without their tests, ~6 min),
 #             poly_ab (part of the exponentials as a polynomial: d64 fwd, bwd, d128 fwd; ~5 min),
 #             dkv_ring128 (the d128 dK/dV kernel with 3-4 ring slots, not persistent; ~2 min),
+#             lean_ab (the dK/dV kernel's leaner element-wise work vs the defaults, ~2.5 min),
 #             power_probe (SM clock and power while the backward runs, ~1.5 min),
 #             dq_pingpong_ab (the dQ consumers taking turns, d128, ~1.5 min),
 #             dkv_pingpong_ab (the dK/dV consumers taking turns vs the defaults, ~4 min),
@@ -562,6 +563,14 @@ stage_dq_pingpong_ab() {
   # The dQ consumers taking turns (dq_pingpong) against the defaults at d128. ~1.5 min.
   timeout 120 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
     dq_pingpong=1 2>&1 | tee "$OUT/dq_pingpong_ab.log"
+}
+
+stage_lean_ab() {
+  # The dK/dV kernel's element-wise work in fewer instructions (dkv_log2_lse,
+  # dkv_packed_ds) against the defaults. The kernels run at the 700 W limit
+  # (power_probe), where fewer instructions per score should buy time. ~2.5 min.
+  timeout 140 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants default \
+    dkv_log2_lse=1+dkv_packed_ds=1 2>&1 | tee "$OUT/lean_ab.log"
 }
 
 stage_wgmma() {
