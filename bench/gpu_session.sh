@@ -44,10 +44,7 @@
 #             registers_ab (the three A/Bs above without their tests, ~6 min),
 #             poly_ab (part of the exponentials as a polynomial: d64 fwd, bwd, d128 fwd; ~5 min),
 #             dkv_ring128 (the d128 dK/dV kernel with 3-4 ring slots, not persistent; ~2 min),
-#             lean_ab (the dK/dV kernel's leaner element-wise work vs the defaults, ~2.5 min),
 #             power_probe (SM clock and power while the backward runs, ~1.5 min),
-#             dq_pingpong_ab (the dQ consumers taking turns, d128, ~1.5 min),
-#             dkv_pingpong_ab (the dK/dV consumers taking turns vs the defaults, ~4 min),
 #             elementwise_ab (the backward without its element-wise work, speed only; ~2.5 min),
 #             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
@@ -539,13 +536,6 @@ stage_elementwise_ab() {
     elementwise=0 2>&1 | tee "$OUT/elementwise_ab.log"
 }
 
-stage_dkv_pingpong_ab() {
-  # The dK/dV consumers taking turns at the tensor cores (dkv_pingpong)
-  # against the defaults, d64 and d128. ~4 min.
-  timeout 280 python tools/mosaic_bwd_bench.py --seq 2048 8192 16384 --head-dim 64 128 --variants default \
-    dkv_pingpong=1 2>&1 | tee "$OUT/dkv_pingpong_ab.log"
-}
-
 stage_power_probe() {
   # Whether the backward kernels run at a power-limited clock: the SM clock
   # and power draw (nvidia-smi every 100 ms, epoch seconds in the second
@@ -557,20 +547,6 @@ temperature.gpu --format=csv,noheader,nounits)"; sleep 0.1; done) >"$OUT/power_s
   timeout 80 python tools/power_probe.py --kernel dkv --variants default elementwise=0 2>&1 | tee "$OUT/power_probe.log"
   timeout 60 python tools/power_probe.py --kernel dq --variants default 2>&1 | tee -a "$OUT/power_probe.log"
   kill $sampler
-}
-
-stage_dq_pingpong_ab() {
-  # The dQ consumers taking turns (dq_pingpong) against the defaults at d128. ~1.5 min.
-  timeout 120 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
-    dq_pingpong=1 2>&1 | tee "$OUT/dq_pingpong_ab.log"
-}
-
-stage_lean_ab() {
-  # The dK/dV kernel's element-wise work in fewer instructions (dkv_log2_lse,
-  # dkv_packed_ds) against the defaults. The kernels run at the 700 W limit
-  # (power_probe), where fewer instructions per score should buy time. ~2.5 min.
-  timeout 140 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants default \
-    dkv_log2_lse=1+dkv_packed_ds=1 2>&1 | tee "$OUT/lean_ab.log"
 }
 
 stage_wgmma() {

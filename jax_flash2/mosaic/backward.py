@@ -124,7 +124,6 @@ from jax_flash2.mosaic.forward import (
     WGMMA_M,
     PersistentSchedule,
     QTile,
-    Turns,
     _kv_block_bounds,
     _sm_count,
     interpret_params_of,
@@ -242,29 +241,6 @@ class BackwardConfig:
       registers for S = Q K^T and dP = dO V^T, which then read only K and V
       from shared memory (head_dim 64 and 128: no spills on sm_90a). On in
       the defaults: 0-9% off the dQ kernel's time (session 9).
-    dkv_pingpong: the dK/dV kernel's two consumers take turns at issuing
-      their matmuls (FlashAttention-3's warpgroup ping-pong): each issues a
-      step's (S^T, dP^T) and then its (dV, dK) only after the other issued
-      its group before, so the tensor cores run the groups one consumer's
-      after the other's, and one consumer's element-wise work runs under the
-      other's matmuls. Without it the tensor cores interleave both
-      consumers' groups instruction by instruction, both finish together
-      and both compute their element-wise work at once (the traces of
-      session 10). The plain step only (not with softmax_overlap or
-      fused_dq).
-    dq_pingpong: the same in the dQ kernel: turns for (S, dP) and for dQ
-      += dS K. Two dQ consumers only.
-    dkv_log2_lse, dkv_packed_ds: fewer instructions in the dK/dV kernel's
-      element-wise work, which costs it 16-29% of its time (session 10's
-      elementwise experiment): lse scaled to log2 units once outside the
-      kernel (by XLA) instead of by a float32 multiply per query column and
-      step; dS^T = P^T * (dP^T - delta) as a bf16x2 product of P^T (which
-      dV's product converts anyway) and dP^T - delta rounded to bf16, a
-      packed multiply per two scores instead of two float32 multiplies and
-      the conversion after (bf16 operands only; float16 keeps the float32
-      product, since dP^T - delta may pass float16's range where dS^T does
-      not). The second rounds twice more before dS^T's own rounding to
-      bf16.
     dq_consumers: consumer warpgroups of the dQ kernel, 2 or 3 (head_dim
       64 only: 160 registers each; 192 Q rows per CTA, three consumers'
       element-wise work beside one another's matmuls, as the forward's
@@ -295,18 +271,13 @@ class BackwardConfig:
   fused_dq: bool = False
   dq_turns: bool = False
   q_registers: bool = False
-  dkv_pingpong: bool = False
-  dq_pingpong: bool = False
-  dkv_log2_lse: bool = False
-  dkv_packed_ds: bool = False
   dq_consumers: int = NUM_CONSUMERS
   dkv_poly_columns: int = 0
   dq_poly_columns: int = 0
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
-                 "q_registers", "dkv_pingpong",
-                 "dq_pingpong", "dkv_log2_lse", "dkv_packed_ds"):
+                 "q_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
@@ -324,10 +295,6 @@ class BackwardConfig:
       raise ValueError(f"BackwardConfig.fused_dq needs block_q {WGMMA_M}, got {self.block_q}")
     if self.fused_dq and self.softmax_overlap:
       raise ValueError("BackwardConfig.fused_dq does not take softmax_overlap")
-    if self.dkv_pingpong and (self.fused_dq or self.softmax_overlap):
-      raise ValueError("BackwardConfig.dkv_pingpong takes the plain dK/dV step: not with fused_dq or softmax_overlap")
-    if self.dq_pingpong and self.dq_consumers != NUM_CONSUMERS:
-      raise ValueError(f"BackwardConfig.dq_pingpong takes {NUM_CONSUMERS} dQ consumers, got {self.dq_consumers}")
     poly_exp2.check_poly_columns("BackwardConfig.dkv_poly_columns", self.dkv_poly_columns, self.block_q)
     poly_exp2.check_poly_columns("BackwardConfig.dq_poly_columns", self.dq_poly_columns, self.block_kv)
 
@@ -631,8 +598,6 @@ def _dkv_kernel(
   # tile_done: a barrier of 2 arrivals (neither consumer reads the other's K
   # tile any more); dq_staged, dq_free: [2] barriers of 1 arrival (a
   # consumer's piece is in dq_smem; the producer has read it).
-  # turn (with dkv_pingpong, the last scratch): [2] barriers of 1 arrival,
-  # turn[w] lets consumer w issue its next wgmma group.
   # staging (interpret mode only): [2, 64, block_q], P^T and dS^T for wgmma;
   # with fused_dq also dq_old: [2, block_q, piece columns] f32 and
   # dq_loaded, [2] barriers (the interpreter adds into dQ by load, add and
@@ -641,7 +606,6 @@ def _dkv_kernel(
   # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks).
   fused = config.fused_dq
   refs = list(refs)
-  turn = refs.pop() if config.dkv_pingpong else None
   ranks_ref = refs.pop(0) if fused else None
   dk_ref, dv_ref = refs.pop(0), refs.pop(0)
   dq_ref = refs.pop(0) if fused else None
@@ -656,7 +620,6 @@ def _dkv_kernel(
     dq_old, dq_loaded = refs
   rows, block_q, stages = WGMMA_M, config.block_q, config.stages
   dtype = q_ref.dtype
-  packed_ds = config.dkv_packed_ds and dtype == jnp.bfloat16
   head_dim = q_ref.shape[-1]
   wg = lax.axis_index("wg")
   num_q = pl.cdiv(seq_q, block_q)
@@ -859,16 +822,6 @@ def _dkv_kernel(
       staged_any = (end_step > 0) & (owner(end_step - 1) == previous_owner)
     pl.when(staged_any)(lambda: plgpu.barrier_wait(dq_free.at[previous_owner]))
 
-  # Ping-pong (dkv_pingpong, `Turns`): two turns per Q block, (S^T, dP^T)
-  # and (dV, dK), a drained block's too; the groups reach the tensor cores
-  # as (S^T, dP^T) of consumer 0, of consumer 1, (dV, dK) of consumer 0, ...
-  turns = Turns(turn, wg)
-  take_turn, pass_turn = turns.take, turns.pass_on
-
-  def epilogue(end_step):
-    last_release(end_step)
-    turns.end()
-
   def gradients(tile: KVTile, buffer, ring_base):
     """(dK unscaled, dV) of this consumer's rows of `tile`, its Q blocks at
     the ring's steps from ring_base; its K and V rows are in `buffer`."""
@@ -886,9 +839,7 @@ def _dkv_kernel(
       plgpu.barrier_wait(lse_ready.at[slot])
       if not _elementwise():
         return s_t
-      lse = plgpu.load(lse_smem.at[slot], layout=vec_layout)
-      if not config.dkv_log2_lse:
-        lse = lse * LOG2_E
+      lse = plgpu.load(lse_smem.at[slot], layout=vec_layout) * LOG2_E
       p_t = poly_exp2.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), config.dkv_poly_columns)
       if masked:
         key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -904,10 +855,7 @@ def _dkv_kernel(
       if not _elementwise():
         return dp_t
       delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
-      dp_minus_delta = dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1])
-      if packed_ds:
-        return p_t.astype(dtype) * dp_minus_delta.astype(dtype)
-      return p_t * dp_minus_delta
+      return p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
 
     def wait_q_block(qb, g):
       """(slot, Q tile, dO tile) of Q block qb of head g, once loaded."""
@@ -940,9 +888,7 @@ def _dkv_kernel(
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
       def scores(s_ref, dp_ref):
-        take_turn()
         issue_scores(s_ref, dp_ref, q_tile, do_tile)
-        pass_turn()
         return s_ref[...], dp_ref[...]  # waits for both
 
       score_acc = plgpu.ACC((rows, block_q), jnp.float32)
@@ -961,7 +907,6 @@ def _dkv_kernel(
         fresh = plgpu.ACC((block_q, piece_cols), jnp.float32)
 
       if interpret:
-        take_turn()
         stage = staging.at[wg]
         stage[...] = p_t.astype(dtype)
         plgpu.commit_smem()
@@ -979,7 +924,6 @@ def _dkv_kernel(
           return acc_ref[...]
 
         dk = dk + pl.run_scoped(dk_fresh, plgpu.ACC(dk.shape, jnp.float32))
-        pass_turn()
       elif fused and split:
         def grads(refs):
           dv_ref, dk_ref, dq_ref = refs
@@ -994,10 +938,8 @@ def _dkv_kernel(
       else:
         def grads(refs):
           dv_ref, dk_ref = refs
-          take_turn()
           plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
           plgpu.wgmma(dk_ref, ds_t, q_tile)
-          pass_turn()
 
         with jax.named_scope("grads"):
           dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))  # one wait
@@ -1073,9 +1015,6 @@ def _dkv_kernel(
       plgpu.barrier_wait(do_ready.at[slot])
       plgpu.barrier_wait(delta_ready.at[slot])
       release_q_block(slot)
-      for _ in range(2):  # the block's two turns (ping-pong)
-        take_turn()
-        pass_turn()
 
     def fused_step(position, carry, *, g, masked: bool):
       # `step` on the Q block at `position` of the tile's visits, with this
@@ -1148,8 +1087,7 @@ def _dkv_kernel(
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
 
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
-            compute=gradients, store=store_gradients, prologue=turns.start, epilogue=epilogue,
-            buffers=config.dkv_buffers)
+            compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers)
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):
@@ -1214,8 +1152,6 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   dtype, stages, block_q = q.dtype, config.stages, config.block_q
   transforms = _swizzled(head_dim, dtype)
   buffers = config.dkv_buffers
-  if config.dkv_log2_lse:
-    lse = lse * LOG2_E  # the kernel's exponentials are base 2
   scratch = [
       plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # K
       plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # V
@@ -1265,8 +1201,6 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
           plgpu.SMEM((NUM_CONSUMERS, block_q, piece.cols), jnp.float32, transforms=_swizzled(piece.cols, jnp.float32)),
           plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # dQ loaded
       ]
-  if config.dkv_pingpong:
-    scratch.append(plgpu.Barrier(num_barriers=NUM_CONSUMERS))  # turn
   kernel = functools.partial(
       _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=group, schedule=schedule, causal=causal,
       softmax_scale=softmax_scale, config=config, interpret=interpret,
@@ -1312,18 +1246,13 @@ def _dq_kernel(
   # q_ready: [buffers * C] barriers of 4 arrivals (Q, dO, lse, delta);
   # k_ready, v_ready: [stages] (TMA); k_consumed, v_consumed: [stages], C
   # arrivals. staging (interpret mode only): [C, 64, block_kv], dS for wgmma.
-  # turn (with dq_pingpong, the last scratch): [2] barriers of 1 arrival
-  # (`Turns`: two per K/V block, (S, dP) and dQ += dS K, a drained block's
-  # too).
   # schedule: None for one CTA per tile (grid q x heads x batch), else the
   # persistent CTAs' tiles (forward.PersistentSchedule).
   rows, block_kv, stages, consumers = WGMMA_M, config.block_kv, config.stages, config.dq_consumers
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
-  extra = list(staging)
-  turns = Turns(extra.pop() if config.dq_pingpong else None, lax.axis_index("wg"))
   if interpret:
-    [staging] = extra
+    [staging] = staging
   wg = lax.axis_index("wg")
   qk_scale = softmax_scale * LOG2_E
 
@@ -1383,17 +1312,13 @@ def _dq_kernel(
         plgpu.commit_smem()
 
         def dq_fresh(acc_ref):
-          turns.take()
           plgpu.wgmma(acc_ref, ds_stage, k_tile)
-          turns.pass_on()
           return acc_ref[...]
 
         return dq + pl.run_scoped(dq_fresh, plgpu.ACC(dq.shape, jnp.float32))
 
       def dq_step(dq_ref):
-        turns.take()
         plgpu.wgmma(dq_ref, ds.astype(dtype), k_tile)
-        turns.pass_on()
 
       return pl.run_state(dq_step)(plgpu.ACC.init(dq))
 
@@ -1407,15 +1332,11 @@ def _dq_kernel(
         plgpu.barrier_wait(v_ready.at[slot])
 
       def scores(s_ref, dp_ref):
-        turns.take()
         issue_scores(s_ref, dp_ref, k_tile, v_tile)
-        turns.pass_on()
         return s_ref[...], dp_ref[...]  # waits for both
 
       def probs_under_dp(s_ref, dp_ref):
-        turns.take()
         issue_scores(s_ref, dp_ref, k_tile, v_tile)
-        turns.pass_on()
         # Groups retire in order: wait for S alone, compute P while dP runs.
         p = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), kb, masked=masked)
         return p, dp_ref[...]
@@ -1443,9 +1364,6 @@ def _dq_kernel(
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_arrive(v_consumed.at[slot])
       plgpu.barrier_arrive(k_consumed.at[slot])
-      for _ in range(2):  # the block's two turns (ping-pong)
-        turns.take()
-        turns.pass_on()
 
     dq = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     dq = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), dq)
@@ -1469,7 +1387,7 @@ def _dq_kernel(
   produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                       group=group, block_kv=block_kv, stages=stages)
   run_tiles(schedule, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_rows, compute=gradient,
-            store=store_dq, prologue=turns.start, epilogue=lambda end_step: turns.end(), consumers=consumers)
+            store=store_dq, consumers=consumers)
 
 
 def dq(
@@ -1521,8 +1439,6 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
   ]
   if interpret:
     scratch.append(plgpu.SMEM((consumers, WGMMA_M, block_kv), dtype, transforms=_swizzled(block_kv, dtype)))
-  if config.dq_pingpong:
-    scratch.append(plgpu.Barrier(num_barriers=consumers))  # turn
   num_q_blocks = pl.cdiv(q.shape[1], consumers * WGMMA_M)
   schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.dq_persistent,
                                           causal=causal, interpret=interpret)
