@@ -1186,17 +1186,58 @@ def test_profiling_sets_the_kernels_compiler_params(tmp_path):
   assert mosaic.compiler_params().profile_space == 0
 
 
+def _load_tool(name: str):
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  return tool
+
+
+def _sass(*instructions: str) -> str:
+  """SASS text in nvdisasm's layout from instructions and '.L_x_N:' labels."""
+  lines, address = [], 0
+  for text in instructions:
+    if text.endswith(":"):
+      lines.append(text)
+    else:
+      lines.append(f"        /*{address:04x}*/                   {text} ;")
+      address += 0x10
+  return "\n".join(lines)
+
+
+def test_wgmma_operand_clobber_check():
+  """tools/mosaic_cpu_compile.py's check of the SASS: a loop whose HGMMA
+  reads registers carried into it (K in registers) and that hands them to a
+  temporary read in the same iteration (ptxas 13.0 with kv_registers) is
+  reported; a value carried on purpose (P into the next step's P V), a loop
+  that leaves them alone, and a barrier's slow path after EXIT are not."""
+  check = _load_tool("mosaic_cpu_compile").wgmma_operand_clobbers
+  clobbered = _sass("LDSM.16.M88.4 R160, [R4]", ".L_x_1:", "HGMMA.64x64x16.F32.BF16 R56, R160, gdesc[UR4], R56",
+                    "F2FP.BF16.F32.PACK_AB R160, R13, R12", "HGMMA.64x64x16.F32.BF16 R120, R160, gdesc[UR8], R120",
+                    "@P0 BRA `(.L_x_1)", "EXIT")
+  [report] = check(clobbered)  # R160 only: the F2FP writes one register of the fragment
+  assert report.startswith("R160: read by HGMMA at 0x10, last overwritten at 0x20")
+  carried = _sass("F2FP.BF16.F32.PACK_AB R160, R13, R12", ".L_x_1:",
+                  "HGMMA.64x64x16.F32.BF16 R88, R160, gdesc[UR8], R88", "FMNMX R161, R24, R28, !PT",
+                  "FADD R30, R161, R31", "F2FP.BF16.F32.PACK_AB R160, R33, R32",
+                  "F2FP.BF16.F32.PACK_AB R161, R35, R34", "@P0 BRA `(.L_x_1)", "EXIT")
+  untouched = _sass("LDSM.16.M88.4 R160, [R4]", ".L_x_1:", "HGMMA.64x64x16.F32.BF16 R56, R160, gdesc[UR4], R56",
+                    "F2FP.BF16.F32.PACK_AB R12, R13, R12", "HGMMA.64x64x16.F32.BF16 R120, R12, gdesc[UR8], R120",
+                    "@P0 BRA `(.L_x_1)", "EXIT")
+  slow_path = _sass("LDSM.16.M88.4 R160, [R4]", ".L_x_1:", "HGMMA.64x64x16.F32.BF16 R56, R160, gdesc[UR4], R56",
+                    "F2FP.BF16.F32.PACK_AB R160, R13, R12", "FADD R1, R160, R2", "EXIT", "BRA `(.L_x_1)")
+  assert check(carried) == check(untouched) == check(slow_path) == []
+
+
 def test_profile_summary_of_a_trace():
   """tools/mosaic_profile.py's summary of a Mosaic GPU profiler trace: per
   warpgroup role (tid = 1 + warpgroup + 3 * CTA), the mean time per CTA in
   each region, nested regions counted in both, shares of the span."""
-  import importlib.util
-  import pathlib
-
-  path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "mosaic_profile.py"
-  spec = importlib.util.spec_from_file_location("mosaic_profile", path)
-  tool = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(tool)
+  tool = _load_tool("mosaic_profile")
   events = []
   for cta, scale in ((0, 1.0), (1, 3.0)):
     for warpgroup in range(3):

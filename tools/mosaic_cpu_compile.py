@@ -68,6 +68,79 @@ def _load_fake_driver(build_dir: str) -> None:
   ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
 
 
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*$")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_A_FROM_REGISTERS = re.compile(r"HGMMA\.\S+ R\d+, R(\d+),")
+_WRITE = re.compile(r"^(?:@!?U?P[T\d] )?([A-Z][A-Z0-9_.]*) R(\d+)\b")
+
+
+def _registers_read(body: str) -> set[int]:
+  """The registers an instruction reads (its operands after the first, a
+  wgmma A fragment as four, a 64-bit operand as two)."""
+  if operand := _A_FROM_REGISTERS.match(body):
+    return set(range(int(operand.group(1)), int(operand.group(1)) + 4))
+  opcode, _, operands = body.partition(" ")
+  sources = operands.split(",")[1:] if _WRITE.match(body) else operands.split(",")
+  width = 2 if ".64" in opcode else 1
+  return {r + i for token in sources for r in map(int, re.findall(r"\bR(\d+)", token)) for i in range(width)}
+
+
+def wgmma_operand_clobbers(sass: str) -> list[str]:
+  """Registers that a loop's HGMMA reads as its A operand (4 per fragment)
+  as values carried into the iteration (read before anything in the loop
+  writes them) and whose last write in the loop is read again in the same
+  iteration: at the back edge they hold that iteration's temporary, which
+  the next iteration's HGMMA then reads as its operand. (A value carried on
+  purpose, as the forward's P into the next step's P V, is written last and
+  read only by the next iteration, and is not reported.)
+  ptxas 13.0 does this to the dK/dV kernel with K and V in registers
+  (session 9's wrong gradients; bench/NOTES.md, session 10). A static check
+  of the SASS's innermost loops; one line per clobbered register."""
+  instructions, labels, pending = [], {}, []
+  for line in sass.splitlines():
+    if label := _LABEL.match(line):
+      pending.append(label.group(1))
+    elif match := _INSTRUCTION.search(line):
+      address = int(match.group(1), 16)
+      labels.update((name, address) for name in pending)
+      pending = []
+      instructions.append((address, match.group(2)))
+  loops = []  # (start, end) of each backward branch's range that holds an HGMMA
+  for end, text in instructions:
+    branch = re.search(r"BRA `\((\.L_x_\d+)\)", text)
+    start = labels.get(branch.group(1)) if branch else None
+    body = [text for address, text in instructions if start is not None and start <= address <= end]
+    # ptxas puts the slow paths of barrier waits after the function's EXIT
+    # and branches back from there: such a range holds an EXIT, a loop none.
+    if start is not None and start < end and any("HGMMA" in t for t in body) and "EXIT" not in body:
+      loops.append((start, end))
+  found = []
+  for start, end in loops:
+    if any(start <= inner_start and inner_end <= end and (inner_start, inner_end) != (start, end)
+           for inner_start, inner_end in loops):
+      continue  # an outer loop: its inner loops reuse registers between them
+    loop = [(address, body) for address, body in instructions if start <= address <= end]
+    first_read, last_write = {}, {}
+    for address, body in loop:
+      if operand := _A_FROM_REGISTERS.match(body):
+        for r in range(int(operand.group(1)), int(operand.group(1)) + 4):
+          if r not in last_write:
+            first_read.setdefault(r, address)
+      elif (write := _WRITE.match(body)) and not write.group(1).startswith(("ST", "BRA", "SYNCS", "WARPGROUP")):
+        width = 4 if ".128" in write.group(1) or ".M88.4" in write.group(1) else 2 if (
+            ".64" in write.group(1) or write.group(1).startswith("CS2R")) else 1
+        for r in range(int(write.group(2)), int(write.group(2)) + width):
+          last_write[r] = (address, body)
+    for r in sorted(first_read):
+      if r not in last_write:
+        continue  # loop-invariant and left alone
+      written_at, body = last_write[r]
+      if any(r in _registers_read(later) for address, later in loop if address > written_at):
+        found.append(f"R{r}: read by HGMMA at {first_read[r]:#x}, last overwritten at {written_at:#x} ({body}) "
+                     f"in the loop {start:#x}..{end:#x}")
+  return found
+
+
 def _summarise(dump: pathlib.Path) -> str:
   report = " ".join(p.read_text() for p in dump.glob("*.ptxas"))
   regs = re.search(r"Used (\d+) registers", report)
@@ -79,6 +152,8 @@ def _summarise(dump: pathlib.Path) -> str:
     mma = collections.Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))
     parts.append("HGMMA " + ",".join(f"{n}x{shape}" for shape, n in sorted(mma.items())))
     parts.append(f"LDL/STL={len(re.findall(r'\b(?:LDL|STL)\b', sass))}")
+    clobbers = wgmma_operand_clobbers(sass)
+    parts.append(f"A-clobbers={len(clobbers)}" + (f" (first: {clobbers[0]})" if clobbers else ""))
   return " ".join(parts)
 
 
@@ -86,7 +161,8 @@ def setup_compiler():
   """Points Mosaic at ptxas, asks it for PTX/ptxas/SASS dumps, loads the fake
   driver and returns the CUDA plugin's MosaicGpuCompile. Call before jax is
   imported."""
-  cuda_root = _cuda_root()
+  # MOSAIC_GPU_CUDA_ROOT, if set, picks another ptxas (a folder with bin/ptxas).
+  cuda_root = pathlib.Path(os.environ.get("MOSAIC_GPU_CUDA_ROOT") or _cuda_root())
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["MOSAIC_GPU_CUDA_ROOT"] = str(cuda_root)
   os.environ["PATH"] = f"{cuda_root / 'bin'}:{os.environ['PATH']}"
