@@ -64,8 +64,7 @@ def main() -> int:
   for batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles in CASES:
     config = backward.BackwardConfig(*tiles) if tiles else backward.default_backward_config(head_dim)
     for field, value in (item.split("=") for item in args.set):
-      default = getattr(config, field)
-      config = dataclasses.replace(config, **{field: type(default)(int(value))})
+      config = dataclasses.replace(config, **{field: type(getattr(config, field))(int(value))})
     q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
     vec = jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)

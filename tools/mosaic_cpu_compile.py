@@ -14,7 +14,7 @@ project does not install. Set up once, in a venv of its own:
   /tmp/cudavenv/bin/pip install jax==0.11.2 jaxlib==0.11.2 jax-cuda13-plugin==0.11.2 \\
       jax-cuda13-pjrt==0.11.2 "nvidia-cuda-nvcc>=13.0,<13.1" "nvidia-nvvm>=13.0,<13.1" \\
       nvidia-cuda-nvdisasm==13.2.86   # nvdisasm is optional (SASS)
-  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_cpu_compile.py [--dump DIR]
+  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_cpu_compile.py [--dump DIR] [--set fence_softmax=1]
 
 A case that fails to compile prints the compiler's error on stderr.
 """
@@ -197,7 +197,8 @@ def compile_case(compile_fn, fn, args, dump: pathlib.Path, name: str) -> bool:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dump", default=None, help="keep Mosaic's dumps (PTX, ptxas, SASS) here")
-  parser.add_argument("--softmax-overlap", action="store_true", help="every case with MosaicConfig.softmax_overlap")
+  parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                      help="MosaicConfig fields set in every case (ints; bools as 0/1), e.g. fence_softmax=1")
   args = parser.parse_args()
   dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_dump_"))
   compile_fn = setup_compiler()
@@ -208,8 +209,8 @@ def main() -> int:
   failures = 0
   for i, (batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles) in enumerate(CASES):
     config = mosaic.MosaicConfig(*tiles) if tiles else mosaic.default_config(head_dim)
-    if args.softmax_overlap:
-      config = dataclasses.replace(config, softmax_overlap=True)
+    for field, value in (item.split("=") for item in args.set):
+      config = dataclasses.replace(config, **{field: type(getattr(config, field))(int(value))})
     q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
     name = f"d{head_dim}_{dtype}_{'causal' if causal else 'full'}_{seq_q}x{seq_k}_h{heads}-{kv_heads}"
