@@ -462,14 +462,15 @@ class Turns:
   """Two consumer warpgroups taking turns at issuing wgmma groups
   (FlashAttention-3's ping-pong). Consumer w waits for barriers[w] before it
   issues a group and passes the turn to the other right after issuing, so
-  the groups reach the tensor cores one consumer's after the other's and one
-  consumer's element-wise work runs under the other's matmuls; without turns
-  the tensor cores interleave both consumers' groups instruction by
-  instruction, both finish together and both then compute at once. Both
-  consumers must take the same number of turns (a consumer with nothing to
-  compute in a step takes and passes its turns all the same); consumer 1
-  gives consumer 0 the first turn (`start`) and consumer 0 observes the last
-  pass (`end`). With barriers None every method does nothing."""
+  that the groups reach the tensor cores one consumer's after the other's
+  and, as FlashAttention-3 reasons, one consumer's element-wise work runs
+  under the other's matmuls. (On the H200 it has not paid: the forward's
+  MosaicConfig.pingpong and the backward's, since removed; bench/NOTES.md,
+  sessions 5 and 10.) Both consumers must take the same number of turns (a
+  consumer with nothing to compute in a step takes and passes its turns all
+  the same); consumer 1 gives consumer 0 the first turn (`start`) and
+  consumer 0 observes the last pass (`end`). With barriers None every
+  method does nothing."""
 
   barriers: object  # [2] barriers of one arrival each, or None
   wg: jax.Array
