@@ -209,8 +209,8 @@ def main() -> int:
   failures = 0
   for i, (batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles) in enumerate(CASES):
     config = mosaic.MosaicConfig(*tiles) if tiles else mosaic.default_config(head_dim)
-    for field, value in (item.split("=") for item in args.set):
-      config = dataclasses.replace(config, **{field: type(getattr(config, field))(int(value))})
+    fields = dict(item.split("=") for item in args.set)  # set together: fields check one another
+    config = dataclasses.replace(config, **{f: type(getattr(config, f))(int(v)) for f, v in fields.items()})
     q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
     name = f"d{head_dim}_{dtype}_{'causal' if causal else 'full'}_{seq_q}x{seq_k}_h{heads}-{kv_heads}"
