@@ -439,7 +439,8 @@ stage_dq_overlap128() { dq_overlap 128; }
 stage_registers64() {
   # The dQ kernel's score products with Q and dO in registers
   # (BackwardConfig.q_registers, the default since session 9; kv_registers,
-  # the dK/dV kernel's, was removed: wrong without a causal mask). GPU
+  # the dK/dV kernel's, was removed: ptxas 13.0 miscompiles it without a
+  # causal mask, bench/NOTES.md session 10). GPU
   # tests, then the A/B at d64 (dkv ms, dq ms). ~3 min.
   timeout 150 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k "registers" 2>&1 \
     | tee "$OUT/registers_tests.log" | tail -5

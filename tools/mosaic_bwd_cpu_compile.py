@@ -13,7 +13,6 @@ holds (HGMMA shapes, local memory).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import pathlib
 import sys
 import tempfile
@@ -63,8 +62,7 @@ def main() -> int:
   i = 0
   for batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles in CASES:
     config = backward.BackwardConfig(*tiles) if tiles else backward.default_backward_config(head_dim)
-    fields = dict(item.split("=") for item in args.set)  # set together: fields check one another
-    config = dataclasses.replace(config, **{f: type(getattr(config, f))(int(v)) for f, v in fields.items()})
+    config = fwd_tool.with_fields(config, args.set)
     q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
     vec = jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)

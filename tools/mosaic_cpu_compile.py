@@ -109,10 +109,12 @@ def wgmma_operand_clobbers(sass: str) -> list[str]:
   for end, text in instructions:
     branch = re.search(r"BRA `\((\.L_x_\d+)\)", text)
     start = labels.get(branch.group(1)) if branch else None
-    body = [text for address, text in instructions if start is not None and start <= address <= end]
+    if start is None or start >= end:
+      continue  # not a backward branch
+    body = [text for address, text in instructions if start <= address <= end]
     # ptxas puts the slow paths of barrier waits after the function's EXIT
     # and branches back from there: such a range holds an EXIT, a loop none.
-    if start is not None and start < end and any("HGMMA" in t for t in body) and "EXIT" not in body:
+    if any("HGMMA" in t for t in body) and "EXIT" not in body:
       loops.append((start, end))
   found = []
   for start, end in loops:
@@ -139,6 +141,13 @@ def wgmma_operand_clobbers(sass: str) -> list[str]:
         found.append(f"R{r}: read by HGMMA at {first_read[r]:#x}, last overwritten at {written_at:#x} ({body}) "
                      f"in the loop {start:#x}..{end:#x}")
   return found
+
+
+def with_fields(config, settings: list[str]):
+  """config with the fields of `settings` ("FIELD=VALUE", ints; bools as
+  0/1) set together, since the config's checks relate them."""
+  fields = dict(item.split("=") for item in settings)
+  return dataclasses.replace(config, **{f: type(getattr(config, f))(int(v)) for f, v in fields.items()})
 
 
 def _summarise(dump: pathlib.Path) -> str:
@@ -209,8 +218,7 @@ def main() -> int:
   failures = 0
   for i, (batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles) in enumerate(CASES):
     config = mosaic.MosaicConfig(*tiles) if tiles else mosaic.default_config(head_dim)
-    fields = dict(item.split("=") for item in args.set)  # set together: fields check one another
-    config = dataclasses.replace(config, **{f: type(getattr(config, f))(int(v)) for f, v in fields.items()})
+    config = with_fields(config, args.set)
     q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
     name = f"d{head_dim}_{dtype}_{'causal' if causal else 'full'}_{seq_q}x{seq_k}_h{heads}-{kv_heads}"

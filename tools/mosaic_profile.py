@@ -30,6 +30,20 @@ import tempfile
 ROLES = ("consumer 0", "consumer 1", "producer")  # warpgroup order: the consumers, then the producer
 
 
+def region_intervals(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+  """{region: [(start, end), ...]} from one warpgroup's B/E events (nested
+  regions each get their own interval)."""
+  by_region = collections.defaultdict(list)
+  open_regions = []
+  for event in sorted(events, key=lambda e: e["ts"]):
+    if event["ph"] == "B":
+      open_regions.append(event)
+    elif event["ph"] == "E" and open_regions:
+      begin = open_regions.pop()
+      by_region[begin["name"]].append((begin["ts"], event["ts"]))
+  return by_region
+
+
 def summarize(trace: dict, warpgroups: int = len(ROLES)) -> dict[str, dict[str, tuple[float, float]]]:
   """{role: {region: (mean microseconds per CTA, share of the span)}} from a
   Mosaic GPU profiler trace (Perfetto JSON: B/E events per warpgroup, tid =
@@ -43,15 +57,9 @@ def summarize(trace: dict, warpgroups: int = len(ROLES)) -> dict[str, dict[str, 
   counts = collections.Counter()
   for tid, events in by_tid.items():
     role = ROLES[(tid - 1) % warpgroups] if warpgroups == len(ROLES) else f"warpgroup {(tid - 1) % warpgroups}"
-    events.sort(key=lambda e: e["ts"])
-    open_regions = []
-    for event in events:
-      if event["ph"] == "B":
-        open_regions.append(event)
-      else:
-        begin = open_regions.pop()
-        totals[role][begin["name"]] += event["ts"] - begin["ts"]
-    spans[role] += events[-1]["ts"] - events[0]["ts"]
+    for name, intervals in region_intervals(events).items():
+      totals[role][name] += sum(end - start for start, end in intervals)
+    spans[role] += max(e["ts"] for e in events) - min(e["ts"] for e in events)
     counts[role] += 1
   summary = {}
   for role in sorted(totals, key=lambda r: (r not in ROLES, ROLES.index(r) if r in ROLES else r)):

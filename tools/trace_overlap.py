@@ -21,19 +21,10 @@ import argparse
 import collections
 import json
 import pathlib
+import sys
 
-
-def _intervals(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
-  """{region: [(start, end), ...]} of one warpgroup's B/E events."""
-  by_region = collections.defaultdict(list)
-  open_regions = []
-  for event in sorted(events, key=lambda e: e["ts"]):
-    if event["ph"] == "B":
-      open_regions.append(event)
-    elif event["ph"] == "E" and open_regions:
-      begin = open_regions.pop()
-      by_region[begin["name"]].append((begin["ts"], event["ts"]))
-  return by_region
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from mosaic_profile import region_intervals  # noqa: E402  (tools/: the same B/E pairing as its summary)
 
 
 def _union(intervals):
@@ -73,7 +64,7 @@ def overlap(trace: dict, *, warpgroups: int = 3, busy: tuple[str, ...] = ("score
   for tid, events in by_tid.items():
     cta, role = divmod(tid - 1, warpgroups)
     if role < 2:
-      ctas[cta][role] = _intervals(events)
+      ctas[cta][role] = region_intervals(events)
   totals, count = collections.Counter(), 0
   for regions in ctas.values():
     if len(regions) != 2:
