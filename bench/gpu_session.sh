@@ -45,7 +45,7 @@
 #             poly_ab (part of the exponentials as a polynomial: d64 fwd, bwd, d128 fwd; ~5 min),
 #             dkv_ring128 (the d128 dK/dV kernel with 3-4 ring slots, not persistent; ~2 min),
 #             power_probe (SM clock and power while the backward runs, ~1.5 min),
-#             fence_ab (the softmax behind a one-iteration loop: forward and dQ vs the defaults, ~5 min),
+#             anatomy (cuDNN's and our forward+backward kernels from a profiler trace, power beside each; ~3 min),
 #             elementwise_ab (the backward without its element-wise work, speed only; ~2.5 min),
 #             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
@@ -551,18 +551,19 @@ temperature.gpu --format=csv,noheader,nounits)"; sleep 0.1; done) >"$OUT/power_s
   kill $sampler
 }
 
-stage_fence_ab() {
-  # The softmax behind forward.unhoisted's one-iteration loop, so that ptxas
-  # keeps the wait for the previous matmul after the exponentials (sm_90a:
-  # without it the wait comes first, session 10): the forward
-  # (fence_softmax) and the dQ kernel (dq_fence_softmax) against the
-  # defaults. Run its GPU tests first:
-  #   SHARDS=8 SHARD_K="fenced or dq_fence_softmax" bash bench/gpu_session.sh 0:mosaic_shards wait fence_ab
-  # ~5 min.
-  timeout 150 python tools/mosaic_bench.py --no-triton --seq 2048 4096 8192 16384 --head-dim 64 128 \
-    --variants default fence_softmax=1 2>&1 | tee "$OUT/fence_fwd_ab.log"
-  timeout 140 python tools/mosaic_bwd_bench.py --seq 2048 8192 16384 --head-dim 64 128 --variants default \
-    dq_fence_softmax=1 2>&1 | tee "$OUT/fence_dq_ab.log"
+stage_anatomy() {
+  # cuDNN's forward+backward beside ours: the kernels each runs and their
+  # times (tools/kernel_anatomy.py, from a profiler trace), then the SM clock
+  # and power while each runs back to back at 8k (as power_probe). ~3 min.
+  timeout 150 python tools/kernel_anatomy.py --impls cudnn mosaic --seq 4096 16384 --head-dim 128 2>&1 \
+    | tee "$OUT/anatomy.log"
+  timeout 90 python tools/kernel_anatomy.py --impls cudnn mosaic --seq 8192 --head-dim 128 --causal 2>&1 \
+    | tee -a "$OUT/anatomy.log"
+  (while true; do echo "$(date +%s.%N),$(nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,\
+temperature.gpu --format=csv,noheader,nounits)"; sleep 0.1; done) >"$OUT/anatomy_smi.csv" 2>&1 &
+  local sampler=$!
+  timeout 90 python tools/power_probe.py --kernel cudnn mosaic --seq 8192 --seconds 5 2>&1 | tee "$OUT/anatomy_power.log"
+  kill $sampler
 }
 
 stage_wgmma() {
