@@ -110,7 +110,6 @@ def test_three_consumers_skip_the_padding_copy_on_the_gpu():
         (dict(block_q=True), "block_q must be an int"),
         (dict(softmax_overlap=1), "softmax_overlap must be a bool"),
         (dict(q_registers=1), "q_registers must be a bool"),
-        (dict(fence_softmax=1), "fence_softmax must be a bool"),
         (dict(persistent=None), "persistent must be a bool"),
         (dict(pingpong=1), "pingpong must be a bool"),
         (dict(pingpong=True), "pingpong needs softmax_overlap"),
@@ -218,8 +217,6 @@ def test_lowers_for_cuda(head_dim, dtype, causal):
         # register-tile split), in the plain and the overlapped loop.
         ((1, 1000, 1537, 2, 64), None, MosaicConfig(poly_columns=32)),
         ((1, 2048, 2048, 2, 64), None, MosaicConfig(block_q=192, consumers=3, softmax_overlap=True, poly_columns=128)),
-        # The softmax behind a one-iteration loop (forward.unhoisted).
-        ((2, 1000, 1537, 4, 128), 2, MosaicConfig(softmax_overlap=True, persistent=True, fence_softmax=True)),
     ],
 )
 def test_lowers_for_cuda_variants(shape, kv_heads, config):
@@ -325,15 +322,13 @@ def _check_without_races(shape, causal, kv_heads, config):
 
 @pytest.mark.parametrize("shape, causal, kv_heads, config", OVERLAP,
                          ids=["causal_drain", "gqa_seq_q_lt_seq_k", "ragged", "one_row"])
-@pytest.mark.parametrize("fence", [False, True], ids=["", "fenced"])
-def test_interpreter_softmax_overlap(shape, causal, kv_heads, config, fence):
+def test_interpreter_softmax_overlap(shape, causal, kv_heads, config):
   # The numbers, and the barrier protocol of the ring under the shifted
   # releases (V of block kb-1 is released one step later) through the race
   # detector. Mosaic's interpreter runs each wgmma when it is issued, so the
   # overlap itself (what may run while P V is in flight) is only checked on
-  # the GPU (test_gpu_softmax_overlap). fence_softmax: the softmax as the
-  # body of forward.unhoisted's loop of one iteration.
-  _check_without_races(shape, causal, kv_heads, dataclasses.replace(config, fence_softmax=fence))
+  # the GPU (test_gpu_softmax_overlap).
+  _check_without_races(shape, causal, kv_heads, config)
 
 
 # persistent: (shape, causal, kv_heads, config). Two CTAs over 4-8 tiles, so
@@ -495,9 +490,8 @@ def test_gpu_poly_exp2(shape, kv_heads, config, causal):
      ((1, 1000, 1537, 8, 128), 2)],
     ids=["d64", "d128", "d256", "ragged_gqa"],
 )
-@pytest.mark.parametrize("fence", [False, True], ids=["", "fenced"])
-def test_gpu_softmax_overlap(shape, kv_heads, causal, fence):
-  config = dataclasses.replace(mosaic.default_config(shape[-1]), softmax_overlap=True, fence_softmax=fence)
+def test_gpu_softmax_overlap(shape, kv_heads, causal):
+  config = dataclasses.replace(mosaic.default_config(shape[-1]), softmax_overlap=True)
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
@@ -717,7 +711,6 @@ def test_bwd_config():
       (dict(dq_consumers=4), "dq_consumers must be 2 or 3"),
       (dict(dq_softmax_overlap=1), "dq_softmax_overlap must be a bool"),
       (dict(q_registers="yes"), "q_registers must be a bool"),
-      (dict(dq_fence_softmax=1), "dq_fence_softmax must be a bool"),
       (dict(dq_consumers=3.0), "dq_consumers must be an int"),
       (dict(dkv_poly_columns=72), "dkv_poly_columns must be a multiple of 8 between 0 and 64"),
       (dict(block_kv=128, dq_poly_columns=4), "dq_poly_columns must be a multiple of 8 between 0 and 128"),
@@ -871,11 +864,8 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
         ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, softmax_overlap=True)),
         ((1, 200, 136, 2, 64), jnp.bfloat16, False, None, BackwardConfig(64, 64, 2, softmax_overlap=True)),
         ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, softmax_overlap=True)),
-        # The dQ kernel's alone (the default at head_dim 64 and 128), and
-        # with its P behind forward.unhoisted's loop.
+        # The dQ kernel's alone (the default at head_dim 64 and 128).
         ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True)),
-        ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(64, 128, 2, dq_softmax_overlap=True,
-                                                                       dq_fence_softmax=True)),
         # Exponentials as the polynomial, part of dkv's tiles and all of
         # dq's, with rows that see no key (lse = -inf: P must be 0, not NaN).
         ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True,
@@ -883,7 +873,7 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
     ],
     ids=["full_seq_q_lt_seq_k", "causal_gqa_drain", "causal_seq_q_lt_seq_k", "causal_seq_q_gt_seq_k",
          "overlap_causal_gqa_drain", "overlap_ragged", "overlap_causal_seq_q_gt_seq_k", "dq_overlap_ragged_gqa",
-         "dq_fenced_causal_seq_q_gt_seq_k", "poly_exp2_causal_ragged_gqa"],
+         "poly_exp2_causal_ragged_gqa"],
 )
 def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
@@ -1183,11 +1173,10 @@ def test_bwd_gpu_fused_dq_turns(shape, kv_heads, causal):
      ((1, 1537, 1000, 4, 64), None)],
     ids=["d64", "d128", "ragged_gqa", "ragged_seq_q_gt_seq_k"],
 )
-@pytest.mark.parametrize("option", ["softmax_overlap", "dq_fence_softmax"])
-def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal, option):
-  """Options of the kernels' steps on the defaults (persistent, the dQ
-  kernel's overlap and registers), both masks."""
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), **{option: True})
+def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal):
+  """softmax_overlap on the defaults (persistent, the dQ kernel's overlap
+  and registers), both masks."""
+  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), softmax_overlap=True)
   _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 

@@ -68,7 +68,6 @@ def test_wide_rejects():
         # The wide kernels compute every exponential with ex2.
         (BackwardConfig(64, 64, 2, dkv_poly_columns=16), "takes none of"),
         (BackwardConfig(64, 64, 2, dq_poly_columns=8), "takes none of"),
-        (BackwardConfig(64, 64, 2, dq_fence_softmax=True), "takes none of"),
         (BackwardConfig(64, 64, 3), "shared memory"),
     ):
       with pytest.raises(ValueError, match=match):

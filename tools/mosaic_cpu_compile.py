@@ -14,7 +14,7 @@ project does not install. Set up once, in a venv of its own:
   /tmp/cudavenv/bin/pip install jax==0.11.2 jaxlib==0.11.2 jax-cuda13-plugin==0.11.2 \\
       jax-cuda13-pjrt==0.11.2 "nvidia-cuda-nvcc>=13.0,<13.1" "nvidia-nvvm>=13.0,<13.1" \\
       nvidia-cuda-nvdisasm==13.2.86   # nvdisasm is optional (SASS)
-  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_cpu_compile.py [--dump DIR] [--set fence_softmax=1]
+  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_cpu_compile.py [--dump DIR] [--set q_registers=1]
 
 A case that fails to compile prints the compiler's error on stderr.
 """
@@ -207,7 +207,7 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dump", default=None, help="keep Mosaic's dumps (PTX, ptxas, SASS) here")
   parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                      help="MosaicConfig fields set in every case (ints; bools as 0/1), e.g. fence_softmax=1")
+                      help="MosaicConfig fields set in every case (ints; bools as 0/1), e.g. q_registers=1")
   args = parser.parse_args()
   dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_dump_"))
   compile_fn = setup_compiler()

@@ -133,7 +133,6 @@ from jax_flash2.mosaic.forward import (
     pad_seq,
     run_tiles,
     specialized_kernel,
-    unhoisted,
     unpad_seq,
     visible,
 )
@@ -242,10 +241,6 @@ class BackwardConfig:
       registers for S = Q K^T and dP = dO V^T, which then read only K and V
       from shared memory (head_dim 64 and 128: no spills on sm_90a). On in
       the defaults: 0-9% off the dQ kernel's time (session 9).
-    dq_fence_softmax: with the dQ kernel's overlap, P is computed behind
-      forward.unhoisted, so that ptxas keeps the wait for dP after the
-      exponentials (without it 6 of 32 run under dP; session 10). Not yet
-      timed on a GPU, hence off.
     dq_consumers: consumer warpgroups of the dQ kernel, 2 or 3 (head_dim
       64 only: 160 registers each; 192 Q rows per CTA, three consumers'
       element-wise work beside one another's matmuls, as the forward's
@@ -276,14 +271,13 @@ class BackwardConfig:
   fused_dq: bool = False
   dq_turns: bool = False
   q_registers: bool = False
-  dq_fence_softmax: bool = False
   dq_consumers: int = NUM_CONSUMERS
   dkv_poly_columns: int = 0
   dq_poly_columns: int = 0
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
-                 "q_registers", "dq_fence_softmax"):
+                 "q_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
@@ -1344,9 +1338,10 @@ def _dq_kernel(
       def probs_under_dp(s_ref, dp_ref):
         issue_scores(s_ref, dp_ref, k_tile, v_tile)
         # Groups retire in order: wait for S alone, compute P while dP runs.
+        # (ptxas hoists the wait for dP above part of it; keeping it below,
+        # behind a one-iteration loop, was slower: bench/NOTES.md, session 11.)
         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-        p_of = functools.partial(probs, kb=kb, masked=masked)
-        return (unhoisted(p_of, s) if config.dq_fence_softmax else p_of(s)), dp_ref[...]
+        return probs(s, kb, masked=masked), dp_ref[...]
 
       tile_acc = plgpu.ACC((rows, block_kv), jnp.float32)
       if config.softmax_overlap or config.dq_softmax_overlap:

@@ -128,7 +128,7 @@ def _check_config(config: BackwardConfig) -> None:
   if (config.block_q, config.block_kv) != (ROWS, ROWS):
     raise ValueError(f"head_dim {WIDE_HEAD_DIMS} takes block_q = block_kv = {ROWS}, got {config}")
   options = ("softmax_overlap", "dq_softmax_overlap", "fused_dq", "dq_turns", "q_registers", "dkv_poly_columns",
-             "dq_poly_columns", "dq_fence_softmax")
+             "dq_poly_columns")
   if any(getattr(config, name) for name in options):
     raise ValueError(f"head_dim {WIDE_HEAD_DIMS} takes none of {options}, got {config}")
 

@@ -196,11 +196,6 @@ class MosaicConfig:
       columns and 2-18% slower at 32-48 (session 9): the SFU is not what
       binds there, and the polynomial's nine instructions per score cost
       more issue slots than the one SFU instruction they replace.
-    fence_softmax: with softmax_overlap, the step's softmax runs behind
-      `unhoisted`, so that ptxas keeps the wait for the previous block's
-      P V after the exponentials, as the source orders them; without it
-      ptxas hoists that wait above them and the overlap is lost (sm_90a
-      SASS, bench/NOTES.md, session 10). Not yet timed on a GPU, hence off.
   Sequence lengths need not be multiples of the blocks: `forward` pads them
   (ragged lengths; see the module docstring).
   """
@@ -214,10 +209,9 @@ class MosaicConfig:
   consumers: int = NUM_CONSUMERS
   q_registers: bool = False
   poly_columns: int = 0
-  fence_softmax: bool = False
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "persistent", "pingpong", "q_registers", "fence_softmax"):
+    for name in ("softmax_overlap", "persistent", "pingpong", "q_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
     if self.pingpong and not self.softmax_overlap:
@@ -442,19 +436,6 @@ def kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed,
     observe_last_releases(k_consumed, v_consumed, end_step=end_step, stages=stages)
 
   return produce, observe
-
-
-def unhoisted(fn, carry):
-  """fn(carry) (a pytree of the same structure and types as carry) where
-  the kernel's source puts it among the wgmma waits around it. ptxas moves a
-  `wgmma.wait_group` above element-wise work that does not depend on it, as
-  early as it can (bench/NOTES.md, session 10), which undoes an overlap
-  written as: wait for S; softmax; wait for the previous P V. It does not
-  move a wait above a loop: so fn runs as the body of a loop of one
-  iteration, whose trip count (the warpgroup index is below 64, always)
-  ptxas cannot know. Costs a compare and a branch."""
-  trips = (lax.axis_index("wg") < 64).astype(jnp.int32)
-  return lax.fori_loop(0, trips, lambda _, c: fn(c), carry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -845,7 +826,9 @@ def _forward_kernel(
       # and that block's P (under m_i too). This step starts S_kb = Q K_kb^T
       # and acc + P_{kb-1} V_{kb-1} back to back, waits for S_kb alone (wgmma
       # groups complete in order), runs block kb's softmax while the tensor
-      # cores finish P V, and only then rescales acc to the new max.
+      # cores finish P V, and only then rescales acc to the new max. (ptxas
+      # hoists the wait for P V above most of the softmax; keeping it below,
+      # behind a one-iteration loop, was no faster: bench/NOTES.md, session 11.)
       acc, m_i, l_i, p_prev = carry
       slot, prev = slot_of(kb), slot_of(kb - 1)
       # (Named scopes: regions of the profiler's traces, see `profiling`.)
@@ -866,11 +849,7 @@ def _forward_kernel(
           s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_kb done; P V may still run
         plgpu.barrier_arrive(k_consumed.at[slot])
         with jax.named_scope("softmax"):
-          if config.fence_softmax:
-            # (s, m_i, l_i, m_i) -> (p, m_new, l_new, alpha): alpha is shaped as m_i.
-            update = unhoisted(lambda c: online_softmax(kb, *c[:3], masked=masked), (s, m_i, l_i, m_i))
-          else:
-            update = online_softmax(kb, s, m_i, l_i, masked=masked)
+          update = online_softmax(kb, s, m_i, l_i, masked=masked)
         with jax.named_scope("wait_pv"):
           o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
         return o, *update
