@@ -866,6 +866,7 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
         ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, softmax_overlap=True)),
         # The dQ kernel's alone (the default at head_dim 64 and 128).
         ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True)),
+        ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(64, 128, 2, dq_softmax_overlap=True)),
         # Exponentials as the polynomial, part of dkv's tiles and all of
         # dq's, with rows that see no key (lse = -inf: P must be 0, not NaN).
         ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True,
@@ -873,7 +874,7 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
     ],
     ids=["full_seq_q_lt_seq_k", "causal_gqa_drain", "causal_seq_q_lt_seq_k", "causal_seq_q_gt_seq_k",
          "overlap_causal_gqa_drain", "overlap_ragged", "overlap_causal_seq_q_gt_seq_k", "dq_overlap_ragged_gqa",
-         "poly_exp2_causal_ragged_gqa"],
+         "dq_overlap_causal_seq_q_gt_seq_k", "poly_exp2_causal_ragged_gqa"],
 )
 def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
