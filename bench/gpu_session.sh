@@ -45,6 +45,7 @@
 #             poly_ab (part of the exponentials as a polynomial: d64 fwd, bwd, d128 fwd; ~5 min),
 #             dkv_ring128 (the d128 dK/dV kernel with 3-4 ring slots, not persistent; ~2 min),
 #             power_probe (SM clock and power while the backward runs, ~1.5 min),
+#             fused_ablation (the fused kernel without dQ traffic, hand-over, lockstep; ~5 min),
 #             anatomy (cuDNN's and our forward+backward kernels from a profiler trace, power beside each; ~3 min),
 #             elementwise_ab (the backward without its element-wise work, speed only; ~2.5 min),
 #             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
@@ -564,6 +565,20 @@ temperature.gpu --format=csv,noheader,nounits)"; sleep 0.1; done) >"$OUT/anatomy
   local sampler=$!
   timeout 90 python tools/power_probe.py --kernel cudnn mosaic --seq 8192 --seconds 5 2>&1 | tee "$OUT/anatomy_power.log"
   kill $sampler
+}
+
+stage_fused_ablation() {
+  # Where the fused kernel's time goes without any dQ traffic (session 8:
+  # 26% slower than the two kernels at 4k, 9% faster at 16k): its bare form
+  # (unordered=1+adders=0), then without the hand-over of the pieces to the
+  # producer (staging=0: no f32 staging store, no handshake; the producer
+  # only loads), then also without the wait for the other consumer's dS^T
+  # (lockstep=0). Speed only: dQ is wrong in all but the first two. ~5 min.
+  local f=fused_dq=1+dkv_persistent=0
+  timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
+    $f+unordered=1+adders=0 $f+staging=0 $f+staging=0+lockstep=0 2>&1 | tee "$OUT/fused_ablation128.log"
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default \
+    $f+unordered=1+adders=0 $f+staging=0 $f+staging=0+lockstep=0 2>&1 | tee "$OUT/fused_ablation64.log"
 }
 
 stage_wgmma() {

@@ -8,6 +8,7 @@
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default fused_dq=1+dkv_persistent=0 \
       fused_dq=1+dkv_persistent=0+adders=2   # the fused kernel with half its reduce-adds (wrong dQ: speed only)
   ... fused_dq=1+dkv_persistent=0+unordered=1   # no adder waits for its rank (nondeterministic: speed only)
+  ... fused_dq=1+dkv_persistent=0+staging=0+lockstep=0   # no hand-over of dQ, no wait for the other dS^T (speed only)
   ... --variants default elementwise=0   # P = S, dS = dP: the kernels without element-wise work (speed only)
 
 Bench convention (as tools/mosaic_bench.py): 16384 tokens per batch, hidden
@@ -39,7 +40,7 @@ import mosaic_bench  # tools/, for its timer
 _time_ms = mosaic_bench._time_ms
 
 
-_EXPERIMENTS = ("adders=", "unordered=", "elementwise=")
+_EXPERIMENTS = ("adders=", "unordered=", "elementwise=", "staging=", "lockstep=")
 
 
 def _variant(config, spec: str):
@@ -54,9 +55,11 @@ def _variant(config, spec: str):
   @contextlib.contextmanager
   def context():
     with contextlib.ExitStack() as stack:
-      if "adders" in experiment or "unordered" in experiment:
+      if {"adders", "unordered", "staging", "lockstep"} & experiment.keys():
         every, ordered = experiment.get("adders", 1), not experiment.get("unordered", 0)
-        stack.enter_context(mosaic_bwd.dq_addition_experiment(every, ordered=ordered))
+        stack.enter_context(mosaic_bwd.dq_addition_experiment(
+            every, ordered=ordered, staging=bool(experiment.get("staging", 1)),
+            lockstep=bool(experiment.get("lockstep", 1))))
       if not experiment.get("elementwise", 1):
         stack.enter_context(mosaic_bwd.elementwise_experiment())
       yield

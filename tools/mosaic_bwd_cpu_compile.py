@@ -4,7 +4,7 @@ The backward counterpart of tools/mosaic_cpu_compile.py (same setup, same
 /tmp venv with the CUDA plugin and ptxas; see its docstring):
 
   JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_bwd_cpu_compile.py [--dump DIR] [--only d256] \
-      [--set softmax_overlap=1 stages=3]
+      [--set softmax_overlap=1 stages=3] [--variant fused_dq=1+dkv_persistent=0+staging=0]
 
 Prints, per kernel and case, ptxas's registers and spills and what the SASS
 holds (HGMMA shapes, local memory).
@@ -50,6 +50,9 @@ def main() -> int:
   parser.add_argument("--only", default="", help="only the cases whose name contains this")
   parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                       help="BackwardConfig fields set in every case (ints; bools as 0/1), e.g. softmax_overlap=1")
+  parser.add_argument("--variant", default="default",
+                      help="a tools/mosaic_bwd_bench.py variant (fields and measurement experiments joined by '+'), "
+                           "applied after --set")
   args = parser.parse_args()
   dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_bwd_dump_"))
   compile_fn = fwd_tool.setup_compiler()
@@ -57,6 +60,7 @@ def main() -> int:
   import jax.numpy as jnp
 
   from jax_flash2.mosaic import backward
+  import mosaic_bwd_bench  # tools/: its variant parser, with the measurement experiments
 
   failures = 0
   i = 0
@@ -72,8 +76,11 @@ def main() -> int:
         name += "_q{}_kv{}_s{}".format(*tiles)
       if args.only not in name:
         continue
-      fn = lambda *a, fn=getattr(backward, kernel), causal=causal, config=config: fn(*a, causal=causal, config=config)
-      failures += not fwd_tool.compile_case(compile_fn, fn, (q, kv, kv, q, vec, vec), dump_root / f"{i:02d}_{name}", name)
+      variant, experiment = mosaic_bwd_bench._variant(config, args.variant)
+      fn = lambda *a, fn=getattr(backward, kernel), causal=causal, config=variant: fn(*a, causal=causal, config=config)
+      with experiment():
+        failures += not fwd_tool.compile_case(compile_fn, fn, (q, kv, kv, q, vec, vec), dump_root / f"{i:02d}_{name}",
+                                              name)
       i += 1
   print(f"dumps in {dump_root}")
   return 1 if failures else 0

@@ -157,17 +157,23 @@ class _DQExperiment:
   """Measurement only (`dq_addition_experiment`): the fused kernel's tiles
   whose index is a multiple of `every` add their pieces of dQ (none when
   0); `ordered` False drops the waits for the additions before one's own.
-  `elementwise` False (`elementwise_experiment`): P = S and dS = dP."""
+  `elementwise` False (`elementwise_experiment`): P = S and dS = dP.
+  `staging` False: the consumers compute their pieces of dQ but hand none to
+  the producer (no staging store, no dq_staged / dq_free handshake; the
+  producer only loads). `lockstep` False: a consumer's dQ product does not
+  wait for the other consumer's dS^T (it reads whatever is there)."""
   every: int = 1
   ordered: bool = True
   elementwise: bool = True
+  staging: bool = True
+  lockstep: bool = True
 
 
 _DQ_EXPERIMENT: _DQExperiment | None = None  # None: the kernel as it is
 
 
 @contextlib.contextmanager
-def dq_addition_experiment(every: int = 1, *, ordered: bool = True):
+def dq_addition_experiment(every: int = 1, *, ordered: bool = True, staging: bool = True, lockstep: bool = True):
   """Measurement only; the gradients come out wrong. The fused kernels traced
   inside skip the reduce-adds of dQ of the K/V tiles whose index is not a
   multiple of `every` (every = 2: half the traffic, as two CTAs summing
@@ -176,9 +182,12 @@ def dq_addition_experiment(every: int = 1, *, ordered: bool = True):
   no adder waits for the additions ranked before its own (`_dq_order`), as
   a nondeterministic kernel would not. How fast the fused kernel would run
   if its reduce-adds or their order cost less (bench/NOTES.md, sessions
-  7-8; tools/mosaic_bwd_bench.py, variants with `adders=N`, `unordered=1`)."""
+  7-8; tools/mosaic_bwd_bench.py, variants with `adders=N`, `unordered=1`).
+  staging=False, lockstep=False: without the hand-over of the pieces to the
+  producer, without the wait for the other consumer's dS^T (`_DQExperiment`;
+  `staging=0`, `lockstep=0`; session 11)."""
   global _DQ_EXPERIMENT
-  saved, _DQ_EXPERIMENT = _DQ_EXPERIMENT, _DQExperiment(every, ordered)
+  saved, _DQ_EXPERIMENT = _DQ_EXPERIMENT, _DQExperiment(every, ordered, staging=staging, lockstep=lockstep)
   try:
     yield
   finally:
@@ -203,6 +212,10 @@ def elementwise_experiment():
 
 def _elementwise() -> bool:
   return _DQ_EXPERIMENT is None or _DQ_EXPERIMENT.elementwise
+
+
+def _experiment() -> _DQExperiment:
+  return _DQ_EXPERIMENT or _DQExperiment()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -605,6 +618,9 @@ def _dkv_kernel(
   # schedule: None for one CTA per tile (grid kv x heads x batch), else the
   # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks).
   fused = config.fused_dq
+  # Measurement only (`dq_addition_experiment`): the pieces of dQ handed to
+  # the producer, the dQ product waiting for the other consumer's dS^T.
+  hand_over, lockstep = _experiment().staging, _experiment().lockstep
   refs = list(refs)
   ranks_ref = refs.pop(0) if fused else None
   dk_ref, dv_ref = refs.pop(0), refs.pop(0)
@@ -677,7 +693,7 @@ def _dkv_kernel(
                     vec=(tile.batch, head, pl.ds(q0, block_q)))
 
     load = jax.named_scope("load")(load)
-    if not fused:
+    if not fused or not hand_over:
       pl.loop(0, tile.num_steps)(load)
       return
     lag = jnp.minimum(jnp.int32(stages), tile.num_steps)
@@ -769,7 +785,7 @@ def _dkv_kernel(
         plgpu.copy_smem_to_gmem(staged, target)
         plgpu.wait_smem_to_gmem(0)
       else:
-        experiment = _DQ_EXPERIMENT or _DQExperiment()
+        experiment = _experiment()
         if experiment.ordered:
           with jax.named_scope("wait_rank"):
             plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
@@ -814,7 +830,7 @@ def _dkv_kernel(
   def last_release(end_step):
     """A consumer's epilogue: the producer's read of the last piece of dQ
     this consumer would wait for next (every barrier phase is waited for)."""
-    if not fused:
+    if not fused or not hand_over:
       return
     if own_buffer:  # this consumer's last piece, if it staged any
       staged_any = end_step > (0 if split else wg)
@@ -929,7 +945,8 @@ def _dkv_kernel(
           dv_ref, dk_ref, dq_ref = refs
           plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
           plgpu.wgmma(dk_ref, ds_t, q_tile)
-          plgpu.barrier_wait(ds_ready.at[buf])  # the other consumer's dS^T, under dV and dK
+          if lockstep:
+            plgpu.barrier_wait(ds_ready.at[buf])  # the other consumer's dS^T, under dV and dK
           dq_product(dq_ref, buf, buffer)
 
         zero = plgpu.layout_cast(jnp.zeros((block_q, piece_cols), jnp.float32), plgpu.Layout.WGMMA)
@@ -950,14 +967,18 @@ def _dkv_kernel(
           if split and not interpret:
             piece = dq  # from the group above
           else:
-            plgpu.barrier_wait(ds_ready.at[buf])
+            if lockstep:
+              plgpu.barrier_wait(ds_ready.at[buf])
 
             def product(acc_ref):
               dq_product(acc_ref, buf, buffer)
               return acc_ref[...]
 
             piece = pl.run_scoped(product, fresh)
-          stage_piece(piece, ring_step)
+          if hand_over:
+            stage_piece(piece, ring_step)
+          else:  # stored never (ranks are >= 0; ptxas cannot know), so that the product is not dead code
+            pl.when(ranks_ref[tile.kv_index, 0] < 0)(lambda: dq_smem.at[wg if own_buffer else 0].__setitem__(..., piece))
 
         if split:
           own_piece()
