@@ -47,6 +47,7 @@
 #             power_probe (SM clock and power while the backward runs, ~1.5 min),
 #             fused_ablation (the fused kernel without dQ traffic, hand-over, lockstep; ~5 min),
 #             fused_atomics (the fused kernel adding dQ by register atomics, unordered; ~4 min),
+#             adder_warp (the fused kernel's dQ additions in a warp of their own: A/B, ~3.5 min),
 #             anatomy (cuDNN's and our forward+backward kernels from a profiler trace, power beside each; ~3 min),
 #             elementwise_ab (the backward without its element-wise work, speed only; ~2.5 min),
 #             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
@@ -593,6 +594,19 @@ stage_fused_atomics() {
     $f+staging=0 $f+atomics=1 2>&1 | tee "$OUT/fused_atomics64.log"
   timeout 120 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
     $f+atomics=1 2>&1 | tee "$OUT/fused_atomics128.log"
+}
+
+stage_adder_warp() {
+  # The fused kernel with its additions of dQ in the producer's second warp
+  # (dq_adder_warp), so that the loads stop waiting behind them, against the
+  # serial producer and the two kernels. Run its GPU tests first:
+  #   SHARDS=8 SHARD_K=adder_warp bash bench/gpu_session.sh 0:mosaic_shards wait adder_warp
+  # ~3.5 min.
+  local f=fused_dq=1+dkv_persistent=0
+  timeout 110 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default $f \
+    $f+dq_adder_warp=1 2>&1 | tee "$OUT/adder_warp64.log"
+  timeout 110 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
+    $f+dq_adder_warp=1 2>&1 | tee "$OUT/adder_warp128.log"
 }
 
 stage_wgmma() {

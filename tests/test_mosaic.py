@@ -707,6 +707,8 @@ def test_bwd_config():
       (dict(dkv_persistent="no"), "dkv_persistent must be a bool"),
       (dict(fused_dq=True, block_q=128), "fused_dq needs block_q 64"),
       (dict(fused_dq=True, softmax_overlap=True), "does not take softmax_overlap"),
+      (dict(dq_adder_warp=True), "dq_adder_warp needs fused_dq"),
+      (dict(fused_dq=True, block_q=64, dq_adder_warp=1), "dq_adder_warp must be a bool"),
       (dict(dq_turns=1), "dq_turns must be a bool"),
       (dict(dq_consumers=4), "dq_consumers must be 2 or 3"),
       (dict(dq_softmax_overlap=1), "dq_softmax_overlap must be a bool"),
@@ -1019,6 +1021,16 @@ def test_bwd_fused_lowers_for_cuda(shape, causal):
   assert "flash2_bwd_dkv_mosaic" in text and "flash2_bwd_dq_mosaic" not in text
 
 
+def test_bwd_fused_adder_warp_lowers_for_cuda():
+  """The additions of dQ move to a warp of the producer: another kernel."""
+  structs = _bwd_structs(1, 1024, 1024, 2, 128)
+  lower = lambda config: jax.jit(lambda *a: mosaic_bwd.backward(*a, config=config)).trace(*structs).lower(
+      lowering_platforms=("cuda",)).as_text()
+  config = mosaic_bwd.fused_backward_config(128)
+  text = lower(dataclasses.replace(config, dq_adder_warp=True))
+  assert "flash2_bwd_dkv_mosaic" in text and text != lower(config)
+
+
 @pytest.mark.parametrize("every, ordered", [(0, True), (2, True), (1, False)])
 def test_dq_addition_experiment_lowers_and_restores(every, ordered):
   """The measurement hook (half or none of the reduce-adds, or no waits for
@@ -1143,10 +1155,10 @@ def test_bwd_gpu_persistent(shape, kv_heads, causal, kernels):
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
-def test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=False):
+def test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=False, adder_warp=False):
   """The fused kernel against the reference, over several rounds of
   persistent CTAs; and deterministic: a second run gives the same bits."""
-  config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_turns=turns)
+  config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_turns=turns, dq_adder_warp=adder_warp)
   grads = _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config,
                                        interpret=False)
   (q, k, v, do, lse, delta), _ = _bwd_problem(*shape, jnp.bfloat16, causal, kv_heads)
@@ -1163,6 +1175,15 @@ def test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=False):
 def test_bwd_gpu_fused_dq_turns(shape, kv_heads, causal):
   """The same with the consumers taking turns at head_dim 128 (dq_turns)."""
   test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=True)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
+def test_bwd_gpu_fused_dq_adder_warp(shape, kv_heads, causal):
+  """The same with the additions of dQ in a warp of their own (dq_adder_warp)."""
+  test_bwd_gpu_fused_dq(shape, kv_heads, causal, adder_warp=True)
 
 
 @pytest.mark.gpu

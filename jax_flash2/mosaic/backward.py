@@ -270,6 +270,11 @@ class BackwardConfig:
       each a whole-width piece at every other step, instead of each adding
       half the columns at every step (`_dq_piece`); at head_dim 64 they
       always take turns. At head_dim 128 slower than the split (session 7).
+    dq_adder_warp: with fused_dq, the producer warpgroup's second warp adds
+      the pieces of dQ while its first warp issues the loads, so that the
+      loads never wait behind the additions' waits (FlashAttention-3's dQ
+      writer warp; session 11). Compiled kernels only: in Mosaic's
+      interpreter the producer does both in turn.
     dkv_poly_columns, dq_poly_columns: the last columns of each P^T tile of
       the dK/dV kernel (of block_q) and each P tile of the dQ kernel (of
       block_kv) whose exponentials are a polynomial on the FP32 units
@@ -290,6 +295,7 @@ class BackwardConfig:
   dkv_persistent: bool = False
   fused_dq: bool = False
   dq_turns: bool = False
+  dq_adder_warp: bool = False
   q_registers: bool = False
   dq_consumers: int = NUM_CONSUMERS
   dkv_poly_columns: int = 0
@@ -297,7 +303,7 @@ class BackwardConfig:
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
-                 "q_registers"):
+                 "q_registers", "dq_adder_warp"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
@@ -315,6 +321,8 @@ class BackwardConfig:
       raise ValueError(f"BackwardConfig.fused_dq needs block_q {WGMMA_M}, got {self.block_q}")
     if self.fused_dq and self.softmax_overlap:
       raise ValueError("BackwardConfig.fused_dq does not take softmax_overlap")
+    if self.dq_adder_warp and not self.fused_dq:
+      raise ValueError("BackwardConfig.dq_adder_warp needs fused_dq")
     poly_exp2.check_poly_columns("BackwardConfig.dkv_poly_columns", self.dkv_poly_columns, self.block_q)
     poly_exp2.check_poly_columns("BackwardConfig.dq_poly_columns", self.dq_poly_columns, self.block_kv)
 
@@ -625,6 +633,7 @@ def _dkv_kernel(
   # schedule: None for one CTA per tile (grid kv x heads x batch), else the
   # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks).
   fused = config.fused_dq
+  adder_warp = fused and config.dq_adder_warp and not interpret  # the additions in a warp of their own
   # Measurement only (`dq_addition_experiment`): the pieces of dQ handed to
   # the producer, the dQ product waiting for the other consumer's dS^T.
   hand_over, lockstep, atomics = _experiment().staging, _experiment().lockstep, _experiment().atomics
@@ -700,7 +709,7 @@ def _dkv_kernel(
                     vec=(tile.batch, head, pl.ds(q0, block_q)))
 
     load = jax.named_scope("load")(load)
-    if not fused or not hand_over:
+    if not fused or not hand_over or adder_warp:
       pl.loop(0, tile.num_steps)(load)
       return
     lag = jnp.minimum(jnp.int32(stages), tile.num_steps)
@@ -1118,8 +1127,14 @@ def _dkv_kernel(
     plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv_rows])
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
 
+  def add_tile_pieces(tile: KVTile, ring_base):
+    """The adder warp's work for one tile (dq_adder_warp): `add_pieces` of
+    every step, in order."""
+    pl.loop(0, tile.num_steps)(lambda step: add_pieces(tile, ring_base, step))
+
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
-            compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers)
+            compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers,
+            produce_aside=add_tile_pieces if adder_warp and hand_over else None)
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):

@@ -475,7 +475,7 @@ class Turns:
 
 def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, produce, observe, load, compute,
               store, prologue=lambda: None, epilogue=lambda end_step: None, buffers: int = 2,
-              consumers: int = NUM_CONSUMERS) -> None:
+              consumers: int = NUM_CONSUMERS, produce_aside=None) -> None:
   """A warp-specialized CTA's two roles over its tiles; the kernels supply
   the work, as callables of a tile (QTile or the like: num_steps ring steps):
 
@@ -487,7 +487,11 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
     compute(tile, buffer, ring_base): waits for them and returns its result;
     store(tile, buffer, result): starts the result's TMA stores;
     prologue(), epilogue(end_step): a consumer's work before its first tile
-      and after its last (end_step: the ring steps of all its tiles).
+      and after its last (end_step: the ring steps of all its tiles);
+    produce_aside(tile, ring_base), optional (persistent CTAs only): more
+      producer work, run by the producer warpgroup's second warp over the
+      same tiles while its first warp runs `produce` and `observe`, so that
+      neither waits behind the other.
 
   With schedule None the CTA takes the one tile of its grid position
   (tile_at(index on `axis`, head, batch)); else the schedule's tiles, with
@@ -497,6 +501,8 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
   stores have read them). wg: the warpgroup index; warpgroups [0, consumers)
   consume, warpgroup `consumers` produces."""
   producer, consumer_registers = consumers, CONSUMER_REGISTERS[consumers]
+  if schedule is None and produce_aside is not None:
+    raise NotImplementedError("run_tiles: produce_aside needs a schedule (persistent CTAs)")
   if schedule is None:
     tile = tile_at(lax.axis_index(axis), lax.axis_index("heads"), lax.axis_index("batch"))
 
@@ -525,12 +531,27 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
   def _persistent_producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-    def produce_tile(i, ring_base):
-      tile = tile_of(i)
-      produce(tile, ring_base)
-      return ring_base + tile.num_steps
+    def over_tiles(work):
+      def one_tile(i, ring_base):
+        tile = tile_of(i)
+        work(tile, ring_base)
+        return ring_base + tile.num_steps
 
-    observe(lax.fori_loop(0, num_tiles, produce_tile, jnp.int32(0)))
+      return lax.fori_loop(0, num_tiles, one_tile, jnp.int32(0))
+
+    if produce_aside is None:
+      observe(over_tiles(produce))
+      return
+
+    @plgpu.warp_map
+    def _(warp):
+      @pl.when(warp == 0)
+      def _():
+        observe(over_tiles(produce))
+
+      @pl.when(warp == 1)
+      def _():
+        over_tiles(produce_aside)
 
   @pl.when(wg < consumers)
   def _persistent_consumer():
