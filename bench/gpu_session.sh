@@ -47,6 +47,7 @@
 #             power_probe (SM clock and power while the backward runs, ~1.5 min),
 #             fused_ablation (the fused kernel without dQ traffic, hand-over, lockstep; ~5 min),
 #             fused_atomics (the fused kernel adding dQ by register atomics, unordered; ~4 min),
+#             fused64_warp (the d64 fused kernel, persistent K/V, with and without the adder warp; ~3.5 min),
 #             adder_warp (the fused kernel's dQ additions in a warp of their own: A/B, ~3.5 min),
 #             anatomy (cuDNN's and our forward+backward kernels from a profiler trace, power beside each; ~3 min),
 #             elementwise_ab (the backward without its element-wise work, speed only; ~2.5 min),
@@ -607,6 +608,14 @@ stage_adder_warp() {
     $f+dq_adder_warp=1 2>&1 | tee "$OUT/adder_warp64.log"
   timeout 110 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
     $f+dq_adder_warp=1 2>&1 | tee "$OUT/adder_warp128.log"
+}
+
+stage_fused64_warp() {
+  # The d64 fused kernel as fused_backward_config has it (persistent CTAs
+  # with a second set of K/V tiles, 4 ring slots), with and without the
+  # adder warp, against the two kernels, both masks. ~3.5 min.
+  timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default fused_dq=1 \
+    fused_dq=1+dq_adder_warp=1 2>&1 | tee "$OUT/fused64.log"
 }
 
 stage_wgmma() {
