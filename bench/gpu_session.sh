@@ -46,7 +46,6 @@
 #             dkv_ring128 (the d128 dK/dV kernel with 3-4 ring slots, not persistent; ~2 min),
 #             power_probe (SM clock and power while the backward runs, ~1.5 min),
 #             fused_ablation (the fused kernel without dQ traffic, hand-over, lockstep; ~5 min),
-#             fused_atomics (the fused kernel adding dQ by register atomics, unordered; ~4 min),
 #             fused64_warp (the d64 fused kernel, persistent K/V, with and without the adder warp; ~3.5 min),
 #             adder_warp (the fused kernel's dQ additions in a warp of their own: A/B, ~3.5 min),
 #             anatomy (cuDNN's and our forward+backward kernels from a profiler trace, power beside each; ~3 min),
@@ -582,19 +581,6 @@ stage_fused_ablation() {
     $f+unordered=1+adders=0 $f+staging=0 $f+staging=0+lockstep=0 2>&1 | tee "$OUT/fused_ablation128.log"
   timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default \
     $f+unordered=1+adders=0 $f+staging=0 $f+staging=0+lockstep=0 2>&1 | tee "$OUT/fused_ablation64.log"
-}
-
-stage_fused_atomics() {
-  # The fused kernel with each consumer adding its piece of dQ from its
-  # registers (red.global.add.f32, unordered: nondeterministic; dQ not
-  # zeroed, so wrong) instead of handing it to the producer; beside the two
-  # kernels, the ordered fused kernel and (d64) the one without hand-over or
-  # traffic. Speed only. ~4 min.
-  local f=fused_dq=1+dkv_persistent=0
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default $f \
-    $f+staging=0 $f+atomics=1 2>&1 | tee "$OUT/fused_atomics64.log"
-  timeout 120 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
-    $f+atomics=1 2>&1 | tee "$OUT/fused_atomics128.log"
 }
 
 stage_adder_warp() {

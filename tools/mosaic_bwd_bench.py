@@ -40,7 +40,7 @@ import mosaic_bench  # tools/, for its timer
 _time_ms = mosaic_bench._time_ms
 
 
-_EXPERIMENTS = ("adders=", "unordered=", "elementwise=", "staging=", "lockstep=", "atomics=")
+_EXPERIMENTS = ("adders=", "unordered=", "elementwise=", "staging=", "lockstep=")
 
 
 def _variant(config, spec: str):
@@ -55,11 +55,11 @@ def _variant(config, spec: str):
   @contextlib.contextmanager
   def context():
     with contextlib.ExitStack() as stack:
-      if {"adders", "unordered", "staging", "lockstep", "atomics"} & experiment.keys():
+      if {"adders", "unordered", "staging", "lockstep"} & experiment.keys():
         every, ordered = experiment.get("adders", 1), not experiment.get("unordered", 0)
         stack.enter_context(mosaic_bwd.dq_addition_experiment(
             every, ordered=ordered, staging=bool(experiment.get("staging", 1)),
-            lockstep=bool(experiment.get("lockstep", 1)), atomics=bool(experiment.get("atomics", 0))))
+            lockstep=bool(experiment.get("lockstep", 1))))
       if not experiment.get("elementwise", 1):
         stack.enter_context(mosaic_bwd.elementwise_experiment())
       yield

@@ -162,23 +162,20 @@ class _DQExperiment:
   the producer (no staging store, no dq_staged / dq_free handshake; the
   producer only loads). `lockstep` False: a consumer's dQ product does not
   wait for the other consumer's dS^T (it reads whatever is there).
-  `atomics` True: each consumer adds its piece into dQ itself, from its
-  registers (red.global.add.f32, in no fixed order: nondeterministic), with
-  no hand-over; dQ is not zeroed first, so it comes out wrong."""
+  (Register atomics in place of the hand-over, unordered, were 30-50%
+  slower: session 11, commit 526d782 and bench/NOTES.md.)"""
   every: int = 1
   ordered: bool = True
   elementwise: bool = True
   staging: bool = True
   lockstep: bool = True
-  atomics: bool = False
 
 
 _DQ_EXPERIMENT: _DQExperiment | None = None  # None: the kernel as it is
 
 
 @contextlib.contextmanager
-def dq_addition_experiment(every: int = 1, *, ordered: bool = True, staging: bool = True, lockstep: bool = True,
-                           atomics: bool = False):
+def dq_addition_experiment(every: int = 1, *, ordered: bool = True, staging: bool = True, lockstep: bool = True):
   """Measurement only; the gradients come out wrong. The fused kernels traced
   inside skip the reduce-adds of dQ of the K/V tiles whose index is not a
   multiple of `every` (every = 2: half the traffic, as two CTAs summing
@@ -188,13 +185,11 @@ def dq_addition_experiment(every: int = 1, *, ordered: bool = True, staging: boo
   a nondeterministic kernel would not. How fast the fused kernel would run
   if its reduce-adds or their order cost less (bench/NOTES.md, sessions
   7-8; tools/mosaic_bwd_bench.py, variants with `adders=N`, `unordered=1`).
-  staging=False, lockstep=False, atomics=True: without the hand-over of the
-  pieces to the producer, without the wait for the other consumer's dS^T,
-  with register atomics instead (`_DQExperiment`; `staging=0`, `lockstep=0`,
-  `atomics=1`; session 11)."""
+  staging=False, lockstep=False: without the hand-over of the pieces to the
+  producer, without the wait for the other consumer's dS^T (`_DQExperiment`;
+  `staging=0`, `lockstep=0`; session 11)."""
   global _DQ_EXPERIMENT
-  saved, _DQ_EXPERIMENT = _DQ_EXPERIMENT, _DQExperiment(every, ordered, staging=staging and not atomics,
-                                                         lockstep=lockstep, atomics=atomics)
+  saved, _DQ_EXPERIMENT = _DQ_EXPERIMENT, _DQExperiment(every, ordered, staging=staging, lockstep=lockstep)
   try:
     yield
   finally:
@@ -636,7 +631,7 @@ def _dkv_kernel(
   adder_warp = fused and config.dq_adder_warp and not interpret  # the additions in a warp of their own
   # Measurement only (`dq_addition_experiment`): the pieces of dQ handed to
   # the producer, the dQ product waiting for the other consumer's dS^T.
-  hand_over, lockstep, atomics = _experiment().staging, _experiment().lockstep, _experiment().atomics
+  hand_over, lockstep = _experiment().staging, _experiment().lockstep
   refs = list(refs)
   ranks_ref = refs.pop(0) if fused else None
   dk_ref, dv_ref = refs.pop(0), refs.pop(0)
@@ -993,10 +988,6 @@ def _dkv_kernel(
             piece = pl.run_scoped(product, fresh)
           if hand_over:
             stage_piece(piece, ring_step)
-          elif atomics:
-            head = tile.kv_head * group + lax.div(ring_step - ring_base, tile.visits)
-            counter = ((tile.batch * heads + head) * num_q + qb) * pieces + (wg if split else 0)
-            plgpu.atomic_add(dq_ref.at[counter], piece)
           else:  # stored never (ranks are >= 0; ptxas cannot know), so that the product is not dead code
             pl.when(ranks_ref[tile.kv_index, 0] < 0)(lambda: dq_smem.at[wg if own_buffer else 0].__setitem__(..., piece))
 
