@@ -1281,6 +1281,30 @@ def test_profile_summary_of_a_trace():
   assert "scores" in tool.format_summary(summary)
 
 
+def test_kernel_anatomy_reads_gpu_kernels_from_a_trace(tmp_path):
+  """tools/kernel_anatomy.py's reading of a profiler trace: the durations of
+  the complete events on a GPU device's timelines, by kernel name; host
+  events and metadata left out, the newest trace taken."""
+  import gzip
+  import json
+  import os
+
+  tool = _load_tool("kernel_anatomy")
+  events = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
+            dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU")),
+            dict(ph="X", name="bprop", pid=1, tid=7, ts=0, dur=30.0),
+            dict(ph="X", name="bprop", pid=1, tid=7, ts=40, dur=32.0),
+            dict(ph="X", name="memset", pid=1, tid=8, ts=80, dur=2.5),
+            dict(ph="X", name="bprop", pid=2, tid=1, ts=0, dur=99.0)]  # the host's launch, not a kernel
+  for run, trace in (("old", dict(traceEvents=[])), ("new", dict(traceEvents=events, metadata={}))):
+    path = tmp_path / "plugins" / "profile" / run / "host.trace.json.gz"
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as f:
+      json.dump(trace, f)
+    os.utime(path, (1, 1) if run == "old" else None)
+  assert tool.gpu_kernel_times(tmp_path) == {"bprop": [30.0, 32.0], "memset": [2.5]}
+
+
 @pytest.mark.parametrize(
     "num_kv, kv_heads, batch, causal, paired, num_ctas",
     [
