@@ -43,7 +43,8 @@ fixed by `_dq_order` (a model of the persistent schedule in which tiles
 visit their Q blocks staggered, `_visit`), enforced by a semaphore per Q
 block and piece that counts the additions made, so the gradients are
 deterministic. The CTAs are persistent, one per SM, all resident, which
-the waits need.
+the waits need. With `BackwardConfig.dq_adder_warp` the producer's second
+warp makes the additions while its first issues the loads.
 
 With `BackwardConfig.dq_persistent` / `dkv_persistent` either kernel runs as
 the forward's persistent CTAs (forward.PersistentSchedule: one per SM over
@@ -988,8 +989,12 @@ def _dkv_kernel(
             piece = pl.run_scoped(product, fresh)
           if hand_over:
             stage_piece(piece, ring_step)
-          else:  # stored never (ranks are >= 0; ptxas cannot know), so that the product is not dead code
-            pl.when(ranks_ref[tile.kv_index, 0] < 0)(lambda: dq_smem.at[wg if own_buffer else 0].__setitem__(..., piece))
+          else:
+            # Stored never (ranks are >= 0, which ptxas cannot know): keeps
+            # the product from being dead code.
+            @pl.when(ranks_ref[tile.kv_index, 0] < 0)
+            def _():
+              dq_smem.at[wg if own_buffer else 0][...] = piece
 
         if split:
           own_piece()
