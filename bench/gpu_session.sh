@@ -47,6 +47,7 @@
 #             power_probe (SM clock and power while the backward runs, ~1.5 min),
 #             fused_ablation (the fused kernel without dQ traffic, hand-over, lockstep; ~5 min),
 #             fused64_warp (the d64 fused kernel, persistent K/V, with and without the adder warp; ~3.5 min),
+#             traffic64 (the d64 fused kernel with its adder warp and all, half or none of its reduce-adds; ~2.5 min),
 #             adder_warp (the fused kernel's dQ additions in a warp of their own: A/B, ~3.5 min),
 #             anatomy (cuDNN's and our forward+backward kernels from a profiler trace, power beside each; ~3 min),
 #             elementwise_ab (the backward without its element-wise work, speed only; ~2.5 min),
@@ -602,6 +603,16 @@ stage_fused64_warp() {
   # adder warp, against the two kernels, both masks. ~3.5 min.
   timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default fused_dq=1 \
     fused_dq=1+dq_adder_warp=1 2>&1 | tee "$OUT/fused64.log"
+}
+
+stage_traffic64() {
+  # The d64 fused kernel with its adder warp, with all, half (adders=2) or
+  # none (adders=0) of its reduce-adds, and without any hand-over
+  # (staging=0): what a cluster pair that halves the traffic could gain.
+  # Speed only (dQ wrong but in the first). ~2.5 min.
+  local f=fused_dq=1+dq_adder_warp=1
+  timeout 170 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default $f \
+    $f+adders=2 $f+adders=0 $f+staging=0 2>&1 | tee "$OUT/traffic64.log"
 }
 
 stage_wgmma() {
