@@ -1001,35 +1001,6 @@ def test_dq_order_is_deadlock_free(seq_q, seq_k, causal, group, num_ctas):
     assert [rank for _, _, rank in additions] == list(range(len(additions))), key
 
 
-@pytest.mark.parametrize(
-    "seq_q, seq_k, causal, group, num_ctas, gap",
-    [(4096, 4096, False, 1, None, 2), (2048, 2048, False, 2, None, 2), (2048, 2048, False, 1, 4, 2),
-     (4096, 4096, True, 1, None, 1), (1000, 1537, False, 4, None, 1)],
-)
-def test_deferred_counts_wait_only_on_earlier_additions(seq_q, seq_k, causal, group, num_ctas, gap):
-  """_adder_gap, and why a gap of 2 lets the adder warp count an addition X
-  only after issuing the tile's next one, X': X's count then waits for every
-  addition ranked before X' in X''s Q block, and with successive adders of
-  a block at least 2 steps apart all of those come before X in the model,
-  so the waits never close a cycle. Replayed from the kernel's tile order."""
-  num_kv = -(-seq_k // mosaic_bwd.OUTER_ROWS)
-  schedule = mosaic_bwd._fused_schedule(num_kv, 1, 1, causal=causal, interpret=False)
-  if num_ctas is not None:
-    schedule = dataclasses.replace(schedule, num_ctas=num_ctas)
-  assert mosaic_bwd._adder_gap(schedule, seq_q=seq_q, seq_k=seq_k, block_q=64, group=group, causal=causal) == gap
-  if gap < 2:
-    return
-  _, events = _dq_order_model(seq_q, seq_k, causal, group, num_ctas)
-  rank_of = {(cta, time): rank for additions in events.values() for time, cta, rank in additions}
-  block_of = {(cta, time): key for key, additions in events.items() for time, cta, _ in additions}
-  for (cta, time), key in block_of.items():
-    successor = block_of.get((cta, time + 1))  # the same CTA's next addition (None past its last)
-    if successor is None:
-      continue
-    waited = [t for t, _, rank in events[successor] if rank < rank_of[(cta, time + 1)]]
-    assert all(t < time for t in waited), (cta, time)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_dq_order_spreads_the_adders(causal):
   """At equal lengths no two tiles add into one Q block at one time, and
