@@ -48,7 +48,6 @@
 #             fused_ablation (the fused kernel without dQ traffic, hand-over, lockstep; ~5 min),
 #             fused64_warp (the d64 fused kernel, persistent K/V, with and without the adder warp; ~3.5 min),
 #             traffic64 (the d64 fused kernel with its adder warp and all, half or none of its reduce-adds; ~2.5 min),
-#             deferred_counts (the adder warp counting each step after issuing the next: A/B, ~2.5 min),
 #             adder_warp (the fused kernel's dQ additions in a warp of their own: A/B, ~3.5 min),
 #             anatomy (cuDNN's and our forward+backward kernels from a profiler trace, power beside each; ~3 min),
 #             elementwise_ab (the backward without its element-wise work, speed only; ~2.5 min),
@@ -614,18 +613,6 @@ stage_traffic64() {
   local f=fused_dq=1+dq_adder_warp=1
   timeout 170 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default $f \
     $f+adders=2 $f+adders=0 $f+staging=0 2>&1 | tee "$OUT/traffic64.log"
-}
-
-stage_deferred_counts() {
-  # The adder warp counting a step's additions after issuing the next
-  # step's (non-causal equal lengths, `_adder_gap`), against the two
-  # kernels. Run the adder warp's GPU tests first:
-  #   SHARDS=8 SHARD_K=adder_warp SHARD_LIMIT=200 bash bench/gpu_session.sh 0:mosaic_shards wait deferred_counts
-  # ~2.5 min.
-  timeout 80 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default \
-    fused_dq=1+dq_adder_warp=1 2>&1 | tee "$OUT/deferred64.log"
-  timeout 80 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default \
-    fused_dq=1+dkv_persistent=0+dq_adder_warp=1 2>&1 | tee "$OUT/deferred128.log"
 }
 
 stage_wgmma() {

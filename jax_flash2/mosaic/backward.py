@@ -546,39 +546,6 @@ def _dq_order(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: 
   no deadlock, whatever the real timing; the model only decides how often
   an adder waits. One (batch, kv head) is modelled: the others run the same
   pattern in later rounds (`_fused_schedule`)."""
-  num_kv, num_q, (tile, step, key, time, cta) = _dq_events(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q,
-                                                          group=group, causal=causal)
-  order = np.lexsort((cta, time, key))
-  first = np.searchsorted(key[order], key[order], side="left")
-  ranks = np.zeros((num_kv, group * num_q), np.int32)
-  ranks[tile[order], step[order]] = np.arange(order.size) - first
-  return ranks
-
-
-def _adder_gap(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: int, group: int,
-               causal: bool) -> int:
-  """The fewest model steps between two successive additions into one Q
-  block (`_dq_order`'s model; a large number if no block has two).
-
-  At 2 or more an adder warp may count a step's additions after issuing its
-  next step's (`dq_adder_warp`), overlapping their landing with that issue,
-  without risking a deadlock: the count of addition X then waits for the
-  additions ranked before X's successor X' in X''s block, which are at
-  least 2 steps before X' by the model, so before X; every such wait points
-  to an earlier time, and no chain of them closes."""
-  _, _, (_, _, key, time, _) = _dq_events(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group,
-                                         causal=causal)
-  order = np.lexsort((time, key))
-  same_block = key[order][1:] == key[order][:-1]
-  gaps = np.diff(time[order])[same_block]
-  return int(gaps.min()) if gaps.size else 1 << 30
-
-
-def _dq_events(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: int, group: int, causal: bool):
-  """(num_kv, num_q, (tile, step, key, time, cta)): every addition into dQ
-  of one (batch, kv head) in `_dq_order`'s model, as numpy arrays: its K/V
-  block, its step there, its Q block of query head g (key = g * num_q +
-  block), its model time and its CTA."""
   num_kv = schedule.num_blocks
   num_ctas = min(schedule.num_ctas, num_kv // 2 if schedule.paired else num_kv)  # those of one head
   num_q = -(-seq_q // block_q)
@@ -602,7 +569,12 @@ def _dq_events(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q:
       key = (step // visits) * num_q + qb
       events.append(np.stack([np.full_like(step, j), step, key, time + step, np.full_like(step, cta)]))
       time += group * visits
-  return num_kv, num_q, tuple(np.concatenate(events, axis=1))
+  tile, step, key, time, cta = np.concatenate(events, axis=1)
+  order = np.lexsort((cta, time, key))
+  first = np.searchsorted(key[order], key[order], side="left")
+  ranks = np.zeros((num_kv, group * num_q), np.int32)
+  ranks[tile[order], step[order]] = np.arange(order.size) - first
+  return ranks
 
 
 # ---------------------------------------------------------------- dK, dV
@@ -629,7 +601,7 @@ def _copy_q_block(gmem, smem, ready, released, *, ring_step, stages: int, rows, 
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
     seq_q: int, seq_k: int, group: int, schedule: PersistentSchedule | None, causal: bool, softmax_scale: float,
-    config: BackwardConfig, interpret: bool, defer_counts: bool = False,
+    config: BackwardConfig, interpret: bool,
 ):
   # q_ref, do_ref: [batch, seq_q', heads, D]; k_ref, v_ref, dk_ref, dv_ref:
   # [batch, seq_k', kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q'];
@@ -656,8 +628,6 @@ def _dkv_kernel(
   # store).
   # schedule: None for one CTA per tile (grid kv x heads x batch), else the
   # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks).
-  # defer_counts: the adder warp counts a step's additions after issuing the
-  # next step's (`_adder_gap`).
   fused = config.fused_dq
   adder_warp = fused and config.dq_adder_warp and not interpret  # the additions in a warp of their own
   # Measurement only (`dq_addition_experiment`): the pieces of dQ handed to
@@ -792,7 +762,7 @@ def _dkv_kernel(
       plgpu.semaphore_signal(additions.at[counter], 1, memory_scope="gpu")
 
   @jax.named_scope("add_dq")
-  def add_pieces(tile: KVTile, ring_base, step, *, count: bool = True):
+  def add_pieces(tile: KVTile, ring_base, step):
     """The producer adds the consumers' pieces of dQ_qb += dS K of the
     tile's `step` (Q block qb of query head g; float32, unscaled) into
     dq_ref, each after the `rank` additions that precede it (`_dq_order`),
@@ -803,8 +773,7 @@ def _dkv_kernel(
 
     Mosaic's interpreter has neither semaphores nor reduce-adds: there one
     CTA takes every tile in turn, and the producer adds by load, add and
-    store. count False: returns the pieces' counters uncounted, each piece
-    one bulk group (`add_tile_pieces` counts them later)."""
+    store."""
     ring_step = ring_base + step
     g = lax.div(step, tile.visits)
     qb = tile.q_block(lax.rem(step, tile.visits))
@@ -835,14 +804,11 @@ def _dkv_kernel(
         adds = jnp.bool_(experiment.every == 1)
         if experiment.every > 1:
           adds = lax.rem(tile.kv_index, jnp.int32(experiment.every)) == 0
-        # One bulk group per piece (a store or a reduce-add, by rank).
-        plgpu.copy_smem_to_gmem(staged, target, predicate=(rank == 0) & adds, commit_group=False)
+        plgpu.copy_smem_to_gmem(staged, target, predicate=(rank == 0) & adds)
         plgpu.copy_smem_to_gmem(staged, target, predicate=(rank > 0) & adds, reduction_op="add")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(dq_free.at[consumer])
       counters.append(counter)
-    if not count:
-      return tuple(counters)
     count_additions(counters)
 
   # The piece staged last in this consumer's buffer, which the producer must
@@ -1159,31 +1125,8 @@ def _dkv_kernel(
 
   def add_tile_pieces(tile: KVTile, ring_base):
     """The adder warp's work for one tile (dq_adder_warp): `add_pieces` of
-    every step, in order; with defer_counts each step's additions are
-    counted once the next step's are issued (they land meanwhile), the
-    last step's at the end of the tile."""
-    if not defer_counts:
-      pl.loop(0, tile.num_steps)(lambda step: add_pieces(tile, ring_base, step))
-      return
-
-    def count(counters):
-      for counter in counters:
-        plgpu.semaphore_signal(additions.at[counter], 1, memory_scope="gpu")
-
-    def step_body(step, previous):
-      counters = add_pieces(tile, ring_base, step, count=False)
-      plgpu.wait_smem_to_gmem(len(counters))  # all but this step's groups have landed
-
-      @pl.when(step > 0)
-      def _():
-        count(previous)
-
-      return counters
-
-    per_step = NUM_CONSUMERS if split else 1
-    last = lax.fori_loop(0, tile.num_steps, step_body, (jnp.int32(0),) * per_step)
-    plgpu.wait_smem_to_gmem(0)
-    pl.when(tile.num_steps > 0)(lambda: count(last))
+    every step, in order."""
+    pl.loop(0, tile.num_steps)(lambda step: add_pieces(tile, ring_base, step))
 
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
             compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers,
@@ -1268,7 +1211,6 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   group = heads // kv_heads
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
   operands = [q, k, v, do, lse, delta]
-  defer_counts = False
   if config.fused_dq:
     piece = _dq_piece(head_dim, config.dq_turns)
     scratch += [
@@ -1283,8 +1225,6 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
     schedule = _fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=interpret)
     grid, grid_names = (schedule.num_ctas,), ("cta",)
     ranks = _dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal)
-    defer_counts = config.dq_adder_warp and _adder_gap(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q,
-                                                       group=group, causal=causal) >= 2
     operands.append(jnp.asarray(ranks))
     # dQ piece by piece, each piece of block_q rows contiguous (`_finish_dq`
     # puts the rows back in q's layout): a TMA reduce-add then writes 16 KiB
@@ -1306,7 +1246,7 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
       ]
   kernel = functools.partial(
       _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=group, schedule=schedule, causal=causal,
-      softmax_scale=softmax_scale, config=config, interpret=interpret, defer_counts=defer_counts,
+      softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
   return specialized_kernel(kernel, out_type=tuple(out_type), scratch=scratch, grid=grid, grid_names=grid_names,
                             interpret_params=interpret_params, name="flash2_bwd_dkv_mosaic")(*operands)
