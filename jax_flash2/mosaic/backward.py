@@ -90,10 +90,11 @@ forward.py; the compiled kernel never takes that branch.
 Status: runs on the H200 and passes its GPU tests at the Triton path's bar,
 ragged lengths included (session 4; persistent by default since session 6;
 speed in bench/NOTES.md). The fused kernel passes its GPU tests, bit-for-bit
-deterministic, but is 7-29% slower than the two kernels at head_dim 128
-and 0-14% at 64 (session 7), and not for its reduce-adds into dQ: without
-them, or without their order, it is no faster (session 8,
-`dq_addition_experiment`). Checked on CPU: lowering for CUDA,
+deterministic. At head_dim 128 it is slower than the two kernels (12-50%
+at 4k, 4-10% at 16k; sessions 7-11). At 64, with the additions in a warp of
+their own (dq_adder_warp), it is even with them at 4k and 2-3% ahead at
+16k (session 11); there its reduce-adds are what it loses, each CTA's own
+(`dq_addition_experiment`: 17% faster without them). Checked on CPU: lowering for CUDA,
 compilation to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no
 spills except a few scalars in the causal dkv at head_dim 128; dkv at
 block_q 128 and head_dim 128 spills heavily: S^T and dP^T then take 128
@@ -250,9 +251,10 @@ class BackwardConfig:
       backward kernel): each K/V tile adds dS K into a float32 dQ in global
       memory, in an order fixed per Q block (semaphores; see `_dq_order`),
       so that gradients stay deterministic; S and dP are computed once, not
-      twice. Needs block_q 64. Off by default: slower than the two kernels
-      on the H200, and not for its reduce-adds: without them, or without
-      their order, it is no faster (bench/NOTES.md, sessions 7-8).
+      twice. Needs block_q 64. Off by default: on the H200 slower than the
+      two kernels at head_dim 128 and within 0-3% of them at 64 (with
+      dq_adder_warp), where its reduce-adds cost what fusing saves; and it
+      needs all its CTAs resident at once (bench/NOTES.md, sessions 6-11).
     q_registers: the dQ kernel's consumers hold their Q and dO rows in
       registers for S = Q K^T and dP = dO V^T, which then read only K and V
       from shared memory (head_dim 64 and 128: no spills on sm_90a). On in
