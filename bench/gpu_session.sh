@@ -542,13 +542,19 @@ stage_elementwise_ab() {
     elementwise=0 2>&1 | tee "$OUT/elementwise_ab.log"
 }
 
+sample_power() {  # sample_power FILE: SM clock and power every ~0.1 s into $OUT/FILE, in the background
+  # (epoch seconds, SM clock MHz, max SM clock MHz, power W, power limit W,
+  # temperature C); the caller kills $! when done.
+  (while true; do echo "$(date +%s.%N),$(nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,\
+temperature.gpu --format=csv,noheader,nounits)"; sleep 0.1; done) >"$OUT/$1" 2>&1 &
+}
+
 stage_power_probe() {
   # Whether the backward kernels run at a power-limited clock: the SM clock
   # and power draw (nvidia-smi every 100 ms, epoch seconds in the second
   # column) while dK/dV and dQ run back to back with and without their
   # element-wise work (tools/power_probe.py prints each run's window). ~1.5 min.
-  (while true; do echo "$(date +%s.%N),$(nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,\
-temperature.gpu --format=csv,noheader,nounits)"; sleep 0.1; done) >"$OUT/power_smi.csv" 2>&1 &
+  sample_power power_smi.csv
   local sampler=$!
   timeout 80 python tools/power_probe.py --kernel dkv --variants default elementwise=0 2>&1 | tee "$OUT/power_probe.log"
   timeout 60 python tools/power_probe.py --kernel dq --variants default 2>&1 | tee -a "$OUT/power_probe.log"
@@ -559,14 +565,13 @@ stage_anatomy() {
   # cuDNN's forward+backward beside ours: the kernels each runs and their
   # times (tools/kernel_anatomy.py, from a profiler trace), then the SM clock
   # and power while each runs back to back at 8k (as power_probe). ~3 min.
-  timeout 150 python tools/kernel_anatomy.py --impls cudnn mosaic --seq 4096 16384 --head-dim 128 2>&1 \
+  timeout 150 python tools/kernel_anatomy.py --impls cudnn flash2-mosaic --seq 4096 16384 --head-dim 128 2>&1 \
     | tee "$OUT/anatomy.log"
-  timeout 90 python tools/kernel_anatomy.py --impls cudnn mosaic --seq 8192 --head-dim 128 --causal 2>&1 \
+  timeout 90 python tools/kernel_anatomy.py --impls cudnn flash2-mosaic --seq 8192 --head-dim 128 --causal 2>&1 \
     | tee -a "$OUT/anatomy.log"
-  (while true; do echo "$(date +%s.%N),$(nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,\
-temperature.gpu --format=csv,noheader,nounits)"; sleep 0.1; done) >"$OUT/anatomy_smi.csv" 2>&1 &
+  sample_power anatomy_smi.csv
   local sampler=$!
-  timeout 90 python tools/power_probe.py --kernel cudnn mosaic --seq 8192 --seconds 5 2>&1 | tee "$OUT/anatomy_power.log"
+  timeout 90 python tools/power_probe.py --kernel cudnn flash2-mosaic --seq 8192 --seconds 5 2>&1 | tee "$OUT/anatomy_power.log"
   kill $sampler
 }
 

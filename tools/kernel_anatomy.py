@@ -1,9 +1,10 @@
 """Which GPU kernels an attention implementation's forward+backward runs, and how long each takes.
 
-  PYTHONPATH=. python tools/kernel_anatomy.py --impls cudnn mosaic --seq 4096 16384 --head-dim 128
+  PYTHONPATH=. python tools/kernel_anatomy.py --impls cudnn flash2-mosaic --seq 4096 16384 --head-dim 128
 
-Traces a jitted forward+backward (grad of sum(out * dO) with respect to q, k
-and v) with jax.profiler after a warm-up, reads the trace's GPU kernel events
+Traces an implementation's forward+backward as the bench CLI builds and runs
+it (jax_flash2.bench: impls, timing.fwd_bwd_fn; 16k tokens, hidden 2048,
+bf16) with jax.profiler after a warm-up, reads the trace's GPU kernel events
 (the Chrome-format *.trace.json.gz that the profiler writes) and prints, per
 kernel name, the launches per call and the mean time per call in
 microseconds, heaviest first. What it is for: whether cuDNN's backward is one
@@ -22,17 +23,22 @@ import pathlib
 import tempfile
 
 import jax
-import jax.numpy as jnp
 
-from jax_flash2 import flash_attention
+from jax_flash2.bench import impls, timing
+from jax_flash2.bench.spec import Shape
 
 CALLS = 5  # traced calls; the table is per call
 
 
-def _attention(impl: str, causal: bool):
-  if impl == "cudnn":
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-  return lambda q, k, v: flash_attention(q, k, v, causal=causal, backend=impl)
+def fwd_bwd_step(impl: str, seq: int, head_dim: int, causal: bool):
+  """(step, args): the jitted forward+backward of bench implementation
+  `impl` (e.g. cudnn, flash2-mosaic) on the bench convention's problem at
+  `seq`, and its inputs; step(*args) runs it once."""
+  batch, heads = max(16384 // seq, 1), 2048 // head_dim
+  shape = Shape(batch, seq, heads, heads, head_dim, causal, "bfloat16")
+  attn = impls.get(impl).factory(shape, impls.Options(platform=jax.default_backend()))
+  x = timing.make_inputs(shape, seed=0)
+  return jax.jit(timing.fwd_bwd_fn(attn)), (x.q, x.k, x.v, x.dout)
 
 
 def gpu_kernel_times(trace_dir: pathlib.Path) -> dict[str, list[float]]:
@@ -51,25 +57,23 @@ def gpu_kernel_times(trace_dir: pathlib.Path) -> dict[str, list[float]]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--impls", nargs="+", default=["cudnn", "mosaic"], help="cudnn or a flash_attention backend")
+  parser.add_argument("--impls", nargs="+", default=["cudnn", "flash2-mosaic"],
+                      help="bench implementations (jax_flash2.bench.impls)")
   parser.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--causal", action="store_true")
   args = parser.parse_args()
   for seq in args.seq:
-    batch, heads = max(16384 // seq, 1), 2048 // args.head_dim
-    shape = (batch, seq, heads, args.head_dim)
-    q, k, v, do = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.PRNGKey(0), 4))
     for impl in args.impls:
-      attention = _attention(impl, args.causal)
-      step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * do), argnums=(0, 1, 2)))
+      step, step_args = fwd_bwd_step(impl, seq, args.head_dim, args.causal)
       for _ in range(3):
-        jax.block_until_ready(step(q, k, v))
+        jax.block_until_ready(step(*step_args))
       with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
           for _ in range(CALLS):
-            jax.block_until_ready(step(q, k, v))
+            jax.block_until_ready(step(*step_args))
         times = gpu_kernel_times(pathlib.Path(trace_dir))
+      shape = step_args[0].shape
       print(f"\n{impl}  shape {shape}  {'causal' if args.causal else 'non-causal'}  fwd+bwd, per call:")
       if not times:
         print("  no GPU kernel events in the trace")

@@ -2,7 +2,7 @@
 
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.limit --format=csv -lms 100 > smi.csv &
   PYTHONPATH=. python tools/power_probe.py --kernel dkv --variants default elementwise=0 --seconds 4
-  PYTHONPATH=. python tools/power_probe.py --kernel cudnn mosaic   # forward+backward of each, side by side
+  PYTHONPATH=. python tools/power_probe.py --kernel cudnn flash2-mosaic   # forward+backward of each, side by side
 
 Prints, per variant, the wall-clock window (time.time(), to match the log's
 timestamps) in which the kernel ran back to back, and its mean time per
@@ -13,7 +13,6 @@ clock while it runs) is read from the log, not from here.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
 import pathlib
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import kernel_anatomy  # noqa: E402  (tools/: the bench implementations' forward+backward)
 import mosaic_bwd_bench  # noqa: E402  (tools/: its variant parser, with the measurement experiments)
 
 from jax_flash2 import flash_attention  # noqa: E402
@@ -31,8 +31,9 @@ from jax_flash2.mosaic import backward as mosaic_bwd  # noqa: E402
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--kernel", nargs="+", default=["dkv"],
-                      help="dkv or dq (the Mosaic backward kernels, per variant), or cudnn or a flash_attention "
-                           "backend (its forward+backward, variants ignored)")
+                      help="dkv or dq (the Mosaic backward kernels, per variant), or a bench implementation "
+                           "(jax_flash2.bench.impls, e.g. cudnn, flash2-mosaic: its forward+backward, variants "
+                           "ignored)")
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--seq", type=int, default=8192)
   parser.add_argument("--causal", action="store_true")
@@ -55,13 +56,9 @@ def main() -> None:
           jax.block_until_ready(fn(q, k, v, do, lse, delta))
         _run_back_to_back(f"{kernel} {spec}", fn, (q, k, v, do, lse, delta), args.seconds)
     else:
-      if kernel == "cudnn":
-        attention = functools.partial(jax.nn.dot_product_attention, is_causal=args.causal, implementation="cudnn")
-      else:
-        attention = functools.partial(flash_attention, causal=args.causal, backend=kernel)
-      fn = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * do), argnums=(0, 1, 2)))
-      jax.block_until_ready(fn(q, k, v))
-      _run_back_to_back(f"{kernel} fwd+bwd", fn, (q, k, v), args.seconds)
+      fn, fn_args = kernel_anatomy.fwd_bwd_step(kernel, args.seq, args.head_dim, args.causal)
+      jax.block_until_ready(fn(*fn_args))
+      _run_back_to_back(f"{kernel} fwd+bwd", fn, fn_args, args.seconds)
 
 
 def _run_back_to_back(label: str, fn, args, seconds: float) -> None:
