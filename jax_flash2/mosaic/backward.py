@@ -191,7 +191,8 @@ def dq_addition_experiment(every: int = 1, *, ordered: bool = True, staging: boo
   producer, without the wait for the other consumer's dS^T (`_DQExperiment`;
   `staging=0`, `lockstep=0`; session 11)."""
   global _DQ_EXPERIMENT
-  saved, _DQ_EXPERIMENT = _DQ_EXPERIMENT, _DQExperiment(every, ordered, staging=staging, lockstep=lockstep)
+  saved = _DQ_EXPERIMENT
+  _DQ_EXPERIMENT = dataclasses.replace(_experiment(), every=every, ordered=ordered, staging=staging, lockstep=lockstep)
   try:
     yield
   finally:
@@ -207,18 +208,15 @@ def elementwise_experiment():
   (bench/NOTES.md, session 10; tools/mosaic_bwd_bench.py, `elementwise=0`)."""
   global _DQ_EXPERIMENT
   saved = _DQ_EXPERIMENT
-  _DQ_EXPERIMENT = dataclasses.replace(saved or _DQExperiment(), elementwise=False)
+  _DQ_EXPERIMENT = dataclasses.replace(_experiment(), elementwise=False)
   try:
     yield
   finally:
     _DQ_EXPERIMENT = saved
 
 
-def _elementwise() -> bool:
-  return _DQ_EXPERIMENT is None or _DQ_EXPERIMENT.elementwise
-
-
 def _experiment() -> _DQExperiment:
+  """The measurement experiments in force (nested ones combine)."""
   return _DQ_EXPERIMENT or _DQExperiment()
 
 
@@ -631,10 +629,11 @@ def _dkv_kernel(
   # schedule: None for one CTA per tile (grid kv x heads x batch), else the
   # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks).
   fused = config.fused_dq
-  adder_warp = fused and config.dq_adder_warp and not interpret  # the additions in a warp of their own
   # Measurement only (`dq_addition_experiment`): the pieces of dQ handed to
   # the producer, the dQ product waiting for the other consumer's dS^T.
   hand_over, lockstep = _experiment().staging, _experiment().lockstep
+  # The additions in a warp of their own (none to make without a hand-over).
+  adder_warp = fused and hand_over and config.dq_adder_warp and not interpret
   refs = list(refs)
   ranks_ref = refs.pop(0) if fused else None
   dk_ref, dv_ref = refs.pop(0), refs.pop(0)
@@ -867,7 +866,7 @@ def _dkv_kernel(
     def probs_t(s_t, qb, slot, *, masked: bool):
       """P^T [keys, queries] from S^T and the lse of the Q block in `slot`."""
       plgpu.barrier_wait(lse_ready.at[slot])
-      if not _elementwise():
+      if not _experiment().elementwise:
         return s_t
       lse = plgpu.load(lse_smem.at[slot], layout=vec_layout) * LOG2_E
       p_t = poly_exp2.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), config.dkv_poly_columns)
@@ -882,7 +881,7 @@ def _dkv_kernel(
     def grad_scores_t(p_t, dp_t, slot):
       """dS^T = P^T * (dP^T - delta), delta of the Q block in `slot`."""
       plgpu.barrier_wait(delta_ready.at[slot])
-      if not _elementwise():
+      if not _experiment().elementwise:
         return dp_t
       delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
       return p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
@@ -1132,7 +1131,7 @@ def _dkv_kernel(
 
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
             compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers,
-            produce_aside=add_tile_pieces if adder_warp and hand_over else None)
+            produce_aside=add_tile_pieces if adder_warp else None)
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):
@@ -1335,7 +1334,7 @@ def _dq_kernel(
       return lax.rem(ring_base + kb, jnp.int32(stages))
 
     def probs(s, kb, *, masked: bool):
-      if not _elementwise():
+      if not _experiment().elementwise:
         return s
       p = poly_exp2.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]), config.dq_poly_columns)
       if masked:
@@ -1400,7 +1399,7 @@ def _dq_kernel(
         with jax.named_scope("softmax"):
           p = probs(s, kb, masked=masked)
       with jax.named_scope("dq"):
-        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0])) if _elementwise() else dp
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0])) if _experiment().elementwise else dp
         dq = add_dq(dq, ds, k_tile)
       plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
       return dq
