@@ -22,7 +22,6 @@ A case that fails to compile prints the compiler's error on stderr.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import collections
 import ctypes
 import os
@@ -145,9 +144,11 @@ def wgmma_operand_clobbers(sass: str) -> list[str]:
 
 def with_fields(config, settings: list[str]):
   """config with the fields of `settings` ("FIELD=VALUE", ints; bools as
-  0/1) set together, since the config's checks relate them."""
-  fields = dict(item.split("=") for item in settings)
-  return dataclasses.replace(config, **{f: type(getattr(config, f))(int(v)) for f, v in fields.items()})
+  0/1) set together, since the config's checks relate them: the benches'
+  variant parser (tools/mosaic_bench.py), imported once jax may be."""
+  import mosaic_bench
+
+  return mosaic_bench._variant(config, "+".join(settings) or "default")
 
 
 def _summarise(dump: pathlib.Path) -> str:
