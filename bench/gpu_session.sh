@@ -53,6 +53,7 @@
 #             elementwise_ab (the backward without its element-wise work, speed only; ~2.5 min),
 #             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
+#             fused64_kv (the d64 fused kernel with K and V in registers: A/B, ~3.5 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
@@ -618,6 +619,17 @@ stage_traffic64() {
   local f=fused_dq=1+dq_adder_warp=1
   timeout 170 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default $f \
     $f+adders=2 $f+adders=0 $f+staging=0 2>&1 | tee "$OUT/traffic64.log"
+}
+
+stage_fused64_kv() {
+  # The d64 fused kernel (adder warp) with K and V in registers for S^T and
+  # dP^T (kv_registers), against it without and the two kernels, both
+  # masks. Its GPU tests first:
+  #   SHARDS=4 SHARD_K=fused_dq_kv_registers bash bench/gpu_session.sh 0:mosaic_shards wait fused64_kv
+  # ~3.5 min.
+  local f=fused_dq=1+dq_adder_warp=1
+  timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default $f \
+    $f+kv_registers=1 2>&1 | tee "$OUT/fused64_kv.log"
 }
 
 stage_wgmma() {

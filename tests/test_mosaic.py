@@ -713,6 +713,7 @@ def test_bwd_config():
       (dict(dq_consumers=4), "dq_consumers must be 2 or 3"),
       (dict(dq_softmax_overlap=1), "dq_softmax_overlap must be a bool"),
       (dict(q_registers="yes"), "q_registers must be a bool"),
+      (dict(kv_registers=1), "kv_registers must be a bool"),
       (dict(dq_consumers=3.0), "dq_consumers must be an int"),
       (dict(dkv_poly_columns=72), "dkv_poly_columns must be a multiple of 8 between 0 and 64"),
       (dict(block_kv=128, dq_poly_columns=4), "dq_poly_columns must be a multiple of 8 between 0 and 128"),
@@ -811,6 +812,20 @@ def test_bwd_operands_in_registers_lower_for_cuda(head_dim):
   default = mosaic_bwd.default_backward_config(head_dim)
   assert default.q_registers
   assert lower(mosaic_bwd.dq, default) != lower(mosaic_bwd.dq, dataclasses.replace(default, q_registers=False))
+
+
+def test_bwd_kv_registers_lowers_for_cuda_at_head_dim_64_only():
+  """K and V in registers for S^T and dP^T (kv_registers), in the dK/dV
+  kernel and the fused one: the kernels lower and change; head_dim 128 has
+  no registers for them and says so."""
+  structs = _bwd_structs(1, 512, 512, 2, 64)
+  lower = lambda config: jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=False, config=config)).trace(
+      *structs).lower(lowering_platforms=("cuda",)).as_text()
+  for config in (mosaic_bwd.default_backward_config(64), mosaic_bwd.fused_backward_config(64)):
+    assert lower(config) != lower(dataclasses.replace(config, kv_registers=True))
+  config = dataclasses.replace(mosaic_bwd.default_backward_config(128), kv_registers=True)
+  with pytest.raises(NotImplementedError, match="kv_registers needs head_dim 64"):
+    mosaic_bwd.dkv(*_bwd_structs(1, 512, 512, 2, 128), config=config)
 
 
 def test_bwd_only_ragged_lengths_pay_for_padding():
@@ -1158,10 +1173,11 @@ def test_bwd_gpu_persistent(shape, kv_heads, causal, kernels):
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
-def test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=False, adder_warp=False):
+def test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=False, adder_warp=False, kv_registers=False):
   """The fused kernel against the reference, over several rounds of
   persistent CTAs; and deterministic: a second run gives the same bits."""
-  config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_turns=turns, dq_adder_warp=adder_warp)
+  config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_turns=turns, dq_adder_warp=adder_warp,
+                               kv_registers=kv_registers)
   grads = _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config,
                                        interpret=False)
   (q, k, v, do, lse, delta), _ = _bwd_problem(*shape, jnp.bfloat16, causal, kv_heads)
@@ -1187,6 +1203,18 @@ def test_bwd_gpu_fused_dq_turns(shape, kv_heads, causal):
 def test_bwd_gpu_fused_dq_adder_warp(shape, kv_heads, causal):
   """The same with the additions of dQ in a warp of their own (dq_adder_warp)."""
   test_bwd_gpu_fused_dq(shape, kv_heads, causal, adder_warp=True)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape, kv_heads", [((4, 2048, 2048, 32, 64), None), ((2, 1537, 1000, 16, 64), 4)],
+                         ids=["d64", "ragged_gqa_seq_q_gt_seq_k"])
+def test_bwd_gpu_fused_dq_kv_registers(shape, kv_heads, causal):
+  """The same with K and V in registers and the adder warp (head_dim 64):
+  ptxas 13.0 miscompiles the two-kernel dK/dV loop with K and V in registers
+  (tools/mosaic_cpu_compile.py's A-clobber check), not this one."""
+  test_bwd_gpu_fused_dq(shape, kv_heads, causal, adder_warp=True, kv_registers=True)
 
 
 @pytest.mark.gpu

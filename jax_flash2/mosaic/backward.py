@@ -253,6 +253,15 @@ class BackwardConfig:
       two kernels at head_dim 128 and within 0-3% of them at 64 (with
       dq_adder_warp), where its reduce-adds cost what fusing saves; and it
       needs all its CTAs resident at once (bench/NOTES.md, sessions 6-11).
+    kv_registers: the dK/dV kernel's consumers (and the fused kernel's)
+      hold their K and V rows in registers, loaded once per tile, for S^T =
+      K Q^T and dP^T = V dO^T, which then read only Q and dO from shared
+      memory: at N = block_q = 64 both operands from shared memory take its
+      whole bandwidth (128 B/cycle), and the fused kernel's staging of dS^T
+      and dQ needs more than it has (bench/NOTES.md, session 12). head_dim
+      64 only (32 more registers). ptxas 13.0 miscompiles the non-causal
+      dK/dV loop with it (session 10: the loop hands K's registers to P^T;
+      tools/mosaic_cpu_compile.py's A-clobber check), hence off.
     q_registers: the dQ kernel's consumers hold their Q and dO rows in
       registers for S = Q K^T and dP = dO V^T, which then read only K and V
       from shared memory (head_dim 64 and 128: no spills on sm_90a). On in
@@ -292,6 +301,7 @@ class BackwardConfig:
   fused_dq: bool = False
   dq_turns: bool = False
   dq_adder_warp: bool = False
+  kv_registers: bool = False
   q_registers: bool = False
   dq_consumers: int = NUM_CONSUMERS
   dkv_poly_columns: int = 0
@@ -299,7 +309,7 @@ class BackwardConfig:
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
-                 "q_registers", "dq_adder_warp"):
+                 "kv_registers", "q_registers", "dq_adder_warp"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
@@ -417,6 +427,8 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
     raise NotImplementedError(f"the Mosaic GPU backward supports bfloat16 and float16, got {q.dtype}")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  if "dkv" in kernels and config.kv_registers and head_dim != 64:
+    raise NotImplementedError(f"BackwardConfig.kv_registers needs head_dim 64 (registers), got {head_dim}")
   if "dq" in kernels and config.dq_consumers != NUM_CONSUMERS and head_dim != 64:
     raise NotImplementedError(
         f"BackwardConfig.dq_consumers {config.dq_consumers} needs head_dim 64 (registers), got {head_dim}")
@@ -857,6 +869,12 @@ def _dkv_kernel(
     k_start = tile.k_start + wg * rows
     k_tile, v_tile = k_smem.at[buffer, wg], v_smem.at[buffer, wg]
     plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + wg])
+    # The A operands of S^T and dP^T: K and V from shared memory, or loaded
+    # once per tile into registers (kv_registers; the interpreter reads
+    # them from shared memory either way).
+    k_a, v_a = k_tile, v_tile
+    if config.kv_registers and not interpret:
+      k_a, v_a = (plgpu.load(t, layout=plgpu.Layout.WGMMA) for t in (k_tile, v_tile))
     lo, full_lo = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
     vec_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
 
@@ -899,9 +917,9 @@ def _dkv_kernel(
       plgpu.barrier_arrive(q_consumed.at[slot])
 
     def issue_scores(s_ref, dp_ref, q_tile, do_tile):
-      # S^T = K Q^T and dP^T = V dO^T: two groups.
-      plgpu.wgmma(s_ref, k_tile, q_tile.transpose((1, 0)))
-      plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
+      # S^T = K Q^T and dP^T = V dO^T (K and V in SMEM, or registers): two groups.
+      plgpu.wgmma(s_ref, k_a, q_tile.transpose((1, 0)))
+      plgpu.wgmma(dp_ref, v_a, do_tile.transpose((1, 0)))
 
     def update(qb, slot, dk, dv, *, masked: bool, ring_step=None):
       """dK and dV with Q block qb (in `slot`) added; with fused_dq also
