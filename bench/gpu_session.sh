@@ -54,6 +54,7 @@
 #             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
 #             fused64_kv (the d64 fused kernel with K and V in registers: A/B, ~3.5 min),
+#             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
@@ -630,6 +631,18 @@ stage_fused64_kv() {
   local f=fused_dq=1+dq_adder_warp=1
   timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default $f \
     $f+kv_registers=1 2>&1 | tee "$OUT/fused64_kv.log"
+}
+
+stage_fused64_default() {
+  # The d64 default (the fused kernel, adder warp, K and V in registers)
+  # against the two kernels at 2k and 8k, the lengths fused64_kv left out;
+  # then the bench CLI at d64 (bench64). Its tests first:
+  #   SHARDS=8 SHARD_IDS=bench/results/session12/call2_test_ids.txt bash bench/gpu_session.sh 0:mosaic_shards \
+  #     wait fused64_default
+  # ~6 min.
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 8192 --head-dim 64 --variants default \
+    fused_dq=0+dq_adder_warp=0+kv_registers=0 2>&1 | tee "$OUT/fused64_default.log"
+  stage_bench64
 }
 
 stage_wgmma() {

@@ -714,6 +714,7 @@ def test_bwd_config():
       (dict(dq_softmax_overlap=1), "dq_softmax_overlap must be a bool"),
       (dict(q_registers="yes"), "q_registers must be a bool"),
       (dict(kv_registers=1), "kv_registers must be a bool"),
+      (dict(kv_registers=True), "kv_registers needs fused_dq"),
       (dict(dq_consumers=3.0), "dq_consumers must be an int"),
       (dict(dkv_poly_columns=72), "dkv_poly_columns must be a multiple of 8 between 0 and 64"),
       (dict(block_kv=128, dq_poly_columns=4), "dq_poly_columns must be a multiple of 8 between 0 and 128"),
@@ -815,15 +816,15 @@ def test_bwd_operands_in_registers_lower_for_cuda(head_dim):
 
 
 def test_bwd_kv_registers_lowers_for_cuda_at_head_dim_64_only():
-  """K and V in registers for S^T and dP^T (kv_registers), in the dK/dV
-  kernel and the fused one: the kernels lower and change; head_dim 128 has
-  no registers for them and says so."""
+  """K and V in registers for S^T and dP^T (kv_registers) in the fused
+  kernel: it lowers and changes; head_dim 128 has no registers for them and
+  says so."""
   structs = _bwd_structs(1, 512, 512, 2, 64)
   lower = lambda config: jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=False, config=config)).trace(
       *structs).lower(lowering_platforms=("cuda",)).as_text()
-  for config in (mosaic_bwd.default_backward_config(64), mosaic_bwd.fused_backward_config(64)):
-    assert lower(config) != lower(dataclasses.replace(config, kv_registers=True))
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(128), kv_registers=True)
+  config = mosaic_bwd.fused_backward_config(64)
+  assert lower(config) != lower(dataclasses.replace(config, kv_registers=True))
+  config = dataclasses.replace(mosaic_bwd.fused_backward_config(128), kv_registers=True)
   with pytest.raises(NotImplementedError, match="kv_registers needs head_dim 64"):
     mosaic_bwd.dkv(*_bwd_structs(1, 512, 512, 2, 128), config=config)
 

@@ -253,15 +253,13 @@ class BackwardConfig:
       two kernels at head_dim 128 and within 0-3% of them at 64 (with
       dq_adder_warp), where its reduce-adds cost what fusing saves; and it
       needs all its CTAs resident at once (bench/NOTES.md, sessions 6-11).
-    kv_registers: the dK/dV kernel's consumers (and the fused kernel's)
-      hold their K and V rows in registers, loaded once per tile, for S^T =
-      K Q^T and dP^T = V dO^T, which then read only Q and dO from shared
-      memory: at N = block_q = 64 both operands from shared memory take its
-      whole bandwidth (128 B/cycle), and the fused kernel's staging of dS^T
-      and dQ needs more than it has (bench/NOTES.md, session 12). head_dim
-      64 only (32 more registers). ptxas 13.0 miscompiles the non-causal
-      dK/dV loop with it (session 10: the loop hands K's registers to P^T;
-      tools/mosaic_cpu_compile.py's A-clobber check), hence off.
+    kv_registers: with fused_dq, the consumers hold their K and V rows in
+      registers, loaded once per tile, for S^T = K Q^T and dP^T = V dO^T,
+      which then read only Q and dO from shared memory. head_dim 64 only
+      (32 more registers). 0.5-1.5% off the fused kernel (session 12). Not
+      for the two kernels: ptxas 13.0 miscompiles their non-causal dK/dV
+      loop with it (the loop hands K's registers to P^T; session 10,
+      tools/mosaic_cpu_compile.py's A-clobber check), not the fused one.
     q_registers: the dQ kernel's consumers hold their Q and dO rows in
       registers for S = Q K^T and dP = dO V^T, which then read only K and V
       from shared memory (head_dim 64 and 128: no spills on sm_90a). On in
@@ -329,6 +327,9 @@ class BackwardConfig:
       raise ValueError("BackwardConfig.fused_dq does not take softmax_overlap")
     if self.dq_adder_warp and not self.fused_dq:
       raise ValueError("BackwardConfig.dq_adder_warp needs fused_dq")
+    if self.kv_registers and not self.fused_dq:
+      raise ValueError("BackwardConfig.kv_registers needs fused_dq (ptxas 13.0 miscompiles the dK/dV kernel's "
+                       "loop with it)")
     poly_exp2.check_poly_columns("BackwardConfig.dkv_poly_columns", self.dkv_poly_columns, self.block_q)
     poly_exp2.check_poly_columns("BackwardConfig.dq_poly_columns", self.dq_poly_columns, self.block_kv)
 
@@ -376,10 +377,16 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   of the dQ kernel's time, no gain overall (session 8): two. The dQ kernel
   overlaps its softmax with dP's product (1-5% faster at most lengths,
   session 8; the dK/dV kernel loses with it, session 5) and takes Q and dO
-  from registers (q_registers: 0-9% faster, session 9)."""
+  from registers (q_registers: 0-9% faster, session 9).
+
+  At head_dim 64 one kernel computes dQ as well (fused_dq, as
+  `fused_backward_config`), with its additions in a warp of their own and K
+  and V in registers: 2-4% faster than the two kernels at 4k-16k, both
+  masks (session 12). The dQ kernel's fields stay for `dq` called alone."""
   if head_dim <= 64:
     return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
-                          dkv_persistent=True, q_registers=True)
+                          dkv_persistent=True, q_registers=True, fused_dq=True, dq_adder_warp=True,
+                          kv_registers=True)
   if head_dim in WIDE_HEAD_DIMS:
     # backward_wide.py: 64-row blocks, room for two ring slots; persistent dQ
     # CTAs (2-17% faster; persistent dK/dV CTAs spill and lose up to 11%).
