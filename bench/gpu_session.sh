@@ -54,6 +54,7 @@
 #             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
 #             fused64_kv (the d64 fused kernel with K and V in registers: A/B, ~3.5 min),
+#             pair_share (each fused tile adding at every other step, a cluster pair's share; speed only, ~5 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
@@ -643,6 +644,20 @@ stage_fused64_default() {
   timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 8192 --head-dim 64 --variants default \
     fused_dq=0+dq_adder_warp=0+kv_registers=0 2>&1 | tee "$OUT/fused64_default.log"
   stage_bench64
+}
+
+stage_pair_share() {
+  # What a cluster pair taking turns at adding dQ would leave each CTA:
+  # every tile adds at every other step, its neighbour at the others
+  # (adders=2+alternate=1), against all (the kernel), half the tiles
+  # (adders=2) and none (adders=0). d64: the default (fused); d128: the
+  # fused kernel with its adder warp. Speed only (dQ wrong but in the
+  # first two rows of each). ~5 min.
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default \
+    adders=2+alternate=1 adders=2 adders=0 2>&1 | tee "$OUT/pair_share64.log"
+  local f=fused_dq=1+dkv_persistent=0+dq_adder_warp=1
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
+    $f+adders=2+alternate=1 $f+adders=0 2>&1 | tee "$OUT/pair_share128.log"
 }
 
 stage_wgmma() {

@@ -1047,17 +1047,19 @@ def test_bwd_fused_adder_warp_lowers_for_cuda():
   assert "flash2_bwd_dkv_mosaic" in text and text != lower(config)
 
 
-@pytest.mark.parametrize("every, ordered, staging, lockstep",
-                         [(0, True, True, True), (2, True, True, True), (1, False, True, True),
-                          (1, True, False, True), (1, True, False, False)])
-def test_dq_addition_experiment_lowers_and_restores(every, ordered, staging, lockstep):
-  """The measurement hook (half or none of the reduce-adds, no waits for
-  their order, no hand-over of the pieces, no wait for the other consumer's
-  dS^T) lowers, changes the kernel, and is off again after its block."""
+@pytest.mark.parametrize("every, alternate, ordered, staging, lockstep",
+                         [(0, False, True, True, True), (2, False, True, True, True), (2, True, True, True, True),
+                          (1, False, False, True, True), (1, False, True, False, True), (1, False, True, False, False)])
+def test_dq_addition_experiment_lowers_and_restores(every, alternate, ordered, staging, lockstep):
+  """The measurement hook (half or none of the reduce-adds, or each tile's
+  every other one, no waits for their order, no hand-over of the pieces, no
+  wait for the other consumer's dS^T) lowers, changes the kernel, and is off
+  again after its block."""
   structs = _bwd_structs(1, 1024, 1024, 2, 128)
   lower = lambda: jax.jit(lambda *a: mosaic_bwd.backward(*a, config=mosaic_bwd.fused_backward_config(128))).trace(
       *structs).lower(lowering_platforms=("cuda",)).as_text()
-  with mosaic_bwd.dq_addition_experiment(every, ordered=ordered, staging=staging, lockstep=lockstep):
+  with mosaic_bwd.dq_addition_experiment(every, alternate=alternate, ordered=ordered, staging=staging,
+                                         lockstep=lockstep):
     text = lower()
   assert mosaic_bwd._DQ_EXPERIMENT is None
   assert "flash2_bwd_dkv_mosaic" in text and text != lower()

@@ -7,6 +7,7 @@
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 256 --seq 2048 8192      # backward_wide.py's kernels
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default fused_dq=1+dkv_persistent=0 \
       fused_dq=1+dkv_persistent=0+adders=2   # the fused kernel with half its reduce-adds (wrong dQ: speed only)
+  ... fused_dq=1+adders=2+alternate=1   # each tile adds at every other step (a cluster pair's share; speed only)
   ... fused_dq=1+dkv_persistent=0+unordered=1   # no adder waits for its rank (nondeterministic: speed only)
   ... fused_dq=1+dkv_persistent=0+staging=0+lockstep=0   # no hand-over of dQ, no wait for the other dS^T (speed only)
   ... --variants default elementwise=0   # P = S, dS = dP: the kernels without element-wise work (speed only)
@@ -40,13 +41,14 @@ import mosaic_bench  # tools/, for its timer
 _time_ms = mosaic_bench._time_ms
 
 
-_EXPERIMENTS = ("adders=", "unordered=", "elementwise=", "staging=", "lockstep=")
+_EXPERIMENTS = ("adders=", "alternate=", "unordered=", "elementwise=", "staging=", "lockstep=")
 
 
 def _variant(config, spec: str):
-  """(config with spec's fields set, a context to time it in): `adders=N` and
-  `unordered=1` in spec (not config fields) time the fused kernel under
-  mosaic_bwd.dq_addition_experiment(N, ordered=False); `elementwise=0` the
+  """(config with spec's fields set, a context to time it in): `adders=N`,
+  `alternate=1`, `unordered=1`, `staging=0` and `lockstep=0` in spec (not
+  config fields) time the fused kernel under
+  mosaic_bwd.dq_addition_experiment(N, alternate=True, ordered=False, ...); `elementwise=0` the
   kernels under mosaic_bwd.elementwise_experiment()."""
   options = spec.split("+")
   experiment = {o.split("=")[0]: int(o.split("=")[1]) for o in options if o.startswith(_EXPERIMENTS)}
@@ -55,10 +57,10 @@ def _variant(config, spec: str):
   @contextlib.contextmanager
   def context():
     with contextlib.ExitStack() as stack:
-      if {"adders", "unordered", "staging", "lockstep"} & experiment.keys():
+      if {"adders", "alternate", "unordered", "staging", "lockstep"} & experiment.keys():
         every, ordered = experiment.get("adders", 1), not experiment.get("unordered", 0)
         stack.enter_context(mosaic_bwd.dq_addition_experiment(
-            every, ordered=ordered, staging=bool(experiment.get("staging", 1)),
+            every, alternate=bool(experiment.get("alternate", 0)), ordered=ordered, staging=bool(experiment.get("staging", 1)),
             lockstep=bool(experiment.get("lockstep", 1))))
       if not experiment.get("elementwise", 1):
         stack.enter_context(mosaic_bwd.elementwise_experiment())

@@ -158,7 +158,8 @@ OUTER_ROWS = NUM_CONSUMERS * WGMMA_M
 class _DQExperiment:
   """Measurement only (`dq_addition_experiment`): the fused kernel's tiles
   whose index is a multiple of `every` add their pieces of dQ (none when
-  0); `ordered` False drops the waits for the additions before one's own.
+  0), or with `alternate` the steps whose index plus the tile's is (each
+  tile adds at every other step, its neighbour at the others); `ordered` False drops the waits for the additions before one's own.
   `elementwise` False (`elementwise_experiment`): P = S and dS = dP.
   `staging` False: the consumers compute their pieces of dQ but hand none to
   the producer (no staging store, no dq_staged / dq_free handshake; the
@@ -167,6 +168,7 @@ class _DQExperiment:
   (Register atomics in place of the hand-over, unordered, were 30-50%
   slower: session 11, commit 526d782 and bench/NOTES.md.)"""
   every: int = 1
+  alternate: bool = False
   ordered: bool = True
   elementwise: bool = True
   staging: bool = True
@@ -177,7 +179,8 @@ _DQ_EXPERIMENT: _DQExperiment | None = None  # None: the kernel as it is
 
 
 @contextlib.contextmanager
-def dq_addition_experiment(every: int = 1, *, ordered: bool = True, staging: bool = True, lockstep: bool = True):
+def dq_addition_experiment(every: int = 1, *, alternate: bool = False, ordered: bool = True, staging: bool = True,
+                           lockstep: bool = True):
   """Measurement only; the gradients come out wrong. The fused kernels traced
   inside skip the reduce-adds of dQ of the K/V tiles whose index is not a
   multiple of `every` (every = 2: half the traffic, as two CTAs summing
@@ -189,10 +192,14 @@ def dq_addition_experiment(every: int = 1, *, ordered: bool = True, staging: boo
   7-8; tools/mosaic_bwd_bench.py, variants with `adders=N`, `unordered=1`).
   staging=False, lockstep=False: without the hand-over of the pieces to the
   producer, without the wait for the other consumer's dS^T (`_DQExperiment`;
-  `staging=0`, `lockstep=0`; session 11)."""
+  `staging=0`, `lockstep=0`; session 11). alternate=True with every = 2:
+  every tile adds at every other step, its neighbour at the others, as a
+  cluster pair taking turns at summing both pieces and adding them would
+  (`alternate=1`; session 12)."""
   global _DQ_EXPERIMENT
   saved = _DQ_EXPERIMENT
-  _DQ_EXPERIMENT = dataclasses.replace(_experiment(), every=every, ordered=ordered, staging=staging, lockstep=lockstep)
+  _DQ_EXPERIMENT = dataclasses.replace(_experiment(), every=every, alternate=alternate, ordered=ordered,
+                                       staging=staging, lockstep=lockstep)
   try:
     yield
   finally:
@@ -823,7 +830,8 @@ def _dkv_kernel(
             plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
         adds = jnp.bool_(experiment.every == 1)
         if experiment.every > 1:
-          adds = lax.rem(tile.kv_index, jnp.int32(experiment.every)) == 0
+          index = tile.kv_index + (step if experiment.alternate else 0)
+          adds = lax.rem(index, jnp.int32(experiment.every)) == 0
         plgpu.copy_smem_to_gmem(staged, target, predicate=(rank == 0) & adds)
         plgpu.copy_smem_to_gmem(staged, target, predicate=(rank > 0) & adds, reduction_op="add")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
