@@ -44,7 +44,8 @@ visit their Q blocks staggered, `_visit`), enforced by a semaphore per Q
 block and piece that counts the additions made, so the gradients are
 deterministic. The CTAs are persistent, one per SM, all resident, which
 the waits need. With `BackwardConfig.dq_adder_warp` the producer's second
-warp makes the additions while its first issues the loads.
+warp makes the additions while its first issues the loads. The head_dim-64
+default takes this kernel; head_dim 128 the two.
 
 With `BackwardConfig.dq_persistent` / `dkv_persistent` either kernel runs as
 the forward's persistent CTAs (forward.PersistentSchedule: one per SM over
@@ -256,10 +257,12 @@ class BackwardConfig:
       backward kernel): each K/V tile adds dS K into a float32 dQ in global
       memory, in an order fixed per Q block (semaphores; see `_dq_order`),
       so that gradients stay deterministic; S and dP are computed once, not
-      twice. Needs block_q 64. Off by default: on the H200 slower than the
-      two kernels at head_dim 128 and within 0-3% of them at 64 (with
-      dq_adder_warp), where its reduce-adds cost what fusing saves; and it
-      needs all its CTAs resident at once (bench/NOTES.md, sessions 6-11).
+      twice. Needs block_q 64, and all its CTAs resident at once (one per
+      SM; a GPU shared with other work only delays it, an SM limit such as
+      MPS's would hang it). On at head_dim 64 (with dq_adder_warp and
+      kv_registers: 2-4.5% faster than the two kernels, session 12); off at
+      128, where it is slower: each CTA's own reduce-adds cost what fusing
+      saves (bench/NOTES.md, sessions 6-12).
     kv_registers: with fused_dq, the consumers hold their K and V rows in
       registers, loaded once per tile, for S^T = K Q^T and dP^T = V dO^T,
       which then read only Q and dO from shared memory. head_dim 64 only
