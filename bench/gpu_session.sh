@@ -667,8 +667,8 @@ stage_pairs64() {
   # the default and the two kernels, both masks. Its tests first:
   #   SHARDS=6 SHARD_K=fused_dq_pairs bash bench/gpu_session.sh 0:mosaic_shards wait pairs64
   # ~5 min.
-  timeout 280 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
-    dq_pairs=1 fused_dq=0+dq_adder_warp=0+kv_registers=0 2>&1 | tee "$OUT/pairs64.log"
+  timeout 200 python tools/mosaic_bwd_bench.py --seq ${PAIRS_SEQ:-2048 4096 8192 16384} --head-dim 64 \
+    --variants default dq_pairs=1 ${PAIRS_MORE:-fused_dq=0+dq_adder_warp=0+kv_registers=0} 2>&1 | tee "$OUT/pairs64.log"
 }
 
 stage_wgmma() {

@@ -153,7 +153,6 @@ WIDE_HEAD_DIMS = (256,)
 # Rows of the outer operand per CTA: 64 per consumer warpgroup (K/V rows for
 # dkv, Q rows for dq).
 OUTER_ROWS = NUM_CONSUMERS * WGMMA_M
-WARPGROUP_SIZE = 128  # threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -682,8 +681,8 @@ def _dkv_kernel(
   # dq_loaded, [2] barriers (the interpreter adds into dQ by load, add and
   # store).
   # With pairs (dq_pairs): recv_smem, [block_q, piece columns] f32, the
-  # peer CTA's piece of dQ; recv_full, a barrier of 128 arrivals (each
-  # sending thread's bytes); recv_free, [2] cluster barriers (a channel per
+  # peer CTA's piece of dQ; recv_full, a barrier (the sending warpgroup's
+  # threads' bytes); recv_free, [2] cluster barriers (a channel per
   # consumer: its piece received and consumed).
   # schedule: None for one CTA per tile (grid kv x heads x batch), else the
   # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks; with
@@ -1357,7 +1356,9 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
     if pairs:
       scratch += [
           plgpu.SMEM((block_q, piece.cols), jnp.float32, transforms=_swizzled(piece.cols, jnp.float32)),  # peer's piece
-          plgpu.Barrier(num_arrivals=WARPGROUP_SIZE),  # ... received (each sending thread's bytes)
+          # ... received: each sending thread arrives with its bytes, and a
+          # Pallas arrival is a warpgroup's 128 threads.
+          plgpu.Barrier(num_arrivals=1),
           plgpu.ClusterBarrier(collective_axes=("pair",), num_barriers=NUM_CONSUMERS),  # ... and consumed
       ]
     units = num_kv // 2 if pairs else num_kv
