@@ -668,7 +668,7 @@ stage_pairs64() {
   #   SHARDS=6 SHARD_K=fused_dq_pairs bash bench/gpu_session.sh 0:mosaic_shards wait pairs64
   # ~5 min.
   timeout 200 python tools/mosaic_bwd_bench.py --seq ${PAIRS_SEQ:-2048 4096 8192 16384} --head-dim 64 \
-    --variants default dq_pairs=1 ${PAIRS_MORE:-fused_dq=0+dq_adder_warp=0+kv_registers=0} 2>&1 | tee "$OUT/pairs64.log"
+    --variants default dq_pairs=1 ${PAIRS_MORE-fused_dq=0+dq_adder_warp=0+kv_registers=0} 2>&1 | tee "$OUT/pairs64.log"
 }
 
 stage_wgmma() {
