@@ -17,6 +17,7 @@ device's compute capability is 9.x (wgmma, TMA and setmaxnreg are sm_90a).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -78,8 +79,8 @@ def test_q_registers_lowers_for_cuda():
   shared memory): the kernel lowers and changes."""
   q = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
   plain = mosaic.default_config(64)
-  assert _lower_for_cuda(q, q, q, True, dataclasses.replace(plain, q_registers=True)) != _lower_for_cuda(
-      q, q, q, True, plain)
+  f = lambda config: (lambda q, k, v: mosaic.forward(q, k, v, causal=True, config=config))
+  assert _kernels_text(f(dataclasses.replace(plain, q_registers=True)), q, q, q) != _kernels_text(f(plain), q, q, q)
 
 
 def test_three_consumers_skip_the_padding_copy_on_the_gpu():
@@ -184,6 +185,52 @@ def test_rejects(args, kwargs, error, match):
 def _lower_for_cuda(q, k, v, causal, config=None) -> str:
   f = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=config))
   return f.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _kernels_text(f, *args) -> str:
+  """The Mosaic GPU kernels of f, lowered for CUDA (the whole Python side of
+  Mosaic GPU), as MLIR text without what differs between two lowerings of
+  one kernel (a per-process counter in the dump name, hence the kernel hash;
+  debug locations): two texts differ only where the kernels do. (The
+  lowered HLO text differs from one lowering to the next, and jit's cache
+  may return a kernel traced under other experiments.)"""
+  from jax._src.interpreters import mlir as jax_mlir
+  from jax._src.lib.mlir import ir
+  from jax.experimental.mosaic.gpu import dialect
+
+  # A fresh function each time: jit's cache would return a kernel traced
+  # before a measurement experiment changed it.
+  module = jax.jit(lambda *a: f(*a)).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+  context = jax_mlir.make_ir_context()
+  dialect.register_dialect(context)
+  context.allow_unregistered_dialects = True  # the serialized kernels' stable dialect
+  kernels = []
+
+  def visit(op):
+    if op.name == "stablehlo.custom_call" and "mhlo.backend_config" in op.attributes:
+      config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+      if "module" in config:
+        kernel = ir.Module.parse(ir.StringAttr(config["module"]).value_bytes, context=context)
+        kernels.append(re.sub(r'mosaic_gpu\.dump_basename = "[^"]*"', "",
+                              kernel.operation.get_asm(enable_debug_info=False)))
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          visit(inner.operation)
+
+  visit(module.operation)
+  assert kernels, "no Mosaic GPU kernel"
+  return "\n".join(kernels)
+
+
+def test_kernels_text_is_the_same_for_the_same_kernel():
+  """What the "changes the kernel" tests compare: equal for equal kernels
+  (the lowered HLO text is not), different for different ones."""
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  f = lambda config: (lambda q, k, v: mosaic.forward(q, k, v, config=config))
+  plain = mosaic.default_config(64)
+  assert _kernels_text(f(plain), q, q, q) == _kernels_text(f(plain), q, q, q)
+  assert _kernels_text(f(plain), q, q, q) != _kernels_text(f(dataclasses.replace(plain, stages=3)), q, q, q)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -810,8 +857,7 @@ def test_bwd_operands_in_registers_lower_for_cuda(head_dim):
   the interpreter reads them from shared memory): the kernel lowers and
   changes (its wgmmas take their A operands from registers)."""
   structs = _bwd_structs(1, 512, 512, 2, head_dim)
-  lower = lambda fn, config: jax.jit(lambda *a: fn(*a, causal=True, config=config)).trace(
-      *structs).lower(lowering_platforms=("cuda",)).as_text()
+  lower = lambda fn, config: _kernels_text(lambda *a: fn(*a, causal=True, config=config), *structs)
   default = mosaic_bwd.default_backward_config(head_dim)
   assert default.q_registers
   assert lower(mosaic_bwd.dq, default) != lower(mosaic_bwd.dq, dataclasses.replace(default, q_registers=False))
@@ -822,8 +868,7 @@ def test_bwd_kv_registers_lowers_for_cuda_at_head_dim_64_only():
   kernel: it lowers and changes; head_dim 128 has no registers for them and
   says so."""
   structs = _bwd_structs(1, 512, 512, 2, 64)
-  lower = lambda config: jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=False, config=config)).trace(
-      *structs).lower(lowering_platforms=("cuda",)).as_text()
+  lower = lambda config: _kernels_text(lambda *a: mosaic_bwd.backward(*a, causal=False, config=config), *structs)
   config = mosaic_bwd.fused_backward_config(64)
   assert lower(config) != lower(dataclasses.replace(config, kv_registers=True))
   config = dataclasses.replace(mosaic_bwd.fused_backward_config(128), kv_registers=True)
@@ -1051,16 +1096,18 @@ def test_bwd_dq_pairs_lower_for_cuda_where_k_v_blocks_pair_up():
   lowers and changes, both masks; an odd number of K/V blocks runs
   unpaired (the same kernel as without), and head_dim 128 (split pieces)
   says it cannot."""
-  lower = lambda config, seq_k=1024, head_dim=64, causal=False: jax.jit(
-      lambda *a: mosaic_bwd.backward(*a, causal=causal, config=config)).trace(
-          *_bwd_structs(1, 1024, seq_k, 2, head_dim)).lower(lowering_platforms=("cuda",)).as_text()
+  lower = lambda config, seq_k=1024, head_dim=64, causal=False: _kernels_text(
+      lambda *a: mosaic_bwd.backward(*a, causal=causal, config=config), *_bwd_structs(1, 1024, seq_k, 2, head_dim))
   config = mosaic_bwd.default_backward_config(64)
   pairs = dataclasses.replace(config, dq_pairs=True)
   for causal in (False, True):
     assert lower(pairs, causal=causal) != lower(config, causal=causal)
+  with mosaic_bwd.dq_addition_experiment(pair_wait=False):  # measurement: the receiver does not wait
+    no_wait = lower(pairs)
+  assert mosaic_bwd._DQ_EXPERIMENT is None and no_wait != lower(pairs)
   assert mosaic_bwd._pairs(pairs, 8, interpret=False)
   assert not mosaic_bwd._pairs(pairs, 9, interpret=False) and not mosaic_bwd._pairs(pairs, 8, interpret=True)
-  assert lower(pairs, seq_k=1152)  # 9 K/V blocks: unpaired
+  assert lower(pairs, seq_k=1152) == lower(config, seq_k=1152)  # 9 K/V blocks: unpaired
   with pytest.raises(NotImplementedError, match="dq_pairs needs head_dim 64"):
     lower(dataclasses.replace(mosaic_bwd.fused_backward_config(128), dq_pairs=True), head_dim=128)
 
@@ -1076,8 +1123,7 @@ def test_fused_schedule_in_clusters_leaves_room():
 def test_bwd_fused_adder_warp_lowers_for_cuda():
   """The additions of dQ move to a warp of the producer: another kernel."""
   structs = _bwd_structs(1, 1024, 1024, 2, 128)
-  lower = lambda config: jax.jit(lambda *a: mosaic_bwd.backward(*a, config=config)).trace(*structs).lower(
-      lowering_platforms=("cuda",)).as_text()
+  lower = lambda config: _kernels_text(lambda *a: mosaic_bwd.backward(*a, config=config), *structs)
   config = mosaic_bwd.fused_backward_config(128)
   text = lower(dataclasses.replace(config, dq_adder_warp=True))
   assert "flash2_bwd_dkv_mosaic" in text and text != lower(config)
@@ -1092,8 +1138,8 @@ def test_dq_addition_experiment_lowers_and_restores(every, alternate, ordered, s
   wait for the other consumer's dS^T) lowers, changes the kernel, and is off
   again after its block."""
   structs = _bwd_structs(1, 1024, 1024, 2, 128)
-  lower = lambda: jax.jit(lambda *a: mosaic_bwd.backward(*a, config=mosaic_bwd.fused_backward_config(128))).trace(
-      *structs).lower(lowering_platforms=("cuda",)).as_text()
+  lower = lambda: _kernels_text(lambda *a: mosaic_bwd.backward(*a, config=mosaic_bwd.fused_backward_config(128)),
+                                *structs)
   with mosaic_bwd.dq_addition_experiment(every, alternate=alternate, ordered=ordered, staging=staging,
                                          lockstep=lockstep):
     text = lower()
@@ -1105,7 +1151,7 @@ def test_elementwise_experiment_changes_both_kernels_and_restores():
   """The measurement hook (P = S, dS = dP) lowers, changes both kernels, and
   is off again after its block, also inside dq_addition_experiment."""
   structs = _bwd_structs(1, 1024, 1024, 2, 128)
-  lower = lambda kernel: jax.jit(lambda *a: kernel(*a)).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+  lower = lambda kernel: _kernels_text(kernel, *structs)
   with mosaic_bwd.dq_addition_experiment(2):
     with mosaic_bwd.elementwise_experiment():
       texts = [lower(kernel) for kernel in (mosaic_bwd.dkv, mosaic_bwd.dq)]

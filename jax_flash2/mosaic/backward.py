@@ -166,10 +166,13 @@ class _DQExperiment:
   the producer (no staging store, no dq_staged / dq_free handshake; the
   producer only loads). `lockstep` False: a consumer's dQ product does not
   wait for the other consumer's dS^T (it reads whatever is there).
+  `pair_wait` False (dq_pairs): the receiving consumer adds whatever is in
+  its buffer for the peer's piece, without waiting for it to arrive.
   (Register atomics in place of the hand-over, unordered, were 30-50%
   slower: session 11, commit 526d782 and bench/NOTES.md.)"""
   every: int = 1
   alternate: bool = False
+  pair_wait: bool = True
   ordered: bool = True
   elementwise: bool = True
   staging: bool = True
@@ -181,7 +184,7 @@ _DQ_EXPERIMENT: _DQExperiment | None = None  # None: the kernel as it is
 
 @contextlib.contextmanager
 def dq_addition_experiment(every: int = 1, *, alternate: bool = False, ordered: bool = True, staging: bool = True,
-                           lockstep: bool = True):
+                           lockstep: bool = True, pair_wait: bool = True):
   """Measurement only; the gradients come out wrong. The fused kernels traced
   inside skip the reduce-adds of dQ of the K/V tiles whose index is not a
   multiple of `every` (every = 2: half the traffic, as two CTAs summing
@@ -196,11 +199,12 @@ def dq_addition_experiment(every: int = 1, *, alternate: bool = False, ordered: 
   `staging=0`, `lockstep=0`; session 11). alternate=True with every = 2:
   every tile adds at every other step, its neighbour at the others, as a
   cluster pair taking turns at summing both pieces and adding them would
-  (`alternate=1`; session 12)."""
+  (`alternate=1`; session 12). pair_wait=False: with dq_pairs, the receiver
+  does not wait for the peer's piece (`pair_wait=0`)."""
   global _DQ_EXPERIMENT
   saved = _DQ_EXPERIMENT
   _DQ_EXPERIMENT = dataclasses.replace(_experiment(), every=every, alternate=alternate, ordered=ordered,
-                                       staging=staging, lockstep=lockstep)
+                                       staging=staging, lockstep=lockstep, pair_wait=pair_wait)
   try:
     yield
   finally:
@@ -927,8 +931,9 @@ def _dkv_kernel(
 
     @pl.when(pair == wg)
     def _receive():
-      with jax.named_scope("wait_peer"):
-        plgpu.barrier_wait(recv_full)
+      if _experiment().pair_wait:
+        with jax.named_scope("wait_peer"):
+          plgpu.barrier_wait(recv_full)
       stage_piece(dq + plgpu.load(recv_smem, layout=plgpu.Layout.WGMMA), ring_step)
       plgpu.barrier_arrive(channel)  # after the read of recv_smem, which the sum needed
       plgpu.barrier_wait(channel)
