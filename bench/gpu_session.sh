@@ -54,7 +54,6 @@
 #             ring3_128 (the d128 backward with 3 ring slots, persistent; ~2.5 min),
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
 #             fused64_kv (the d64 fused kernel with K and V in registers: A/B, ~3.5 min),
-#             pairs64 (the d64 fused kernel in clusters of two: A/B, ~5 min),
 #             pair_share (each fused tile adding at every other step, a cluster pair's share; speed only, ~5 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -659,16 +658,6 @@ stage_pair_share() {
   local f=fused_dq=1+dkv_persistent=0+dq_adder_warp=1
   timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
     $f+adders=2+alternate=1 $f+adders=0 2>&1 | tee "$OUT/pair_share128.log"
-}
-
-stage_pairs64() {
-  # The d64 default in clusters of two (dq_pairs: each step's two pieces of
-  # dQ summed in one CTA, one reduce-add, the CTAs taking turns) against
-  # the default and the two kernels, both masks. Its tests first:
-  #   SHARDS=6 SHARD_K=fused_dq_pairs bash bench/gpu_session.sh 0:mosaic_shards wait pairs64
-  # ~5 min.
-  timeout 200 python tools/mosaic_bwd_bench.py --seq ${PAIRS_SEQ:-2048 4096 8192 16384} --head-dim 64 \
-    --variants default dq_pairs=1 ${PAIRS_MORE-fused_dq=0+dq_adder_warp=0+kv_registers=0} 2>&1 | tee "$OUT/pairs64.log"
 }
 
 stage_wgmma() {

@@ -762,8 +762,6 @@ def test_bwd_config():
       (dict(q_registers="yes"), "q_registers must be a bool"),
       (dict(kv_registers=1), "kv_registers must be a bool"),
       (dict(kv_registers=True), "kv_registers needs fused_dq"),
-      (dict(dq_pairs=True), "dq_pairs needs fused_dq"),
-      (dict(fused_dq=True, dq_pairs=1), "dq_pairs must be a bool"),
       (dict(dq_consumers=3.0), "dq_consumers must be an int"),
       (dict(dkv_poly_columns=72), "dkv_poly_columns must be a multiple of 8 between 0 and 64"),
       (dict(block_kv=128, dq_poly_columns=4), "dq_poly_columns must be a multiple of 8 between 0 and 128"),
@@ -1021,22 +1019,17 @@ def test_bwd_interpreter_fused_dq(request, shape, dtype, causal, kv_heads):
   assert not gpu_callbacks.get_races().races_found
 
 
-def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None, pairs=False):
+def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None):
   """(ranks, events): the fused kernel's order of additions into dQ and, per
   (query head, Q block), the (time, cta, rank) of its additions in the
-  schedule's model, from the kernel's own tile order (PersistentSchedule).
-  With pairs the tiles are units of two K/V blocks and the CTAs clusters
-  (dq_pairs)."""
-  per_unit = 2 if pairs else 1
-  num_kv = -(-seq_k // (per_unit * mosaic_bwd.OUTER_ROWS))
-  schedule = mosaic_bwd._fused_schedule(num_kv, 1, 1, causal=causal, interpret=False, cluster=per_unit)
+  schedule's model, from the kernel's own tile order (PersistentSchedule)."""
+  num_kv = -(-seq_k // mosaic_bwd.OUTER_ROWS)
+  schedule = mosaic_bwd._fused_schedule(num_kv, 1, 1, causal=causal, interpret=False)
   if num_ctas is not None:
     schedule = dataclasses.replace(schedule, num_ctas=num_ctas)
-  unit_rows = per_unit * mosaic_bwd.OUTER_ROWS
-  ranks = mosaic_bwd._dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=64, group=group, causal=causal,
-                               unit_rows=unit_rows)
+  ranks = mosaic_bwd._dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=64, group=group, causal=causal)
   num_q = -(-seq_q // 64)
-  starts = jnp.arange(num_kv) * unit_rows
+  starts = jnp.arange(num_kv) * mosaic_bwd.OUTER_ROWS
   lo = np.broadcast_to(np.asarray(mosaic_bwd._q_block_bounds(starts, 64, seq_q, seq_k, 64, causal)[0]), (num_kv,))
   events = {}
   for cta in range(schedule.num_ctas):
@@ -1053,19 +1046,17 @@ def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None, pairs=False):
 
 
 @pytest.mark.parametrize(
-    "seq_q, seq_k, causal, group, num_ctas, pairs",
-    [(1024, 1024, False, 1, None, False), (1024, 1024, True, 1, None, False), (1000, 1537, True, 2, None, False),
-     (1537, 1000, True, 1, None, False), (384, 1024, False, 1, None, False), (2048, 2048, False, 1, 4, False),
-     (2048, 2048, True, 2, 3, False), (2048, 2048, False, 1, None, True), (2048, 2048, True, 2, None, True),
-     (1537, 1000, True, 1, None, True), (4096, 4096, False, 1, 3, True)],
+    "seq_q, seq_k, causal, group, num_ctas",
+    [(1024, 1024, False, 1, None), (1024, 1024, True, 1, None), (1000, 1537, True, 2, None),
+     (1537, 1000, True, 1, None), (384, 1024, False, 1, None), (2048, 2048, False, 1, 4), (2048, 2048, True, 2, 3)],
 )
-def test_dq_order_is_deadlock_free(seq_q, seq_k, causal, group, num_ctas, pairs):
+def test_dq_order_is_deadlock_free(seq_q, seq_k, causal, group, num_ctas):
   """Each Q block's additions are ranked 0, 1, ... in the order of the
   schedule's model (time, then CTA), so a CTA only ever waits for additions
   that come before its own in one total order that each CTA's steps follow:
   with all CTAs resident, the earliest pending addition can always go. The
   model is replayed here from the kernel's own tile order."""
-  _, events = _dq_order_model(seq_q, seq_k, causal, group, num_ctas, pairs)
+  _, events = _dq_order_model(seq_q, seq_k, causal, group, num_ctas)
   for key, additions in events.items():
     additions.sort()
     assert [rank for _, _, rank in additions] == list(range(len(additions))), key
@@ -1089,35 +1080,6 @@ def test_bwd_fused_lowers_for_cuda(shape, causal):
   f = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=causal, config=mosaic_bwd.fused_backward_config(head_dim)))
   text = f.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
   assert "flash2_bwd_dkv_mosaic" in text and "flash2_bwd_dq_mosaic" not in text
-
-
-def test_bwd_dq_pairs_lower_for_cuda_where_k_v_blocks_pair_up():
-  """Clusters of two CTAs on adjacent K/V blocks (dq_pairs): the kernel
-  lowers and changes, both masks; an odd number of K/V blocks runs
-  unpaired (the same kernel as without), and head_dim 128 (split pieces)
-  says it cannot."""
-  lower = lambda config, seq_k=1024, head_dim=64, causal=False: _kernels_text(
-      lambda *a: mosaic_bwd.backward(*a, causal=causal, config=config), *_bwd_structs(1, 1024, seq_k, 2, head_dim))
-  config = mosaic_bwd.default_backward_config(64)
-  pairs = dataclasses.replace(config, dq_pairs=True)
-  for causal in (False, True):
-    assert lower(pairs, causal=causal) != lower(config, causal=causal)
-  with mosaic_bwd.dq_addition_experiment(pair_wait=False):  # measurement: the receiver does not wait
-    no_wait = lower(pairs)
-  assert mosaic_bwd._DQ_EXPERIMENT is None and no_wait != lower(pairs)
-  assert mosaic_bwd._pairs(pairs, 8, interpret=False)
-  assert not mosaic_bwd._pairs(pairs, 9, interpret=False) and not mosaic_bwd._pairs(pairs, 8, interpret=True)
-  assert lower(pairs, seq_k=1152) == lower(config, seq_k=1152)  # 9 K/V blocks: unpaired
-  with pytest.raises(NotImplementedError, match="dq_pairs needs head_dim 64"):
-    lower(dataclasses.replace(mosaic_bwd.fused_backward_config(128), dq_pairs=True), head_dim=128)
-
-
-def test_fused_schedule_in_clusters_leaves_room():
-  """With dq_pairs a unit is two K/V blocks and num_ctas counts clusters of
-  two, four SMs short of all of them (every cluster must be resident)."""
-  schedule = mosaic_bwd._fused_schedule(64, 16, 1, causal=False, interpret=False, cluster=2)
-  assert schedule.num_ctas == 64 and 2 * schedule.num_ctas <= mosaic._sm_count() - 4
-  assert mosaic_bwd._fused_schedule(8, 32, 1, causal=True, interpret=False, cluster=2).num_ctas == 64
 
 
 def test_bwd_fused_adder_warp_lowers_for_cuda():
@@ -1300,25 +1262,6 @@ def test_bwd_gpu_fused_dq_kv_registers(shape, kv_heads, causal):
   ptxas 13.0 miscompiles the two-kernel dK/dV loop with K and V in registers
   (tools/mosaic_cpu_compile.py's A-clobber check), not this one."""
   test_bwd_gpu_fused_dq(shape, kv_heads, causal, adder_warp=True, kv_registers=True)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape, kv_heads", [((4, 2048, 2048, 32, 64), None), ((2, 1537, 1000, 16, 64), 4),
-                                             ((1, 3000, 3000, 8, 64), 2)],
-                         ids=["d64", "ragged_gqa_seq_q_gt_seq_k", "ragged_gqa"])
-def test_bwd_gpu_fused_dq_pairs(shape, kv_heads, causal):
-  """The d64 default in clusters of two (dq_pairs): each step's two pieces
-  of dQ summed in one CTA's shared memory, one reduce-add; deterministic.
-  (3000 keys: 24 K/V blocks, 12 pairs; 1000: 8.)"""
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(64), dq_pairs=True)
-  grads = _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config,
-                                       interpret=False)
-  (q, k, v, do, lse, delta), _ = _bwd_problem(*shape, jnp.bfloat16, causal, kv_heads)
-  again = mosaic_bwd.backward(q, k, v, do, lse, delta, causal=causal, config=config)
-  for name, x, y in zip(("dq", "dk", "dv"), grads, again):
-    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), err_msg=name)
 
 
 @pytest.mark.gpu

@@ -41,12 +41,12 @@ import mosaic_bench  # tools/, for its timer
 _time_ms = mosaic_bench._time_ms
 
 
-_EXPERIMENTS = ("adders=", "alternate=", "pair_wait=", "unordered=", "elementwise=", "staging=", "lockstep=")
+_EXPERIMENTS = ("adders=", "alternate=", "unordered=", "elementwise=", "staging=", "lockstep=")
 
 
 def _variant(config, spec: str):
   """(config with spec's fields set, a context to time it in): `adders=N`,
-  `alternate=1`, `pair_wait=0`, `unordered=1`, `staging=0` and `lockstep=0` in spec (not
+  `alternate=1`, `unordered=1`, `staging=0` and `lockstep=0` in spec (not
   config fields) time the fused kernel under
   mosaic_bwd.dq_addition_experiment(N, alternate=True, ordered=False, ...); `elementwise=0` the
   kernels under mosaic_bwd.elementwise_experiment()."""
@@ -57,11 +57,11 @@ def _variant(config, spec: str):
   @contextlib.contextmanager
   def context():
     with contextlib.ExitStack() as stack:
-      if {"adders", "alternate", "pair_wait", "unordered", "staging", "lockstep"} & experiment.keys():
+      if {"adders", "alternate", "unordered", "staging", "lockstep"} & experiment.keys():
         every, ordered = experiment.get("adders", 1), not experiment.get("unordered", 0)
         stack.enter_context(mosaic_bwd.dq_addition_experiment(
             every, alternate=bool(experiment.get("alternate", 0)), ordered=ordered, staging=bool(experiment.get("staging", 1)),
-            lockstep=bool(experiment.get("lockstep", 1)), pair_wait=bool(experiment.get("pair_wait", 1))))
+            lockstep=bool(experiment.get("lockstep", 1))))
       if not experiment.get("elementwise", 1):
         stack.enter_context(mosaic_bwd.elementwise_experiment())
       yield

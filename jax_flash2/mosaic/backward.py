@@ -166,13 +166,10 @@ class _DQExperiment:
   the producer (no staging store, no dq_staged / dq_free handshake; the
   producer only loads). `lockstep` False: a consumer's dQ product does not
   wait for the other consumer's dS^T (it reads whatever is there).
-  `pair_wait` False (dq_pairs): the receiving consumer adds whatever is in
-  its buffer for the peer's piece, without waiting for it to arrive.
   (Register atomics in place of the hand-over, unordered, were 30-50%
   slower: session 11, commit 526d782 and bench/NOTES.md.)"""
   every: int = 1
   alternate: bool = False
-  pair_wait: bool = True
   ordered: bool = True
   elementwise: bool = True
   staging: bool = True
@@ -184,7 +181,7 @@ _DQ_EXPERIMENT: _DQExperiment | None = None  # None: the kernel as it is
 
 @contextlib.contextmanager
 def dq_addition_experiment(every: int = 1, *, alternate: bool = False, ordered: bool = True, staging: bool = True,
-                           lockstep: bool = True, pair_wait: bool = True):
+                           lockstep: bool = True):
   """Measurement only; the gradients come out wrong. The fused kernels traced
   inside skip the reduce-adds of dQ of the K/V tiles whose index is not a
   multiple of `every` (every = 2: half the traffic, as two CTAs summing
@@ -199,12 +196,11 @@ def dq_addition_experiment(every: int = 1, *, alternate: bool = False, ordered: 
   `staging=0`, `lockstep=0`; session 11). alternate=True with every = 2:
   every tile adds at every other step, its neighbour at the others, as a
   cluster pair taking turns at summing both pieces and adding them would
-  (`alternate=1`; session 12). pair_wait=False: with dq_pairs, the receiver
-  does not wait for the peer's piece (`pair_wait=0`)."""
+  (`alternate=1`; session 12)."""
   global _DQ_EXPERIMENT
   saved = _DQ_EXPERIMENT
   _DQ_EXPERIMENT = dataclasses.replace(_experiment(), every=every, alternate=alternate, ordered=ordered,
-                                       staging=staging, lockstep=lockstep, pair_wait=pair_wait)
+                                       staging=staging, lockstep=lockstep)
   try:
     yield
   finally:
@@ -267,15 +263,6 @@ class BackwardConfig:
       kv_registers: 2-4.5% faster than the two kernels, session 12); off at
       128, where it is slower: each CTA's own reduce-adds cost what fusing
       saves (bench/NOTES.md, sessions 6-12).
-    dq_pairs: with fused_dq at head_dim 64, the CTAs run in clusters of two
-      on adjacent K/V blocks (a unit of 256 key rows) that visit the same Q
-      blocks in step: at each step one CTA sends its piece of dQ to the
-      other's shared memory (distributed shared memory, `async_store_smem`)
-      and the other adds both pieces with one reduce-add, the two taking
-      turns, so that each CTA adds half as often (session 12's measurement:
-      each CTA adding at every other step took 10% off the kernel).
-      Compiled kernels only, and K/V blocks in pairs (an even count; other
-      problems run unpaired). Deterministic as the unpaired kernel.
     kv_registers: with fused_dq, the consumers hold their K and V rows in
       registers, loaded once per tile, for S^T = K Q^T and dP^T = V dO^T,
       which then read only Q and dO from shared memory. head_dim 64 only
@@ -322,7 +309,6 @@ class BackwardConfig:
   fused_dq: bool = False
   dq_turns: bool = False
   dq_adder_warp: bool = False
-  dq_pairs: bool = False
   kv_registers: bool = False
   q_registers: bool = False
   dq_consumers: int = NUM_CONSUMERS
@@ -331,7 +317,7 @@ class BackwardConfig:
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
-                 "dq_pairs", "kv_registers", "q_registers", "dq_adder_warp"):
+                 "kv_registers", "q_registers", "dq_adder_warp"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
@@ -351,8 +337,6 @@ class BackwardConfig:
       raise ValueError("BackwardConfig.fused_dq does not take softmax_overlap")
     if self.dq_adder_warp and not self.fused_dq:
       raise ValueError("BackwardConfig.dq_adder_warp needs fused_dq")
-    if self.dq_pairs and not self.fused_dq:
-      raise ValueError("BackwardConfig.dq_pairs needs fused_dq")
     if self.kv_registers and not self.fused_dq:
       raise ValueError("BackwardConfig.kv_registers needs fused_dq (ptxas 13.0 miscompiles the dK/dV kernel's "
                        "loop with it)")
@@ -374,8 +358,6 @@ class BackwardConfig:
     if self.fused_dq:  # dS^T, double-buffered; the staged pieces of dQ (float32)
       piece = _dq_piece(head_dim, self.dq_turns)
       fused = 2 * OUTER_ROWS * self.block_q * item + piece.buffers * self.block_q * piece.cols * 4
-      if self.dq_pairs:  # the peer's piece, received
-        fused += self.block_q * piece.cols * 4
     return kv + ring + fused + BWD_SMEM_RESERVE
 
   @property
@@ -462,8 +444,6 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
     raise NotImplementedError(f"the Mosaic GPU backward supports bfloat16 and float16, got {q.dtype}")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-  if "dkv" in kernels and config.dq_pairs and head_dim != 64:
-    raise NotImplementedError(f"BackwardConfig.dq_pairs needs head_dim 64 (whole pieces of dQ), got {head_dim}")
   if "dkv" in kernels and config.kv_registers and head_dim != 64:
     raise NotImplementedError(f"BackwardConfig.kv_registers needs head_dim 64 (registers), got {head_dim}")
   if "dq" in kernels and config.dq_consumers != NUM_CONSUMERS and head_dim != 64:
@@ -560,8 +540,7 @@ def _visit(kv_index, position, num_visits, lo, *, num_q, num_kv, causal: bool, w
   return rem(position + div(kv_index * num_q, num_kv), num_visits)
 
 
-def _fused_schedule(num_kv: int, kv_heads: int, batch: int, *, causal: bool, interpret: bool,
-                    cluster: int = 1) -> PersistentSchedule:
+def _fused_schedule(num_kv: int, kv_heads: int, batch: int, *, causal: bool, interpret: bool) -> PersistentSchedule:
   """The fused kernel's persistent CTAs, which wait on each other: all of them
   must be resident at once (one per SM), and the tiles of one (batch, kv
   head) must run in the same round(s) so that the order of additions into
@@ -569,26 +548,20 @@ def _fused_schedule(num_kv: int, kv_heads: int, batch: int, *, causal: bool, int
   CTA count is a multiple of the CTAs one head needs (tiles or pairs of
   tiles), or divides it. Causal tiles pair only within a head: an odd
   number of K/V blocks runs unpaired. In the interpreter one CTA takes every
-  tile in turn (no semaphores there; see _dkv_kernel).
-
-  With `cluster` 2 (dq_pairs) a tile is a unit of two K/V blocks, num_kv
-  counts units and num_ctas clusters of two CTAs, four SMs left out (64
-  clusters on 132 SMs) in case a GPC's SMs do not all pair up: every
-  cluster must be resident."""
+  tile in turn (no semaphores there; see _dkv_kernel)."""
   paired = causal and num_kv % 2 == 0
   per_head = num_kv // 2 if paired else num_kv
-  slots = _sm_count() if cluster == 1 else (_sm_count() - 4) // cluster
   if interpret:
     num_ctas = 1
-  elif per_head <= slots:
-    num_ctas = per_head * min(slots // per_head, kv_heads * batch)
+  elif per_head <= _sm_count():
+    num_ctas = per_head * min(_sm_count() // per_head, kv_heads * batch)
   else:
-    num_ctas = max(d for d in range(1, slots + 1) if per_head % d == 0)
+    num_ctas = max(d for d in range(1, _sm_count() + 1) if per_head % d == 0)
   return PersistentSchedule(num_kv, kv_heads, batch, num_ctas, paired)
 
 
 def _dq_order(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: int, group: int,
-              causal: bool, unit_rows: int = OUTER_ROWS) -> np.ndarray:
+              causal: bool) -> np.ndarray:
   """rank[j, s]: how many additions into the dQ block that K/V block j adds
   into at its step s (of `group` query heads x its Q blocks) come before its
   own, int32 [num_kv, group * num_q] (unused steps 0).
@@ -601,14 +574,12 @@ def _dq_order(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: 
   all CTAs resident the earliest addition not yet made can always be made:
   no deadlock, whatever the real timing; the model only decides how often
   an adder waits. One (batch, kv head) is modelled: the others run the same
-  pattern in later rounds (`_fused_schedule`). With dq_pairs the tiles are
-  units of unit_rows = 2 * OUTER_ROWS key rows, whose two CTAs add in turns
-  at the unit's steps, and the "CTAs" clusters."""
+  pattern in later rounds (`_fused_schedule`)."""
   num_kv = schedule.num_blocks
   num_ctas = min(schedule.num_ctas, num_kv // 2 if schedule.paired else num_kv)  # those of one head
   num_q = -(-seq_q // block_q)
   with jax.ensure_compile_time_eval():  # numbers, also under a trace
-    k_starts = jnp.arange(num_kv, dtype=jnp.int32) * unit_rows
+    k_starts = jnp.arange(num_kv, dtype=jnp.int32) * OUTER_ROWS
     lo = np.asarray(_q_block_bounds(k_starts, WGMMA_M, seq_q, seq_k, block_q, causal)[0])
   lo = np.broadcast_to(lo, (num_kv,))
   if schedule.paired:
@@ -659,7 +630,7 @@ def _copy_q_block(gmem, smem, ready, released, *, ring_step, stages: int, rows, 
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
     seq_q: int, seq_k: int, group: int, schedule: PersistentSchedule | None, causal: bool, softmax_scale: float,
-    config: BackwardConfig, interpret: bool, pairs: bool = False,
+    config: BackwardConfig, interpret: bool,
 ):
   # q_ref, do_ref: [batch, seq_q', heads, D]; k_ref, v_ref, dk_ref, dv_ref:
   # [batch, seq_k', kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q'];
@@ -684,13 +655,8 @@ def _dkv_kernel(
   # with fused_dq also dq_old: [2, block_q, piece columns] f32 and
   # dq_loaded, [2] barriers (the interpreter adds into dQ by load, add and
   # store).
-  # With pairs (dq_pairs): recv_smem, [block_q, piece columns] f32, the
-  # peer CTA's piece of dQ; recv_full, a barrier (the sending warpgroup's
-  # threads' bytes); recv_free, [2] cluster barriers (a channel per
-  # consumer: its piece received and consumed).
   # schedule: None for one CTA per tile (grid kv x heads x batch), else the
-  # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks; with
-  # pairs over units of two K/V blocks, one per CTA of a cluster).
+  # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks).
   fused = config.fused_dq
   # Measurement only (`dq_addition_experiment`): the pieces of dQ handed to
   # the producer, the dQ product waiting for the other consumer's dS^T.
@@ -707,9 +673,6 @@ def _dkv_kernel(
   if fused:
     ds_smem, dq_smem, ds_ready, tile_done, dq_staged, dq_free = refs[:6]
     refs = refs[6:]
-  if pairs:
-    recv_smem, recv_full, recv_free = refs[:3]
-    refs = refs[3:]
   staging = refs.pop(0) if interpret else None
   if interpret and fused:
     dq_old, dq_loaded = refs
@@ -720,21 +683,14 @@ def _dkv_kernel(
   num_q = pl.cdiv(seq_q, block_q)
   num_kv = k_ref.shape[1] // OUTER_ROWS
   qk_scale = softmax_scale * LOG2_E
-  # With pairs, the two CTAs of a cluster take the two K/V blocks of a unit,
-  # which visit their Q blocks together.
-  per_unit = 2 if pairs else 1
-  pair = lax.axis_index("pair") if pairs else 0
-  num_units = num_kv // per_unit
 
   @dataclasses.dataclass(frozen=True)
   class KVTile:
     """OUTER_ROWS key rows of one (batch, kv head): a CTA's unit of work. It
     visits Q blocks [lo, num_q) of every query head of the group: the first
-    consumer's keys come first, so its range covers both (with pairs, the
-    first CTA's keys: the unit's range). int32 scalars."""
+    consumer's keys come first, so its range covers both. int32 scalars."""
     batch: jax.Array
     kv_head: jax.Array
-    unit: jax.Array  # the K/V block, or with pairs the pair of K/V blocks
     kv_index: jax.Array  # K/V block
     k_start: jax.Array  # first key row
     lo: jax.Array
@@ -750,19 +706,19 @@ def _dkv_kernel(
       order from lo, or as `_visit` spreads the fused kernel's tiles."""
       if not fused:
         return self.lo + position
-      return _visit(self.unit, position, self.visits, self.lo, num_q=jnp.int32(num_q),
-                    num_kv=jnp.int32(num_units), causal=causal)
+      return _visit(self.kv_index, position, self.visits, self.lo, num_q=jnp.int32(num_q), num_kv=jnp.int32(num_kv),
+                    causal=causal)
 
     def step_of(self, g, qb):
       """The tile's ring step of Q block qb of query head g of the group."""
       return g * self.visits + (qb - self.lo)
 
-  def tile_at(unit, kv_head, batch) -> KVTile:
+  def tile_at(kv_index, kv_head, batch) -> KVTile:
     # K/V block 0 sees the most Q blocks when causal: in grid order it runs
     # first, the heaviest-first order of the Q-outer kernels.
-    kv_index = unit * per_unit + pair
-    lo, _ = _q_block_bounds(unit * per_unit * OUTER_ROWS, rows, seq_q, seq_k, block_q, causal)
-    return KVTile(batch, kv_head, unit, kv_index, kv_index * OUTER_ROWS, lo, group * (jnp.int32(num_q) - lo))
+    k_start = kv_index * OUTER_ROWS
+    lo, _ = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
+    return KVTile(batch, kv_head, kv_index, k_start, lo, group * (jnp.int32(num_q) - lo))
 
   def load_q_blocks(tile: KVTile, ring_base):
     """The producer's work for one tile: TMA copies of Q, dO, lse and delta
@@ -837,15 +793,6 @@ def _dkv_kernel(
 
   @jax.named_scope("add_dq")
   def add_pieces(tile: KVTile, ring_base, step):
-    """`add_step`, of the steps whose pieces this CTA adds: with pairs those
-    whose turn's consumer receives the peer's piece (`own_piece`), every
-    other step; else all."""
-    if pairs:
-      pl.when(owner(ring_base + step) == pair)(lambda: add_step(tile, ring_base, step))
-    else:
-      add_step(tile, ring_base, step)
-
-  def add_step(tile: KVTile, ring_base, step):
     """The producer adds the consumers' pieces of dQ_qb += dS K of the
     tile's `step` (Q block qb of query head g; float32, unscaled) into
     dq_ref, each after the `rank` additions that precede it (`_dq_order`),
@@ -861,7 +808,7 @@ def _dkv_kernel(
     g = lax.div(step, tile.visits)
     qb = tile.q_block(lax.rem(step, tile.visits))
     head = tile.kv_head * group + g
-    rank = ranks_ref[tile.unit, step]
+    rank = ranks_ref[tile.kv_index, step]
     counters = []
     # Split pieces: both consumers', every step; else the turn's owner's.
     consumers = range(NUM_CONSUMERS) if split else [owner(ring_step)]
@@ -916,38 +863,6 @@ def _dkv_kernel(
     plgpu.commit_smem()
     plgpu.barrier_arrive(dq_staged.at[wg])
 
-  def exchange_piece(dq, ring_step):
-    """With pairs, in place of `stage_piece`: the turn's consumer of both CTAs
-    of the cluster holds its CTA's piece of this step's dQ (one Q block,
-    the unit's two K/V blocks). Consumer wg's channel runs from CTA 1 - wg
-    to CTA wg: there the consumer adds the peer's piece to its own and
-    hands the sum to the producer; in the other CTA it sends its piece from
-    registers to the peer's shared memory (recv_full counts the bytes). The
-    receiver's arrival on the channel's cluster barrier, once it has read
-    the piece, lets the sender write the next one; each side waits for
-    every phase (the sender before its next piece, the receiver at once:
-    the sender arrived when it sent)."""
-    channel = recv_free.at[wg]
-
-    @pl.when(pair == wg)
-    def _receive():
-      if _experiment().pair_wait:
-        with jax.named_scope("wait_peer"):
-          plgpu.barrier_wait(recv_full)
-      stage_piece(dq + plgpu.load(recv_smem, layout=plgpu.Layout.WGMMA), ring_step)
-      plgpu.barrier_arrive(channel)  # after the read of recv_smem, which the sum needed
-      plgpu.barrier_wait(channel)
-
-    @pl.when(pair != wg)
-    def _send():
-      @pl.when(ring_step >= NUM_CONSUMERS)  # not this consumer's first piece
-      @jax.named_scope("wait_peer_free")
-      def _():
-        plgpu.barrier_wait(channel)
-
-      plgpu.async_store_smem(dq, recv_smem, recv_full, cluster_idx=1 - pair, cluster_dim="pair")
-      plgpu.barrier_arrive(channel)
-
   def dq_product(acc_ref, buf, buffer):
     """acc += this consumer's piece of dS K: dS from both consumers' dS^T in
     ds_smem[buf] (transposed), K from both K tiles of `buffer`."""
@@ -959,11 +874,6 @@ def _dkv_kernel(
     """A consumer's epilogue: the producer's read of the last piece of dQ
     this consumer would wait for next (every barrier phase is waited for)."""
     if not fused or not hand_over:
-      return
-    if pairs:  # its last piece, if it had a turn: received and staged, or sent
-      turns = end_step > wg
-      pl.when(turns & (pair == wg))(lambda: plgpu.barrier_wait(dq_free.at[wg]))
-      pl.when(turns & (pair != wg))(lambda: plgpu.barrier_wait(recv_free.at[wg]))
       return
     if own_buffer:  # this consumer's last piece, if it staged any
       staged_any = end_step > (0 if split else wg)
@@ -1115,11 +1025,11 @@ def _dkv_kernel(
 
             piece = pl.run_scoped(product, fresh)
           if hand_over:
-            (exchange_piece if pairs else stage_piece)(piece, ring_step)
+            stage_piece(piece, ring_step)
           else:
             # Stored never (ranks are >= 0, which ptxas cannot know): keeps
             # the product from being dead code.
-            @pl.when(ranks_ref[tile.unit, 0] < 0)
+            @pl.when(ranks_ref[tile.kv_index, 0] < 0)
             def _():
               dq_smem.at[wg if own_buffer else 0][...] = piece
 
@@ -1208,7 +1118,7 @@ def _dkv_kernel(
       if not causal:
         return lax.fori_loop(0, tile.visits, functools.partial(visit, masked=False), carry)
       num_masked = full_lo - tile.lo
-      descending = 2 * tile.unit >= num_units
+      descending = 2 * tile.kv_index >= num_kv
       first = jnp.where(descending, 0, num_masked)
       last = jnp.where(descending, tile.visits - num_masked, tile.visits)
       carry = lax.fori_loop(0, first, functools.partial(visit, masked=True), carry)
@@ -1311,13 +1221,6 @@ def dkv(
   return unpad_seq(dk, seq_k), unpad_seq(dv, seq_k)
 
 
-def _pairs(config: BackwardConfig, num_kv: int, interpret: bool) -> bool:
-  """Whether the fused kernel runs in clusters of two (dq_pairs): compiled
-  kernels only (the interpreter has no clusters), where the num_kv K/V
-  blocks pair up."""
-  return config.fused_dq and config.dq_pairs and not interpret and num_kv % 2 == 0
-
-
 def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float,
               config: BackwardConfig, interpret) -> tuple[jax.Array, ...]:
   """The dK/dV kernel on operands padded by `_pad`, of real lengths seq_q,
@@ -1345,10 +1248,8 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   group = heads // kv_heads
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
   operands = [q, k, v, do, lse, delta]
-  pairs = False
   if config.fused_dq:
     piece = _dq_piece(head_dim, config.dq_turns)
-    pairs = _pairs(config, num_kv, interpret)
     scratch += [
         plgpu.SMEM((2, NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)),  # dS^T
         plgpu.SMEM((piece.buffers, block_q, piece.cols), jnp.float32,
@@ -1358,19 +1259,9 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
         plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # a piece of dQ staged
         plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # ... and read by the producer
     ]
-    if pairs:
-      scratch += [
-          plgpu.SMEM((block_q, piece.cols), jnp.float32, transforms=_swizzled(piece.cols, jnp.float32)),  # peer's piece
-          # ... received: each sending thread arrives with its bytes, and a
-          # Pallas arrival is a warpgroup's 128 threads.
-          plgpu.Barrier(num_arrivals=1),
-          plgpu.ClusterBarrier(collective_axes=("pair",), num_barriers=NUM_CONSUMERS),  # ... and consumed
-      ]
-    units = num_kv // 2 if pairs else num_kv
-    schedule = _fused_schedule(units, kv_heads, batch, causal=causal, interpret=interpret, cluster=2 if pairs else 1)
+    schedule = _fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=interpret)
     grid, grid_names = (schedule.num_ctas,), ("cta",)
-    ranks = _dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal,
-                      unit_rows=OUTER_ROWS * (2 if pairs else 1))
+    ranks = _dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal)
     operands.append(jnp.asarray(ranks))
     # dQ piece by piece, each piece of block_q rows contiguous (`_finish_dq`
     # puts the rows back in q's layout): a TMA reduce-add then writes 16 KiB
@@ -1392,11 +1283,10 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
       ]
   kernel = functools.partial(
       _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=group, schedule=schedule, causal=causal,
-      softmax_scale=softmax_scale, config=config, pairs=pairs, interpret=interpret,
+      softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
-  cluster = dict(cluster=(2,), cluster_names=("pair",)) if pairs else {}
   return specialized_kernel(kernel, out_type=tuple(out_type), scratch=scratch, grid=grid, grid_names=grid_names,
-                            interpret_params=interpret_params, name="flash2_bwd_dkv_mosaic", **cluster)(*operands)
+                            interpret_params=interpret_params, name="flash2_bwd_dkv_mosaic")(*operands)
 
 
 def _finish_dq(dq, shape, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float, dtype) -> jax.Array:

@@ -136,15 +136,13 @@ def compiler_params() -> plgpu.CompilerParams:
 
 
 def specialized_kernel(body, *, out_type, scratch, grid, grid_names, interpret_params, name: str,
-                       consumers: int = NUM_CONSUMERS, cluster: tuple[int, ...] = (),
-                       cluster_names: tuple[str, ...] = ()):
+                       consumers: int = NUM_CONSUMERS):
   """plgpu.kernel as every kernel here runs: `consumers` consumer
   warpgroups and a producer (thread axis "wg"), `compiler_params()`; the
-  interpreter where interpret_params says so. With a cluster, `grid`
-  counts clusters."""
+  interpreter where interpret_params says so."""
   return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
-                      cluster=cluster, cluster_names=cluster_names, num_threads=consumers + 1, thread_name="wg",
-                      compiler_params=compiler_params(), interpret=interpret_params, kernel_name=name)
+                      num_threads=consumers + 1, thread_name="wg", compiler_params=compiler_params(),
+                      interpret=interpret_params, kernel_name=name)
 
 
 @dataclasses.dataclass(frozen=True)
