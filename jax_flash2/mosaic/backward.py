@@ -160,7 +160,8 @@ class _DQExperiment:
   """Measurement only (`dq_addition_experiment`): the fused kernel's tiles
   whose index is a multiple of `every` add their pieces of dQ (none when
   0), or with `alternate` the steps whose index plus the tile's is (each
-  tile adds at every other step, its neighbour at the others); `ordered` False drops the waits for the additions before one's own.
+  tile adds at every other step, its neighbour at the others); `ordered`
+  False drops the waits for the additions before one's own.
   `elementwise` False (`elementwise_experiment`): P = S and dS = dP.
   `staging` False: the consumers compute their pieces of dQ but hand none to
   the producer (no staging store, no dq_staged / dq_free handshake; the
@@ -196,7 +197,8 @@ def dq_addition_experiment(every: int = 1, *, alternate: bool = False, ordered: 
   `staging=0`, `lockstep=0`; session 11). alternate=True with every = 2:
   every tile adds at every other step, its neighbour at the others, as a
   cluster pair taking turns at summing both pieces and adding them would
-  (`alternate=1`; session 12)."""
+  (`alternate=1`; session 12: 10% faster at head_dim 64; the pair itself,
+  built, was 60-75% slower, commit 81ed68f)."""
   global _DQ_EXPERIMENT
   saved = _DQ_EXPERIMENT
   _DQ_EXPERIMENT = dataclasses.replace(_experiment(), every=every, alternate=alternate, ordered=ordered,
@@ -266,7 +268,7 @@ class BackwardConfig:
     kv_registers: with fused_dq, the consumers hold their K and V rows in
       registers, loaded once per tile, for S^T = K Q^T and dP^T = V dO^T,
       which then read only Q and dO from shared memory. head_dim 64 only
-      (32 more registers). 0.5-1.5% off the fused kernel (session 12). Not
+      (32 more registers). 0.3-1.4% off the fused kernel (session 12). Not
       for the two kernels: ptxas 13.0 miscompiles their non-causal dK/dV
       loop with it (the loop hands K's registers to P^T; session 10,
       tools/mosaic_cpu_compile.py's A-clobber check), not the fused one.
@@ -391,7 +393,7 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
 
   At head_dim 64 one kernel computes dQ as well (fused_dq, as
   `fused_backward_config`), with its additions in a warp of their own and K
-  and V in registers: 2-4% faster than the two kernels at 4k-16k, both
+  and V in registers: 2-4.5% faster than the two kernels at 4k-16k, both
   masks (session 12). The dQ kernel's fields stay for `dq` called alone."""
   if head_dim <= 64:
     return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
