@@ -235,7 +235,7 @@ stage_bwd_overlap() {
   # then off/on in one run against the Triton backward.
   timeout 200 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py \
     -k bwd_gpu_softmax_overlap 2>&1 | tee "$OUT/bwd_overlap_tests.log" | tail -20
-  timeout 300 python tools/mosaic_bwd_bench.py --variants softmax_overlap=0 softmax_overlap=1 --seq 2048 8192 16384 \
+  timeout 300 python tools/mosaic_bwd_bench.py --variants kernels=2 kernels=2+softmax_overlap=1 --seq 2048 8192 16384 \
     --head-dim 64 128 2>&1 | tee "$OUT/bwd_overlap_ab.log"
 }
 
@@ -437,8 +437,8 @@ dq_overlap() {  # dq_overlap HEAD_DIM
   # BackwardConfig.softmax_overlap in both kernels (dK/dV lost 1-11%, dQ
   # gained up to 11%); the dq ms column of softmax_overlap=1 is the dQ
   # kernel's part. ~2 min.
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim "$1" --variants default \
-    softmax_overlap=1 2>&1 | tee "$OUT/dq_overlap$1.log"
+  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim "$1" --variants kernels=2 \
+    kernels=2+softmax_overlap=1 2>&1 | tee "$OUT/dq_overlap$1.log"
 }
 stage_dq_overlap64() { dq_overlap 64; }
 stage_dq_overlap128() { dq_overlap 128; }

@@ -2,7 +2,7 @@
 
   PYTHONPATH=. python tools/mosaic_bwd_bench.py                      # d64 and d128, 1k..16k, causal and not
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --seq 8192 --head-dim 128 --block-q 64 --stages 3
-  PYTHONPATH=. python tools/mosaic_bwd_bench.py --variants softmax_overlap=0 softmax_overlap=1   # a row each
+  PYTHONPATH=. python tools/mosaic_bwd_bench.py --variants kernels=2 kernels=2+softmax_overlap=1   # a row each
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default stages=2+dq_persistent=1
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 256 --seq 2048 8192      # backward_wide.py's kernels
   PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default fused_dq=1+dkv_persistent=0 \
@@ -48,9 +48,15 @@ def _variant(config, spec: str):
   """(config with spec's fields set, a context to time it in): `adders=N`,
   `alternate=1`, `unordered=1`, `staging=0` and `lockstep=0` in spec (not
   config fields) time the fused kernel under
-  mosaic_bwd.dq_addition_experiment(N, alternate=True, ordered=False, ...); `elementwise=0` the
-  kernels under mosaic_bwd.elementwise_experiment()."""
+  mosaic_bwd.dq_addition_experiment(N, alternate=True, ordered=False, ...);
+  `elementwise=0` the kernels under mosaic_bwd.elementwise_experiment().
+  `kernels=2` first takes dQ out of the dK/dV kernel (the head_dim-64
+  default fuses it: fused_dq, dq_adder_warp and kv_registers off), so that
+  options of the two kernels such as softmax_overlap apply."""
   options = spec.split("+")
+  if "kernels=2" in options:
+    options.remove("kernels=2")
+    config = dataclasses.replace(config, fused_dq=False, dq_adder_warp=False, kv_registers=False)
   experiment = {o.split("=")[0]: int(o.split("=")[1]) for o in options if o.startswith(_EXPERIMENTS)}
   rest = "+".join(o for o in options if not o.startswith(_EXPERIMENTS)) or "default"
 
@@ -60,8 +66,8 @@ def _variant(config, spec: str):
       if {"adders", "alternate", "unordered", "staging", "lockstep"} & experiment.keys():
         every, ordered = experiment.get("adders", 1), not experiment.get("unordered", 0)
         stack.enter_context(mosaic_bwd.dq_addition_experiment(
-            every, alternate=bool(experiment.get("alternate", 0)), ordered=ordered, staging=bool(experiment.get("staging", 1)),
-            lockstep=bool(experiment.get("lockstep", 1))))
+            every, alternate=bool(experiment.get("alternate", 0)), ordered=ordered,
+            staging=bool(experiment.get("staging", 1)), lockstep=bool(experiment.get("lockstep", 1))))
       if not experiment.get("elementwise", 1):
         stack.enter_context(mosaic_bwd.elementwise_experiment())
       yield
