@@ -4,7 +4,7 @@ The backward counterpart of tools/mosaic_cpu_compile.py (same setup, same
 /tmp venv with the CUDA plugin and ptxas; see its docstring):
 
   JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_bwd_cpu_compile.py [--dump DIR] [--only d256] \
-      [--set softmax_overlap=1 stages=3] [--variant fused_dq=1+dkv_persistent=0+staging=0]
+      [--set stages=3] [--variant fused_dq=1+dkv_persistent=0+staging=0] [--variant kernels=2+softmax_overlap=1]
 
 Prints, per kernel and case, ptxas's registers and spills and what the SASS
 holds (HGMMA shapes, local memory).
@@ -49,7 +49,7 @@ def main() -> int:
   parser.add_argument("--dump", default=None, help="keep Mosaic's dumps (PTX, ptxas, SASS) here")
   parser.add_argument("--only", default="", help="only the cases whose name contains this")
   parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                      help="BackwardConfig fields set in every case (ints; bools as 0/1), e.g. softmax_overlap=1")
+                      help="BackwardConfig fields set in every case (ints; bools as 0/1), e.g. stages=3")
   parser.add_argument("--variant", default="default",
                       help="a tools/mosaic_bwd_bench.py variant (fields and measurement experiments joined by '+'), "
                            "applied after --set")
