@@ -769,6 +769,11 @@ def test_bwd_config():
   ):
     with pytest.raises(ValueError, match=match):
       BackwardConfig(**kwargs)
+  # The d64 default fuses dQ; unfused() takes it and what needs it out.
+  unfused = mosaic_bwd.default_backward_config(64).unfused()
+  assert not (unfused.fused_dq or unfused.dq_adder_warp or unfused.kv_registers)
+  assert dataclasses.replace(unfused, softmax_overlap=True).softmax_overlap
+  assert mosaic_bwd.default_backward_config(128).unfused() == mosaic_bwd.default_backward_config(128)
   # A persistent dQ kernel keeps two sets of Q, dO, lse and delta rows.
   plain, persistent = BackwardConfig(64, 64, 2), BackwardConfig(64, 64, 2, dq_persistent=True)
   rows = 2 * mosaic_bwd.OUTER_ROWS * 128 * 2 + 2 * mosaic_bwd.OUTER_ROWS * 4
@@ -882,12 +887,6 @@ def test_bwd_only_ragged_lengths_pay_for_padding():
   # q, do, lse, delta padded once each, though both kernels read them; dq sliced.
   assert _copies(f, *_bwd_structs(1, 250, 512, 2, 64)) == ["pad"] * 4 + ["slice"]
   assert _copies(f, *_bwd_structs(1, 256, 500, 2, 64)) == ["pad"] * 2 + ["slice"] * 2  # k, v; dk, dv
-
-
-def _two_kernels(config: BackwardConfig) -> BackwardConfig:
-  """config with dQ in a kernel of its own (the head_dim-64 default folds it
-  into the dK/dV kernel)."""
-  return dataclasses.replace(config, fused_dq=False, dq_adder_warp=False, kv_registers=False)
 
 
 def _bwd_problem(batch, seq_q, seq_k, heads, head_dim, dtype, causal, kv_heads=None):
@@ -1215,7 +1214,7 @@ def test_bwd_gpu_poly_exp2(shape, dtype, kv_heads, config, causal):
 @pytest.mark.parametrize("kernels", ["dq+dkv"])
 def test_bwd_gpu_persistent(shape, kv_heads, causal, kernels):
   options = {f"{kernel}_persistent": True for kernel in kernels.split("+")}
-  config = dataclasses.replace(_two_kernels(mosaic_bwd.default_backward_config(shape[-1])), **options)
+  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]).unfused(), **options)
   head_dim = shape[-1]
   if max(config.dq_smem_bytes(head_dim, jnp.bfloat16), config.dkv_smem_bytes(head_dim, jnp.bfloat16)) > mosaic.SMEM_LIMIT:
     config = dataclasses.replace(config, stages=2)  # d128: the second buffers take a ring slot's room
@@ -1282,7 +1281,7 @@ def test_bwd_gpu_fused_dq_kv_registers(shape, kv_heads, causal):
 def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal):
   """softmax_overlap on the defaults' two kernels (persistent, the dQ
   kernel's overlap and registers), both masks."""
-  config = dataclasses.replace(_two_kernels(mosaic_bwd.default_backward_config(shape[-1])), softmax_overlap=True)
+  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]).unfused(), softmax_overlap=True)
   _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 

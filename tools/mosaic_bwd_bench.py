@@ -50,13 +50,13 @@ def _variant(config, spec: str):
   config fields) time the fused kernel under
   mosaic_bwd.dq_addition_experiment(N, alternate=True, ordered=False, ...);
   `elementwise=0` the kernels under mosaic_bwd.elementwise_experiment().
-  `kernels=2` first takes dQ out of the dK/dV kernel (the head_dim-64
-  default fuses it: fused_dq, dq_adder_warp and kv_registers off), so that
-  options of the two kernels such as softmax_overlap apply."""
+  `kernels=2` first takes dQ out of the dK/dV kernel (BackwardConfig.unfused:
+  the head_dim-64 default fuses it), so that options of the two kernels
+  such as softmax_overlap apply."""
   options = spec.split("+")
   if "kernels=2" in options:
     options.remove("kernels=2")
-    config = dataclasses.replace(config, fused_dq=False, dq_adder_warp=False, kv_registers=False)
+    config = config.unfused()
   experiment = {o.split("=")[0]: int(o.split("=")[1]) for o in options if o.startswith(_EXPERIMENTS)}
   rest = "+".join(o for o in options if not o.startswith(_EXPERIMENTS)) or "default"
 

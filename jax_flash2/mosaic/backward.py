@@ -93,9 +93,10 @@ ragged lengths included (session 4; persistent by default since session 6;
 speed in bench/NOTES.md). The fused kernel passes its GPU tests, bit-for-bit
 deterministic. At head_dim 128 it is slower than the two kernels (12-50%
 at 4k, 4-10% at 16k; sessions 7-11). At 64, with the additions in a warp of
-their own (dq_adder_warp), it is even with them at 4k and 2-3% ahead at
-16k (session 11); there its reduce-adds are what it loses, each CTA's own
-(`dq_addition_experiment`: 17% faster without them). Checked on CPU: lowering for CUDA,
+their own (dq_adder_warp) and K and V in registers (kv_registers), it is
+2-4.5% faster than them and the default (session 12); its reduce-adds are
+what it loses, each CTA's own (`dq_addition_experiment`: 17% faster without
+them, 10% with half of each CTA's). Checked on CPU: lowering for CUDA,
 compilation to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no
 spills except a few scalars in the causal dkv at head_dim 128; dkv at
 block_q 128 and head_dim 128 spills heavily: S^T and dP^T then take 128
@@ -199,14 +200,8 @@ def dq_addition_experiment(every: int = 1, *, alternate: bool = False, ordered: 
   cluster pair taking turns at summing both pieces and adding them would
   (`alternate=1`; session 12: 10% faster at head_dim 64; the pair itself,
   built, was 60-75% slower, commit 81ed68f)."""
-  global _DQ_EXPERIMENT
-  saved = _DQ_EXPERIMENT
-  _DQ_EXPERIMENT = dataclasses.replace(_experiment(), every=every, alternate=alternate, ordered=ordered,
-                                       staging=staging, lockstep=lockstep)
-  try:
+  with _experimenting(every=every, alternate=alternate, ordered=ordered, staging=staging, lockstep=lockstep):
     yield
-  finally:
-    _DQ_EXPERIMENT = saved
 
 
 @contextlib.contextmanager
@@ -216,9 +211,17 @@ def elementwise_experiment():
   exponentials, no lse; dS = dP: no delta), keeping the matmuls, the ring
   and every wait: how fast the kernels would run if that work were free
   (bench/NOTES.md, session 10; tools/mosaic_bwd_bench.py, `elementwise=0`)."""
+  with _experimenting(elementwise=False):
+    yield
+
+
+@contextlib.contextmanager
+def _experimenting(**changes):
+  """The experiments in force, with `changes` (_DQExperiment fields), for
+  the kernels traced inside; as they were after."""
   global _DQ_EXPERIMENT
   saved = _DQ_EXPERIMENT
-  _DQ_EXPERIMENT = dataclasses.replace(_experiment(), elementwise=False)
+  _DQ_EXPERIMENT = dataclasses.replace(_experiment(), **changes)
   try:
     yield
   finally:
@@ -344,6 +347,12 @@ class BackwardConfig:
                        "loop with it)")
     poly_exp2.check_poly_columns("BackwardConfig.dkv_poly_columns", self.dkv_poly_columns, self.block_q)
     poly_exp2.check_poly_columns("BackwardConfig.dq_poly_columns", self.dq_poly_columns, self.block_kv)
+
+  def unfused(self) -> BackwardConfig:
+    """This tiling with dQ in a kernel of its own: fused_dq off, and the
+    options that need it (the head_dim-64 default fuses dQ; softmax_overlap,
+    for one, takes the two kernels)."""
+    return dataclasses.replace(self, fused_dq=False, dq_adder_warp=False, kv_registers=False)
 
   @property
   def dkv_buffers(self) -> int:
