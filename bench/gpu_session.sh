@@ -55,6 +55,7 @@
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
 #             fused64_kv (the d64 fused kernel with K and V in registers: A/B, ~3.5 min),
 #             pair_share (each fused tile adding at every other step, a cluster pair's share; speed only, ~5 min),
+#             rows256 (the d64 fused kernel on tiles of 256 key rows: A/B, ~5 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
@@ -658,6 +659,21 @@ stage_pair_share() {
   local f=fused_dq=1+dkv_persistent=0+dq_adder_warp=1
   timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
     $f+adders=2+alternate=1 $f+adders=0 2>&1 | tee "$OUT/pair_share128.log"
+}
+
+stage_rows256() {
+  # The d64 fused kernel on tiles of 256 key rows (tile_rows=256: each
+  # consumer two 64-row halves, one piece of dQ per 256 keys, so half the
+  # reduce-adds per FLOP) against the default (128 rows), with 3 and 2
+  # ring slots, both masks; then 4 slots (at the shared-memory limit: last,
+  # in a process of its own). Its GPU tests first:
+  #   SHARDS=3 SHARD_K=256_rows bash bench/gpu_session.sh 0:mosaic_shards wait rows256
+  # ~5 min.
+  local r=tile_rows=256+kv_registers=0+dkv_persistent=0
+  timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default $r+stages=3 \
+    $r+stages=2 2>&1 | tee "$OUT/rows256.log"
+  timeout 80 python tools/mosaic_bwd_bench.py --seq 16384 --head-dim 64 --causal no --variants default \
+    $r+stages=4 2>&1 | tee "$OUT/rows256_stages4.log"
 }
 
 stage_wgmma() {
