@@ -298,8 +298,10 @@ class BackwardConfig:
       and dV of two 64-row halves of the tile and the turn's consumer adds
       one piece of dQ per 256 keys, half as many reduce-adds per FLOP; a CTA's
       own reduce-adds are what the fused kernel loses (session 12: adding at
-      every other step took 10% off it). No second set of K and V tiles
-      (dkv_persistent) and at most 3 ring slots fit beside it.
+      every other step took 10% off it). dV of a consumer's second half
+      waits in shared memory between steps (registers: dK and dV of both
+      halves and one half's S^T and dP^T would spill). No second set of K
+      and V tiles (dkv_persistent) and 2 ring slots fit beside it.
     dkv_poly_columns, dq_poly_columns: the last columns of each P^T tile of
       the dK/dV kernel (of block_q) and each P tile of the dQ kernel (of
       block_kv) whose exponentials are a polynomial on the FP32 units
@@ -387,6 +389,7 @@ class BackwardConfig:
     if self.fused_dq:  # dS^T, double-buffered; the staged pieces of dQ (float32)
       piece = _dq_piece(head_dim, self.dq_turns)
       fused = 2 * self.tile_rows * self.block_q * item + piece.buffers * self.block_q * piece.cols * 4
+      fused += (self.halves - 1) * NUM_CONSUMERS * WGMMA_M * head_dim * 4  # dV of the second halves
     return kv + ring + fused + BWD_SMEM_RESERVE
 
   @property
@@ -450,11 +453,11 @@ def fused_backward_config(head_dim: int) -> BackwardConfig:
   return BackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True)
 
 
-def rows256_config(stages: int = 3) -> BackwardConfig:
+def rows256_config(stages: int = 2) -> BackwardConfig:
   """The head_dim-64 default (the fused kernel with the adder warp) on tiles
   of 256 key rows (`BackwardConfig.tile_rows`): without kv_registers (no
   registers left) and the second set of K and V tiles (no shared memory
-  left), with `stages` ring slots (3 fit beside it)."""
+  left), with `stages` ring slots (2 fit beside it)."""
   return dataclasses.replace(default_backward_config(64), tile_rows=2 * OUTER_ROWS, kv_registers=False,
                              dkv_persistent=False, stages=stages)
 
@@ -695,7 +698,9 @@ def _dkv_kernel(
   # pieces of dQ on their way out; ds_ready: [2] barriers of 2 arrivals;
   # tile_done: a barrier of 2 arrivals (neither consumer reads the other's K
   # tile any more); dq_staged, dq_free: [2] barriers of 1 arrival (a
-  # consumer's piece is in dq_smem; the producer has read it).
+  # consumer's piece is in dq_smem; the producer has read it). With two
+  # halves, dv_spare: [2, 64, D] f32, each consumer's dV of its second half
+  # between steps (only its own thread reads what it wrote: no barrier).
   # staging (interpret mode only): [2, 64, block_q], P^T and dS^T for wgmma;
   # with fused_dq also dq_old: [2, block_q, piece columns] f32 and
   # dq_loaded, [2] barriers (the interpreter adds into dQ by load, add and
@@ -718,6 +723,7 @@ def _dkv_kernel(
   if fused:
     ds_smem, dq_smem, ds_ready, tile_done, dq_staged, dq_free = refs[:6]
     refs = refs[6:]
+  dv_spare = refs.pop(0) if config.halves > 1 else None
   staging = refs.pop(0) if interpret else None
   if interpret and fused:
     dq_old, dq_loaded = refs
@@ -934,6 +940,7 @@ def _dkv_kernel(
     the ring's steps from ring_base; its K and V rows are in `buffer`."""
     halves_of = range(halves)
     own = [wg * halves + h for h in halves_of]  # this consumer's K/V tiles
+    spare = dv_spare.at[wg] if halves > 1 else None  # dV of its second half between steps
     k_starts = [tile.k_start + c * rows for c in own]
     k_tiles, v_tiles = [k_smem.at[buffer, c] for c in own], [v_smem.at[buffer, c] for c in own]
     plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + wg])
@@ -1010,7 +1017,7 @@ def _dkv_kernel(
       if fused:
         buf = lax.rem(ring_step, jnp.int32(2))
         fresh = plgpu.ACC((block_q, piece_cols), jnp.float32)
-      dk, dv = list(dk), list(dv)
+      dk, dv = list(dk), list(dv)  # dV of the halves past len(dv) is in `spare`
       for h in halves_of:
         def scores(s_ref, dp_ref, h=h):
           issue_scores(s_ref, dp_ref, q_tile, do_tile, h)
@@ -1041,7 +1048,11 @@ def _dkv_kernel(
             plgpu.wgmma(acc_ref, stage, do_tile)
             return acc_ref[...]
 
-          dv[h] = dv[h] + pl.run_scoped(dv_fresh, plgpu.ACC(dv[h].shape, jnp.float32))
+          dv_new = pl.run_scoped(dv_fresh, plgpu.ACC(dk[h].shape, jnp.float32))
+          if h < len(dv):
+            dv[h] = dv[h] + dv_new
+          else:
+            spare[...] = spare[...] + dv_new
           stage[...] = ds_t  # the dV product above is complete
           plgpu.commit_smem()
 
@@ -1070,7 +1081,12 @@ def _dkv_kernel(
             plgpu.wgmma(dk_ref, ds_t, q_tile)
 
           with jax.named_scope("grads"):
-            dv[h], dk[h] = pl.run_state(grads)((plgpu.ACC.init(dv[h]), plgpu.ACC.init(dk[h])))  # one wait
+            dv_h = dv[h] if h < len(dv) else spare[...]
+            dv_h, dk[h] = pl.run_state(grads)((plgpu.ACC.init(dv_h), plgpu.ACC.init(dk[h])))  # one wait
+            if h < len(dv):
+              dv[h] = dv_h
+            else:
+              spare[...] = dv_h
       release_q_block(slot)
       if fused:
         @jax.named_scope("dq")
@@ -1191,8 +1207,12 @@ def _dkv_kernel(
     if fused:
       # The other consumer's K rows take part in this consumer's dQ products.
       plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + 1 - wg])
-      carry = ((acc,) * halves, (acc,) * halves)
+      if halves > 1:
+        spare[...] = acc
+      carry = ((acc,) * halves, (acc,))  # dV of the second half: in `spare`
       dk, dv = one_head_fused(jnp.int32(0), carry) if group == 1 else lax.fori_loop(0, group, one_head_fused, carry)
+      if halves > 1:
+        dv += (spare[...],)
       # dK and dV are staged in the K and V tiles next: the other consumer
       # must be done reading this one's K.
       plgpu.barrier_arrive(tile_done)
@@ -1328,6 +1348,9 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
         plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # a piece of dQ staged
         plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # ... and read by the producer
     ]
+    if config.halves > 1:  # dV of each consumer's second half
+      scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, head_dim), jnp.float32,
+                                transforms=_swizzled(head_dim, jnp.float32)))
     schedule = _fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=interpret)
     grid, grid_names = (schedule.num_ctas,), ("cta",)
     ranks = _dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal,
