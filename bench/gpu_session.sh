@@ -55,7 +55,9 @@
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
 #             fused64_kv (the d64 fused kernel with K and V in registers: A/B, ~3.5 min),
 #             pair_share (each fused tile adding at every other step, a cluster pair's share; speed only, ~5 min),
-#             rows256 (the d64 fused kernel on tiles of 256 key rows: A/B, ~5 min),
+#             rows256 (the d64 fused kernel on tiles of 256 key rows: A/B, ~3 min), rows256_adds (its
+#             reduce-adds: all, half of each tile's, none; speed only, ~1.5 min),
+#             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
@@ -670,6 +672,22 @@ stage_rows256() {
   # ~3 min.
   timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default \
     tile_rows=256+kv_registers=0+dkv_persistent=0+stages=2 2>&1 | tee "$OUT/rows256.log"
+}
+
+stage_rows256_adds() {
+  # What the reduce-adds cost the 256-row fused kernel (speed only, dQ
+  # wrong but in the first row): all, each tile at every other step
+  # (adders=2+alternate=1), none (adders=0); the 128-row default without
+  # any beside it. d64 16k, no mask. ~1.5 min.
+  local r=tile_rows=256+kv_registers=0+dkv_persistent=0+stages=2
+  timeout 120 python tools/mosaic_bwd_bench.py --seq 16384 --head-dim 64 --causal no --variants default adders=0 \
+    $r $r+adders=2+alternate=1 $r+adders=0 2>&1 | tee "$OUT/rows256_adds.log"
+}
+
+stage_gpt_flash() {
+  # The example GPT (head_dim 64: the fused backward since session 12), 1000
+  # steps, seed 0, flash only: against examples/results/steps1000. ~1 min.
+  train_runs 1000 gpt_flash flash 0
 }
 
 stage_wgmma() {
