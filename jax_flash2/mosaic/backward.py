@@ -300,8 +300,9 @@ class BackwardConfig:
       own reduce-adds are what the fused kernel loses (session 12: adding at
       every other step took 10% off it). dV of a consumer's second half
       waits in shared memory between steps (registers: dK and dV of both
-      halves and one half's S^T and dP^T would spill). No second set of K
-      and V tiles (dkv_persistent) and 2 ring slots fit beside it.
+      halves and one half's S^T and dP^T would spill), and the consumers
+      share one staging buffer for their pieces of dQ. No second set of K
+      and V tiles (dkv_persistent) and 3 ring slots fit beside it.
     dkv_poly_columns, dq_poly_columns: the last columns of each P^T tile of
       the dK/dV kernel (of block_q) and each P tile of the dQ kernel (of
       block_kv) whose exponentials are a polynomial on the FP32 units
@@ -387,7 +388,7 @@ class BackwardConfig:
     ring = self.stages * (2 * self.block_q * head_dim * item + 2 * self.block_q * 4)
     fused = 0
     if self.fused_dq:  # dS^T, double-buffered; the staged pieces of dQ (float32)
-      piece = _dq_piece(head_dim, self.dq_turns)
+      piece = _dq_piece(head_dim, self)
       fused = 2 * self.tile_rows * self.block_q * item + piece.buffers * self.block_q * piece.cols * 4
       fused += (self.halves - 1) * NUM_CONSUMERS * WGMMA_M * head_dim * 4  # dV of the second halves
     return kv + ring + fused + BWD_SMEM_RESERVE
@@ -453,11 +454,11 @@ def fused_backward_config(head_dim: int) -> BackwardConfig:
   return BackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True)
 
 
-def rows256_config(stages: int = 2) -> BackwardConfig:
+def rows256_config(stages: int = 3) -> BackwardConfig:
   """The head_dim-64 default (the fused kernel with the adder warp) on tiles
   of 256 key rows (`BackwardConfig.tile_rows`): without kv_registers (no
   registers left) and the second set of K and V tiles (no shared memory
-  left), with `stages` ring slots (2 fit beside it)."""
+  left), with `stages` ring slots (3 fit beside it)."""
   return dataclasses.replace(default_backward_config(64), tile_rows=2 * OUTER_ROWS, kv_registers=False,
                              dkv_persistent=False, stages=stages)
 
@@ -544,10 +545,12 @@ class _DQPiece:
   a float32 buffer of its own (`buffers` = 2), except whole-width pieces at
   head_dim 128: two 64 x 128 buffers (64 KiB) do not fit beside the ring,
   so the consumers share one and each waits for the producer to have read
-  the other's piece."""
+  the other's piece; so do they on tiles of 256 key rows (`shared`), whose
+  longer steps leave the producer time to read it, for a third ring slot."""
 
   cols: int
   split: bool
+  shared: bool = False
 
   def per_row(self, head_dim: int) -> int:
     """Pieces of dQ per Q block (the semaphores' count per block)."""
@@ -555,12 +558,12 @@ class _DQPiece:
 
   @property
   def buffers(self) -> int:
-    return NUM_CONSUMERS if self.split or self.cols <= 64 else 1
+    return NUM_CONSUMERS if (self.split or self.cols <= 64) and not self.shared else 1
 
 
-def _dq_piece(head_dim: int, turns: bool) -> _DQPiece:
-  split = not turns and head_dim >= 2 * 64
-  return _DQPiece(head_dim // 2 if split else head_dim, split)
+def _dq_piece(head_dim: int, config: BackwardConfig) -> _DQPiece:
+  split = not config.dq_turns and head_dim >= 2 * 64
+  return _DQPiece(head_dim // 2 if split else head_dim, split, shared=config.halves > 1)
 
 
 def _visit(kv_index, position, num_visits, lo, *, num_q, num_kv, causal: bool, where=jnp.where,
@@ -812,7 +815,7 @@ def _dkv_kernel(
       plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[buffer, c], ready)
       plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[buffer, c], ready)
 
-  piece = _dq_piece(head_dim, config.dq_turns)
+  piece = _dq_piece(head_dim, config)
   piece_cols, split = piece.cols, piece.split
   own_buffer = piece.buffers == NUM_CONSUMERS  # a staging buffer per consumer
   pieces = piece.per_row(head_dim)  # pieces of dQ per step: every column of the Q block
@@ -1338,7 +1341,7 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
   operands = [q, k, v, do, lse, delta]
   if config.fused_dq:
-    piece = _dq_piece(head_dim, config.dq_turns)
+    piece = _dq_piece(head_dim, config)
     scratch += [
         plgpu.SMEM((2, tiles, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)),  # dS^T
         plgpu.SMEM((piece.buffers, block_q, piece.cols), jnp.float32,
