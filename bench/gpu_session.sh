@@ -55,9 +55,6 @@
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
 #             fused64_kv (the d64 fused kernel with K and V in registers: A/B, ~3.5 min),
 #             pair_share (each fused tile adding at every other step, a cluster pair's share; speed only, ~5 min),
-#             rows256 (the d64 fused kernel on tiles of 256 key rows: A/B, ~3 min), rows256_adds (its
-#             reduce-adds: all, half of each tile's, none; speed only, ~1.5 min),
-#             rows256_ring (the 256-row kernel with 2-3 ring slots, ~2 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -662,36 +659,6 @@ stage_pair_share() {
   local f=fused_dq=1+dkv_persistent=0+dq_adder_warp=1
   timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
     $f+adders=2+alternate=1 $f+adders=0 2>&1 | tee "$OUT/pair_share128.log"
-}
-
-stage_rows256() {
-  # The d64 fused kernel on tiles of 256 key rows (tile_rows=256: each
-  # consumer two 64-row halves, one piece of dQ per 256 keys, so half the
-  # reduce-adds per FLOP; dV of the second halves in shared memory, 2 ring
-  # slots) against the default (128 rows), both masks. Its GPU tests first:
-  #   SHARDS=3 SHARD_K=256_rows bash bench/gpu_session.sh 0:mosaic_shards wait rows256
-  # ~3 min.
-  timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default \
-    tile_rows=256+kv_registers=0+dkv_persistent=0+stages=2 2>&1 | tee "$OUT/rows256.log"
-}
-
-stage_rows256_adds() {
-  # What the reduce-adds cost the 256-row fused kernel (speed only, dQ
-  # wrong but in the first row): all, each tile at every other step
-  # (adders=2+alternate=1), none (adders=0); the 128-row default without
-  # any beside it. d64 16k, no mask. ~1.5 min.
-  local r=tile_rows=256+kv_registers=0+dkv_persistent=0+stages=2
-  timeout 120 python tools/mosaic_bwd_bench.py --seq 16384 --head-dim 64 --causal no --variants default adders=0 \
-    $r $r+adders=2+alternate=1 $r+adders=0 2>&1 | tee "$OUT/rows256_adds.log"
-}
-
-stage_rows256_ring() {
-  # The 256-row fused kernel with its consumers sharing one staging buffer
-  # for dQ, 2 and 3 ring slots (and 3 without reduce-adds, speed only),
-  # against the default with 4 (its own) and 2 slots. d64 16k, no mask. ~2 min.
-  local r=tile_rows=256+kv_registers=0+dkv_persistent=0
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 16384 --head-dim 64 --causal no --variants default stages=2 \
-    $r+stages=2 $r+stages=3 $r+stages=3+adders=0 2>&1 | tee "$OUT/rows256_ring.log"
 }
 
 stage_gpt_flash() {

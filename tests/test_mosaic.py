@@ -1024,26 +1024,6 @@ def test_bwd_interpreter_fused_dq(request, shape, dtype, causal, kv_heads):
   assert not gpu_callbacks.get_races().races_found
 
 
-@pytest.mark.parametrize(
-    "shape, dtype, causal, kv_heads",
-    [
-        ((1, 640, 640, 2, 64), jnp.bfloat16, True, None),  # climbing and descending tiles of 256 keys
-        ((1, 300, 520, 2, 64), jnp.float16, True, 1),  # grouped-query, ragged, seq_q < seq_k
-        ((1, 200, 136, 2, 64), jnp.bfloat16, False, None),  # ragged: one tile, mostly padding
-    ],
-    ids=["causal", "gqa_ragged", "ragged"],
-)
-def test_bwd_interpreter_fused_dq_256_rows(shape, dtype, causal, kv_heads):
-  """The fused kernel on tiles of 256 key rows (tile_rows): each consumer's
-  two halves, one piece of dQ per 256 keys."""
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-  config = mosaic_bwd.rows256_config(stages=2)
-  _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config,
-                               interpret=plgpu.InterpretGPUParams(detect_races=True))
-  assert not gpu_callbacks.get_races().races_found
-
-
 def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None):
   """(ranks, events): the fused kernel's order of additions into dQ and, per
   (query head, Q block), the (time, cta, rank) of its additions in the
@@ -1245,12 +1225,11 @@ def test_bwd_gpu_persistent(shape, kv_heads, causal, kernels):
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
-def test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=False, adder_warp=False, kv_registers=False, config=None):
+def test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=False, adder_warp=False, kv_registers=False):
   """The fused kernel against the reference, over several rounds of
   persistent CTAs; and deterministic: a second run gives the same bits."""
-  if config is None:
-    config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_turns=turns,
-                                 dq_adder_warp=adder_warp, kv_registers=kv_registers)
+  config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_turns=turns, dq_adder_warp=adder_warp,
+                               kv_registers=kv_registers)
   grads = _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config,
                                        interpret=False)
   (q, k, v, do, lse, delta), _ = _bwd_problem(*shape, jnp.bfloat16, causal, kv_heads)
@@ -1288,17 +1267,6 @@ def test_bwd_gpu_fused_dq_kv_registers(shape, kv_heads, causal):
   ptxas 13.0 miscompiles the two-kernel dK/dV loop with K and V in registers
   (tools/mosaic_cpu_compile.py's A-clobber check), not this one."""
   test_bwd_gpu_fused_dq(shape, kv_heads, causal, adder_warp=True, kv_registers=True)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape, kv_heads", [((4, 2048, 2048, 32, 64), None), ((2, 1537, 1000, 16, 64), 4),
-                                             ((1, 4096, 4096, 32, 64), None)],
-                         ids=["d64", "ragged_gqa_seq_q_gt_seq_k", "d64_4k"])
-def test_bwd_gpu_fused_dq_256_rows(shape, kv_heads, causal):
-  """The same on tiles of 256 key rows (tile_rows), with the adder warp."""
-  test_bwd_gpu_fused_dq(shape, kv_heads, causal, config=mosaic_bwd.rows256_config())
 
 
 @pytest.mark.gpu

@@ -96,7 +96,11 @@ at 4k, 4-10% at 16k; sessions 7-11). At 64, with the additions in a warp of
 their own (dq_adder_warp) and K and V in registers (kv_registers), it is
 2-4.5% faster than them and the default (session 12); its reduce-adds are
 what it loses, each CTA's own (`dq_addition_experiment`: 17% faster without
-them, 10% with half of each CTA's). Checked on CPU: lowering for CUDA,
+them, 10% with half of each CTA's). Neither design that halves them does
+better: a cluster pair summing its pieces (60-75% slower, session 12) and
+tiles of 256 key rows (its adds then cost nothing, but the tile's own work
+runs 21% slower, so the whole is 1-3% slower without a mask and 18-30%
+causal; session 13, commit 9e2cf89). Checked on CPU: lowering for CUDA,
 compilation to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no
 spills except a few scalars in the causal dkv at head_dim 128; dkv at
 block_q 128 and head_dim 128 spills heavily: S^T and dP^T then take 128
@@ -293,26 +297,15 @@ class BackwardConfig:
       loads never wait behind the additions' waits (FlashAttention-3's dQ
       writer warp; session 11). Compiled kernels only: in Mosaic's
       interpreter the producer does both in turn.
-    tile_rows: key rows per CTA of the fused kernel, 128 or 256 (fused_dq
-      at head_dim 64, without kv_registers): at 256 each consumer holds dK
-      and dV of two 64-row halves of the tile and the turn's consumer adds
-      one piece of dQ per 256 keys, half as many reduce-adds per FLOP; a CTA's
-      own reduce-adds are what the fused kernel loses (session 12: adding at
-      every other step took 10% off it). dV of a consumer's second half
-      waits in shared memory between steps (registers: dK and dV of both
-      halves and one half's S^T and dP^T would spill), and the consumers
-      share one staging buffer for their pieces of dQ. No second set of K
-      and V tiles (dkv_persistent) and 3 ring slots fit beside it.
     dkv_poly_columns, dq_poly_columns: the last columns of each P^T tile of
       the dK/dV kernel (of block_q) and each P tile of the dQ kernel (of
       block_kv) whose exponentials are a polynomial on the FP32 units
       instead of the SFU's ex2 (as forward.MosaicConfig.poly_columns;
       `poly_exp2.py`). Multiples of 8; 0: ex2 alone. Off: no faster at
       head_dim 64 (session 9).
-  The outer block is OUTER_ROWS (128) rows per CTA, 64 per consumer (the
-  fused kernel: tile_rows). Both kernels pad seq_q and seq_k to multiples
-  of OUTER_ROWS (seq_k of tile_rows; ragged lengths, see the module
-  docstring).
+  The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
+  Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
+  lengths; see the module docstring).
   """
 
   block_q: int = 64
@@ -330,14 +323,13 @@ class BackwardConfig:
   dq_consumers: int = NUM_CONSUMERS
   dkv_poly_columns: int = 0
   dq_poly_columns: int = 0
-  tile_rows: int = OUTER_ROWS
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
                  "kv_registers", "q_registers", "dq_adder_warp"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
-    for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns", "tile_rows"):
+    for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"BackwardConfig.{name} must be an int, got {value!r}")
@@ -357,10 +349,6 @@ class BackwardConfig:
     if self.kv_registers and not self.fused_dq:
       raise ValueError("BackwardConfig.kv_registers needs fused_dq (ptxas 13.0 miscompiles the dK/dV kernel's "
                        "loop with it)")
-    if self.tile_rows not in (OUTER_ROWS, 2 * OUTER_ROWS):
-      raise ValueError(f"BackwardConfig.tile_rows must be {OUTER_ROWS} or {2 * OUTER_ROWS}, got {self.tile_rows}")
-    if self.tile_rows != OUTER_ROWS and (not self.fused_dq or self.kv_registers):
-      raise ValueError(f"BackwardConfig.tile_rows {self.tile_rows} needs fused_dq, without kv_registers")
     poly_exp2.check_poly_columns("BackwardConfig.dkv_poly_columns", self.dkv_poly_columns, self.block_q)
     poly_exp2.check_poly_columns("BackwardConfig.dq_poly_columns", self.dq_poly_columns, self.block_kv)
 
@@ -368,12 +356,7 @@ class BackwardConfig:
     """This tiling with dQ in a kernel of its own: fused_dq off, and the
     options that need it (the head_dim-64 default fuses dQ; softmax_overlap,
     for one, takes the two kernels)."""
-    return dataclasses.replace(self, fused_dq=False, dq_adder_warp=False, kv_registers=False, tile_rows=OUTER_ROWS)
-
-  @property
-  def halves(self) -> int:
-    """64-row halves of K/V rows per consumer of the dK/dV kernel."""
-    return self.tile_rows // OUTER_ROWS
+    return dataclasses.replace(self, fused_dq=False, dq_adder_warp=False, kv_registers=False)
 
   @property
   def dkv_buffers(self) -> int:
@@ -384,13 +367,12 @@ class BackwardConfig:
     if head_dim in WIDE_HEAD_DIMS:
       return _wide().dkv_smem_bytes(self, head_dim, dtype)
     item = jnp.dtype(dtype).itemsize
-    kv = self.dkv_buffers * 2 * self.tile_rows * head_dim * item
+    kv = self.dkv_buffers * 2 * OUTER_ROWS * head_dim * item
     ring = self.stages * (2 * self.block_q * head_dim * item + 2 * self.block_q * 4)
     fused = 0
     if self.fused_dq:  # dS^T, double-buffered; the staged pieces of dQ (float32)
-      piece = _dq_piece(head_dim, self)
-      fused = 2 * self.tile_rows * self.block_q * item + piece.buffers * self.block_q * piece.cols * 4
-      fused += (self.halves - 1) * NUM_CONSUMERS * WGMMA_M * head_dim * 4  # dV of the second halves
+      piece = _dq_piece(head_dim, self.dq_turns)
+      fused = 2 * OUTER_ROWS * self.block_q * item + piece.buffers * self.block_q * piece.cols * 4
     return kv + ring + fused + BWD_SMEM_RESERVE
 
   @property
@@ -454,15 +436,6 @@ def fused_backward_config(head_dim: int) -> BackwardConfig:
   return BackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True)
 
 
-def rows256_config(stages: int = 3) -> BackwardConfig:
-  """The head_dim-64 default (the fused kernel with the adder warp) on tiles
-  of 256 key rows (`BackwardConfig.tile_rows`): without kv_registers (no
-  registers left) and the second set of K and V tiles (no shared memory
-  left), with `stages` ring slots (3 fit beside it)."""
-  return dataclasses.replace(default_backward_config(64), tile_rows=2 * OUTER_ROWS, kv_registers=False,
-                             dkv_persistent=False, stages=stages)
-
-
 def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tuple[str, ...]) -> None:
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}")
@@ -486,9 +459,6 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
     raise NotImplementedError(f"the Mosaic GPU backward supports bfloat16 and float16, got {q.dtype}")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-  if "dkv" in kernels and config.tile_rows != OUTER_ROWS and head_dim != 64:
-    raise NotImplementedError(f"BackwardConfig.tile_rows {config.tile_rows} needs head_dim 64 (registers), got "
-                              f"{head_dim}")
   if "dkv" in kernels and config.kv_registers and head_dim != 64:
     raise NotImplementedError(f"BackwardConfig.kv_registers needs head_dim 64 (registers), got {head_dim}")
   if "dq" in kernels and config.dq_consumers != NUM_CONSUMERS and head_dim != 64:
@@ -545,12 +515,10 @@ class _DQPiece:
   a float32 buffer of its own (`buffers` = 2), except whole-width pieces at
   head_dim 128: two 64 x 128 buffers (64 KiB) do not fit beside the ring,
   so the consumers share one and each waits for the producer to have read
-  the other's piece; so do they on tiles of 256 key rows (`shared`), whose
-  longer steps leave the producer time to read it, for a third ring slot."""
+  the other's piece."""
 
   cols: int
   split: bool
-  shared: bool = False
 
   def per_row(self, head_dim: int) -> int:
     """Pieces of dQ per Q block (the semaphores' count per block)."""
@@ -558,12 +526,12 @@ class _DQPiece:
 
   @property
   def buffers(self) -> int:
-    return NUM_CONSUMERS if (self.split or self.cols <= 64) and not self.shared else 1
+    return NUM_CONSUMERS if self.split or self.cols <= 64 else 1
 
 
-def _dq_piece(head_dim: int, config: BackwardConfig) -> _DQPiece:
-  split = not config.dq_turns and head_dim >= 2 * 64
-  return _DQPiece(head_dim // 2 if split else head_dim, split, shared=config.halves > 1)
+def _dq_piece(head_dim: int, turns: bool) -> _DQPiece:
+  split = not turns and head_dim >= 2 * 64
+  return _DQPiece(head_dim // 2 if split else head_dim, split)
 
 
 def _visit(kv_index, position, num_visits, lo, *, num_q, num_kv, causal: bool, where=jnp.where,
@@ -608,7 +576,7 @@ def _fused_schedule(num_kv: int, kv_heads: int, batch: int, *, causal: bool, int
 
 
 def _dq_order(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: int, group: int,
-              causal: bool, tile_rows: int = OUTER_ROWS) -> np.ndarray:
+              causal: bool) -> np.ndarray:
   """rank[j, s]: how many additions into the dQ block that K/V block j adds
   into at its step s (of `group` query heads x its Q blocks) come before its
   own, int32 [num_kv, group * num_q] (unused steps 0).
@@ -626,7 +594,7 @@ def _dq_order(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: 
   num_ctas = min(schedule.num_ctas, num_kv // 2 if schedule.paired else num_kv)  # those of one head
   num_q = -(-seq_q // block_q)
   with jax.ensure_compile_time_eval():  # numbers, also under a trace
-    k_starts = jnp.arange(num_kv, dtype=jnp.int32) * tile_rows
+    k_starts = jnp.arange(num_kv, dtype=jnp.int32) * OUTER_ROWS
     lo = np.asarray(_q_block_bounds(k_starts, WGMMA_M, seq_q, seq_k, block_q, causal)[0])
   lo = np.broadcast_to(lo, (num_kv,))
   if schedule.paired:
@@ -681,29 +649,23 @@ def _dkv_kernel(
 ):
   # q_ref, do_ref: [batch, seq_q', heads, D]; k_ref, v_ref, dk_ref, dv_ref:
   # [batch, seq_k', kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q'];
-  # seq_q', seq_k': the real seq_q, seq_k padded to multiples of OUTER_ROWS
-  # (seq_k of config.tile_rows).
-  # k_smem, v_smem: [buffers, 2 * halves, 64, D] (`halves` 64-row tiles per
-  # consumer, consumer c's are c * halves + h, reused for dK, dV; two
-  # buffers in a persistent CTA, which loads the next tile's K and V while
-  # the current one's gradients are stored); q_smem, do_smem:
+  # seq_q', seq_k': the real seq_q, seq_k padded to multiples of OUTER_ROWS.
+  # k_smem, v_smem: [buffers, 2, 64, D] (one tile per consumer, reused for
+  # dK, dV; two buffers in a persistent CTA, which loads the next tile's K
+  # and V while the current one's gradients are stored); q_smem, do_smem:
   # [stages, block_q, D]; lse_smem, delta_smem: [stages, block_q].
-  # kv_ready: [buffers * 2] barriers of 2 * halves arrivals (a consumer's K
-  # and V copies);
+  # kv_ready: [buffers * 2] barriers of 2 arrivals (K and V copies);
   # *_ready: [stages] (TMA); q_consumed (Q, lse), do_consumed (dO, delta):
   # [stages], 2 arrivals.
   # With fused_dq: ranks_ref, an input, int32 [num_kv, group * num_q]
   # (`_dq_order`); dq_ref, an output, float32 [batch * heads * num_q *
   # pieces, block_q, piece columns], dQ unscaled, piece by piece; ds_smem:
-  # [2, 2 * halves, 64, block_q], dS^T of every K/V tile's rows,
-  # double-buffered by step;
+  # [2, 2, 64, block_q], dS^T of both consumers, double-buffered by step;
   # dq_smem: [_DQPiece.buffers, block_q, piece columns] f32, the consumers'
   # pieces of dQ on their way out; ds_ready: [2] barriers of 2 arrivals;
   # tile_done: a barrier of 2 arrivals (neither consumer reads the other's K
   # tile any more); dq_staged, dq_free: [2] barriers of 1 arrival (a
-  # consumer's piece is in dq_smem; the producer has read it). With two
-  # halves, dv_spare: [2, 64, D] f32, each consumer's dV of its second half
-  # between steps (only its own thread reads what it wrote: no barrier).
+  # consumer's piece is in dq_smem; the producer has read it).
   # staging (interpret mode only): [2, 64, block_q], P^T and dS^T for wgmma;
   # with fused_dq also dq_old: [2, block_q, piece columns] f32 and
   # dq_loaded, [2] barriers (the interpreter adds into dQ by load, add and
@@ -726,21 +688,20 @@ def _dkv_kernel(
   if fused:
     ds_smem, dq_smem, ds_ready, tile_done, dq_staged, dq_free = refs[:6]
     refs = refs[6:]
-  dv_spare = refs.pop(0) if config.halves > 1 else None
   staging = refs.pop(0) if interpret else None
   if interpret and fused:
     dq_old, dq_loaded = refs
-  rows, block_q, stages, halves = WGMMA_M, config.block_q, config.stages, config.halves
+  rows, block_q, stages = WGMMA_M, config.block_q, config.stages
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   wg = lax.axis_index("wg")
   num_q = pl.cdiv(seq_q, block_q)
-  num_kv = k_ref.shape[1] // config.tile_rows
+  num_kv = k_ref.shape[1] // OUTER_ROWS
   qk_scale = softmax_scale * LOG2_E
 
   @dataclasses.dataclass(frozen=True)
   class KVTile:
-    """config.tile_rows key rows of one (batch, kv head): a CTA's unit of work. It
+    """OUTER_ROWS key rows of one (batch, kv head): a CTA's unit of work. It
     visits Q blocks [lo, num_q) of every query head of the group: the first
     consumer's keys come first, so its range covers both. int32 scalars."""
     batch: jax.Array
@@ -770,7 +731,7 @@ def _dkv_kernel(
   def tile_at(kv_index, kv_head, batch) -> KVTile:
     # K/V block 0 sees the most Q blocks when causal: in grid order it runs
     # first, the heaviest-first order of the Q-outer kernels.
-    k_start = kv_index * config.tile_rows
+    k_start = kv_index * OUTER_ROWS
     lo, _ = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
     return KVTile(batch, kv_head, kv_index, k_start, lo, group * (jnp.int32(num_q) - lo))
 
@@ -808,14 +769,12 @@ def _dkv_kernel(
 
   def load_kv(tile: KVTile, buffer):
     """Starts the copies of this consumer's K and V rows of `tile`."""
+    kv_rows = (tile.batch, pl.ds(tile.k_start + wg * rows, rows), tile.kv_head)
     ready = kv_ready.at[buffer * NUM_CONSUMERS + wg]
-    for h in range(halves):
-      c = wg * halves + h
-      kv_rows = (tile.batch, pl.ds(tile.k_start + c * rows, rows), tile.kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[buffer, c], ready)
-      plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[buffer, c], ready)
+    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[buffer, wg], ready)
+    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[buffer, wg], ready)
 
-  piece = _dq_piece(head_dim, config)
+  piece = _dq_piece(head_dim, config.dq_turns)
   piece_cols, split = piece.cols, piece.split
   own_buffer = piece.buffers == NUM_CONSUMERS  # a staging buffer per consumer
   pieces = piece.per_row(head_dim)  # pieces of dQ per step: every column of the Q block
@@ -920,10 +879,10 @@ def _dkv_kernel(
     plgpu.barrier_arrive(dq_staged.at[wg])
 
   def dq_product(acc_ref, buf, buffer):
-    """acc += this consumer's piece of dS K: dS from every K/V tile's dS^T
-    in ds_smem[buf] (transposed), K from the K tiles of `buffer`."""
+    """acc += this consumer's piece of dS K: dS from both consumers' dS^T in
+    ds_smem[buf] (transposed), K from both K tiles of `buffer`."""
     columns = pl.ds(first_column(wg), piece_cols)
-    for c in range(NUM_CONSUMERS * halves):
+    for c in range(NUM_CONSUMERS):
       plgpu.wgmma(acc_ref, ds_smem.at[buf, c].transpose((1, 0)), k_smem.at[buffer, c, :, columns])
 
   def last_release(end_step):
@@ -938,33 +897,26 @@ def _dkv_kernel(
     pl.when(staged_any)(lambda: plgpu.barrier_wait(dq_free.at[previous_owner]))
 
   def gradients(tile: KVTile, buffer, ring_base):
-    """(dK unscaled, dV) of this consumer's rows of `tile`, each a tuple over
-    its 64-row halves (one unless config.tile_rows is 256), its Q blocks at
+    """(dK unscaled, dV) of this consumer's rows of `tile`, its Q blocks at
     the ring's steps from ring_base; its K and V rows are in `buffer`."""
-    halves_of = range(halves)
-    own = [wg * halves + h for h in halves_of]  # this consumer's K/V tiles
-    spare = dv_spare.at[wg] if halves > 1 else None  # dV of its second half between steps
-    k_starts = [tile.k_start + c * rows for c in own]
-    k_tiles, v_tiles = [k_smem.at[buffer, c] for c in own], [v_smem.at[buffer, c] for c in own]
+    k_start = tile.k_start + wg * rows
+    k_tile, v_tile = k_smem.at[buffer, wg], v_smem.at[buffer, wg]
     plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + wg])
     # The A operands of S^T and dP^T: K and V from shared memory, or loaded
     # once per tile into registers (kv_registers; the interpreter reads
     # them from shared memory either way).
-    k_a, v_a = k_tiles, v_tiles
+    k_a, v_a = k_tile, v_tile
     if config.kv_registers and not interpret:
-      k_a, v_a = ([plgpu.load(t, layout=plgpu.Layout.WGMMA) for t in tiles] for tiles in (k_tiles, v_tiles))
-    lo, full_lo = _q_block_bounds(k_starts[0], rows * halves, seq_q, seq_k, block_q, causal)
+      k_a, v_a = (plgpu.load(t, layout=plgpu.Layout.WGMMA) for t in (k_tile, v_tile))
+    lo, full_lo = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
     vec_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
 
     def slot_of(g, qb):
       return lax.rem(ring_base + tile.step_of(g, qb), jnp.int32(stages))
 
-    def probs_t(s_t, qb, slot, *, masked: bool, k_start, waited: bool = False):
-      """P^T [keys, queries] from S^T and the lse of the Q block in `slot`
-      (its barrier waited for here unless `waited`: a wait advances the
-      barrier's phase, so the halves of a step wait once)."""
-      if not waited:
-        plgpu.barrier_wait(lse_ready.at[slot])
+    def probs_t(s_t, qb, slot, *, masked: bool):
+      """P^T [keys, queries] from S^T and the lse of the Q block in `slot`."""
+      plgpu.barrier_wait(lse_ready.at[slot])
       if not _experiment().elementwise:
         return s_t
       lse = plgpu.load(lse_smem.at[slot], layout=vec_layout) * LOG2_E
@@ -977,11 +929,9 @@ def _dkv_kernel(
         p_t = jnp.where(visible(query, key, seq_q=seq_q, seq_k=seq_k, causal=causal), p_t, 0.0)
       return p_t
 
-    def grad_scores_t(p_t, dp_t, slot, *, waited: bool = False):
-      """dS^T = P^T * (dP^T - delta), delta of the Q block in `slot` (its
-      barrier waited for here unless `waited`)."""
-      if not waited:
-        plgpu.barrier_wait(delta_ready.at[slot])
+    def grad_scores_t(p_t, dp_t, slot):
+      """dS^T = P^T * (dP^T - delta), delta of the Q block in `slot`."""
+      plgpu.barrier_wait(delta_ready.at[slot])
       if not _experiment().elementwise:
         return dp_t
       delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
@@ -999,97 +949,81 @@ def _dkv_kernel(
       plgpu.barrier_arrive(do_consumed.at[slot])
       plgpu.barrier_arrive(q_consumed.at[slot])
 
-    def issue_scores(s_ref, dp_ref, q_tile, do_tile, half: int = 0):
+    def issue_scores(s_ref, dp_ref, q_tile, do_tile):
       # S^T = K Q^T and dP^T = V dO^T (K and V in SMEM, or registers): two groups.
-      plgpu.wgmma(s_ref, k_a[half], q_tile.transpose((1, 0)))
-      plgpu.wgmma(dp_ref, v_a[half], do_tile.transpose((1, 0)))
+      plgpu.wgmma(s_ref, k_a, q_tile.transpose((1, 0)))
+      plgpu.wgmma(dp_ref, v_a, do_tile.transpose((1, 0)))
 
     def update(qb, slot, dk, dv, *, masked: bool, ring_step=None):
-      """dK and dV (tuples over the halves) with Q block qb (in `slot`)
-      added; with fused_dq also this consumer's piece of dQ of ring step
-      `ring_step`, handed to the producer."""
-      # Two wgmma groups per block and half, one wait each: (S^T, dP^T) with
-      # both operands in SMEM, then (dV, dK) with P^T and dS^T from
-      # registers (and the piece of dQ, fused, split). The halves run one
-      # after the other, so that only one half's S^T and dP^T are live.
+      """dK and dV with Q block qb (in `slot`) added; with fused_dq also
+      this consumer's piece of dQ of ring step `ring_step`, handed to the
+      producer."""
+      # Two wgmma groups per block, one wait each: (S^T, dP^T) with both
+      # operands in SMEM, then (dV, dK) with P^T and dS^T from registers
+      # (and the piece of dQ, fused, split).
       # (Named scopes: regions of the profiler's traces, see forward.profiling.)
       with jax.named_scope("wait_q"):
         plgpu.barrier_wait(q_ready.at[slot])
         plgpu.barrier_wait(do_ready.at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+
+      def scores(s_ref, dp_ref):
+        issue_scores(s_ref, dp_ref, q_tile, do_tile)
+        return s_ref[...], dp_ref[...]  # waits for both
+
+      score_acc = plgpu.ACC((rows, block_q), jnp.float32)
+      with jax.named_scope("scores"):
+        s_t, dp_t = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
+      with jax.named_scope("softmax"):
+        p_t = probs_t(s_t, qb, slot, masked=masked)
+        ds_t = grad_scores_t(p_t, dp_t, slot).astype(dtype)
       if fused:
+        # Both consumers' dS^T rows make the dS of dQ = dS K.
         buf = lax.rem(ring_step, jnp.int32(2))
+        with jax.named_scope("stage_ds"):
+          ds_smem.at[buf, wg][...] = ds_t
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(ds_ready.at[buf])
         fresh = plgpu.ACC((block_q, piece_cols), jnp.float32)
-      dk, dv = list(dk), list(dv)  # dV of the halves past len(dv) is in `spare`
-      for h in halves_of:
-        def scores(s_ref, dp_ref, h=h):
-          issue_scores(s_ref, dp_ref, q_tile, do_tile, h)
-          return s_ref[...], dp_ref[...]  # waits for both
 
-        score_acc = plgpu.ACC((rows, block_q), jnp.float32)
-        with jax.named_scope("scores"):
-          s_t, dp_t = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
-        with jax.named_scope("softmax"):
-          # The second half reloads lse and delta rather than holding them
-          # (32 registers) across the first half's dV and dK.
-          p_t = probs_t(s_t, qb, slot, masked=masked, k_start=k_starts[h], waited=h > 0)
-          ds_t = grad_scores_t(p_t, dp_t, slot, waited=h > 0).astype(dtype)
-        if fused:
-          # Both consumers' dS^T rows make the dS of dQ = dS K.
-          with jax.named_scope("stage_ds"):
-            ds_smem.at[buf, own[h]][...] = ds_t
-            plgpu.commit_smem()
-            if h == halves - 1:
-              plgpu.barrier_arrive(ds_ready.at[buf])
+      if interpret:
+        stage = staging.at[wg]
+        stage[...] = p_t.astype(dtype)
+        plgpu.commit_smem()
 
-        if interpret:
-          stage = staging.at[wg]
-          stage[...] = p_t.astype(dtype)
-          plgpu.commit_smem()
+        def dv_fresh(acc_ref):
+          plgpu.wgmma(acc_ref, stage, do_tile)
+          return acc_ref[...]
 
-          def dv_fresh(acc_ref):
-            plgpu.wgmma(acc_ref, stage, do_tile)
-            return acc_ref[...]
+        dv = dv + pl.run_scoped(dv_fresh, plgpu.ACC(dv.shape, jnp.float32))
+        stage[...] = ds_t  # the dV product above is complete
+        plgpu.commit_smem()
 
-          dv_new = pl.run_scoped(dv_fresh, plgpu.ACC(dk[h].shape, jnp.float32))
-          if h < len(dv):
-            dv[h] = dv[h] + dv_new
-          else:
-            spare[...] = spare[...] + dv_new
-          stage[...] = ds_t  # the dV product above is complete
-          plgpu.commit_smem()
+        def dk_fresh(acc_ref):
+          plgpu.wgmma(acc_ref, stage, q_tile)
+          return acc_ref[...]
 
-          def dk_fresh(acc_ref):
-            plgpu.wgmma(acc_ref, stage, q_tile)
-            return acc_ref[...]
+        dk = dk + pl.run_scoped(dk_fresh, plgpu.ACC(dk.shape, jnp.float32))
+      elif fused and split:
+        def grads(refs):
+          dv_ref, dk_ref, dq_ref = refs
+          plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
+          plgpu.wgmma(dk_ref, ds_t, q_tile)
+          if lockstep:
+            plgpu.barrier_wait(ds_ready.at[buf])  # the other consumer's dS^T, under dV and dK
+          dq_product(dq_ref, buf, buffer)
 
-          dk[h] = dk[h] + pl.run_scoped(dk_fresh, plgpu.ACC(dk[h].shape, jnp.float32))
-        elif fused and split:  # one half (head_dim 128)
-          def grads(refs):
-            dv_ref, dk_ref, dq_ref = refs
-            plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
-            plgpu.wgmma(dk_ref, ds_t, q_tile)
-            if lockstep:
-              plgpu.barrier_wait(ds_ready.at[buf])  # the other consumer's dS^T, under dV and dK
-            dq_product(dq_ref, buf, buffer)
+        zero = plgpu.layout_cast(jnp.zeros((block_q, piece_cols), jnp.float32), plgpu.Layout.WGMMA)
+        with jax.named_scope("grads"):
+          dv, dk, dq = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zero)))
+      else:
+        def grads(refs):
+          dv_ref, dk_ref = refs
+          plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
+          plgpu.wgmma(dk_ref, ds_t, q_tile)
 
-          zero = plgpu.layout_cast(jnp.zeros((block_q, piece_cols), jnp.float32), plgpu.Layout.WGMMA)
-          with jax.named_scope("grads"):
-            dv[h], dk[h], dq = pl.run_state(grads)(
-                (plgpu.ACC.init(dv[h]), plgpu.ACC.init(dk[h]), plgpu.ACC.init(zero)))
-        else:
-          def grads(refs):
-            dv_ref, dk_ref = refs
-            plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
-            plgpu.wgmma(dk_ref, ds_t, q_tile)
-
-          with jax.named_scope("grads"):
-            dv_h = dv[h] if h < len(dv) else spare[...]
-            dv_h, dk[h] = pl.run_state(grads)((plgpu.ACC.init(dv_h), plgpu.ACC.init(dk[h])))  # one wait
-            if h < len(dv):
-              dv[h] = dv_h
-            else:
-              spare[...] = dv_h
+        with jax.named_scope("grads"):
+          dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))  # one wait
       release_q_block(slot)
       if fused:
         @jax.named_scope("dq")
@@ -1118,12 +1052,11 @@ def _dkv_kernel(
           own_piece()
         else:  # the consumers take turns
           pl.when(owner(ring_step) == wg)(own_piece)
-      return tuple(dk), tuple(dv)
+      return dk, dv
 
     def step(qb, carry, *, g, masked: bool):
       dk, dv = carry
-      (dk,), (dv,) = update(qb, slot_of(g, qb), (dk,), (dv,), masked=masked)
-      return dk, dv
+      return update(qb, slot_of(g, qb), dk, dv, masked=masked)
 
     def overlapped_step(qb, carry, *, g, masked: bool):
       # Four wgmma groups retiring in order, S^T, dP^T, dV, dK; each wait
@@ -1134,7 +1067,7 @@ def _dkv_kernel(
 
       def body(s_ref, dp_ref, dv_ref, dk_ref):
         issue_scores(s_ref, dp_ref, q_tile, do_tile)
-        p_t = probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), qb, slot, masked=masked, k_start=k_starts[0])
+        p_t = probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), qb, slot, masked=masked)
         if interpret:
           # P^T and dS^T through shared memory (see `step`); dV and dK
           # start from zero and are added below.
@@ -1210,12 +1143,8 @@ def _dkv_kernel(
     if fused:
       # The other consumer's K rows take part in this consumer's dQ products.
       plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + 1 - wg])
-      if halves > 1:
-        spare[...] = acc
-      carry = ((acc,) * halves, (acc,))  # dV of the second half: in `spare`
+      carry = (acc, acc)
       dk, dv = one_head_fused(jnp.int32(0), carry) if group == 1 else lax.fori_loop(0, group, one_head_fused, carry)
-      if halves > 1:
-        dv += (spare[...],)
       # dK and dV are staged in the K and V tiles next: the other consumer
       # must be done reading this one's K.
       plgpu.barrier_arrive(tile_done)
@@ -1224,33 +1153,27 @@ def _dkv_kernel(
       dk, dv = one_head(jnp.int32(0), (acc, acc))
     else:
       dk, dv = lax.fori_loop(0, group, one_head, (acc, acc))
-    if not fused:
-      dk, dv = (dk,), (dv,)
     if not causal and k_ref.shape[1] > seq_k:
       # Keys past seq_k were not masked (the diagonal hides them under causal
       # attention): their P^T is exp2(-lse) and not 0. A key's P^T and dS^T
       # reach only its own rows of dV and dK, so zeroing those rows once here
       # serves as well as a mask on every Q block of this warpgroup would.
-      def past_keys_zeroed(x, k_start):
-        key = k_start + plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
-        return jnp.where(key < seq_k, x, 0.0)
-
-      dk, dv = (tuple(past_keys_zeroed(x, k_starts[h]) for h, x in enumerate(xs)) for xs in (dk, dv))
+      key = k_start + plgpu.broadcasted_iota(jnp.int32, dk.shape, 0, layout=plgpu.Layout.WGMMA)
+      dk, dv = (jnp.where(key < seq_k, x, 0.0) for x in (dk, dv))
 
     return dk, dv
 
   def store_gradients(tile: KVTile, buffer, result):
     """Scales dK and starts the TMA stores of dK and dV, staged in the K and
     V tiles (every wgmma reading them has completed)."""
-    for h, (dk, dv) in enumerate(zip(*result)):
-      c = wg * halves + h
-      k_tile, v_tile = k_smem.at[buffer, c], v_smem.at[buffer, c]
-      kv_rows = (tile.batch, pl.ds(tile.k_start + c * rows, rows), tile.kv_head)
-      k_tile[...] = (dk * softmax_scale).astype(dtype)
-      v_tile[...] = dv.astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv_rows])
-      plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
+    dk, dv = result
+    k_tile, v_tile = k_smem.at[buffer, wg], v_smem.at[buffer, wg]
+    kv_rows = (tile.batch, pl.ds(tile.k_start + wg * rows, rows), tile.kv_head)
+    k_tile[...] = (dk * softmax_scale).astype(dtype)
+    v_tile[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv_rows])
+    plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
 
   def add_tile_pieces(tile: KVTile, ring_base):
     """The adder warp's work for one tile (dq_adder_warp): `add_pieces` of
@@ -1268,14 +1191,14 @@ def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float 
   return config, float(head_dim ** -0.5 if softmax_scale is None else softmax_scale)
 
 
-def _pad(q, k, v, do, lse, delta, *, q_rows: int = OUTER_ROWS, kv_rows: int = OUTER_ROWS):
+def _pad(q, k, v, do, lse, delta, *, q_rows: int = OUTER_ROWS):
   """The operands padded along their sequence axes, for both kernels: q,
-  do, lse and delta to multiples of q_rows, k and v of kv_rows (an
+  do, lse and delta to multiples of q_rows, k and v of OUTER_ROWS (an
   operand already a multiple is returned as it is). Padded query rows get
   lse = +inf, so that P = exp2(S - lse) = 0 there (finite S: Q is 0), and
   dO = 0, delta = 0, so that dS = P * (dP - delta) = 0 as well."""
   q, do = pad_seq(q, q_rows), pad_seq(do, q_rows)
-  k, v = pad_seq(k, kv_rows), pad_seq(v, kv_rows)
+  k, v = pad_seq(k, OUTER_ROWS), pad_seq(v, OUTER_ROWS)
   lse = pad_seq(lse, q_rows, axis=2, value=jnp.inf)
   delta = pad_seq(delta, q_rows, axis=2)
   return q, k, v, do, lse, delta
@@ -1308,7 +1231,7 @@ def dkv(
   config, softmax_scale = _settings(q, config, softmax_scale)
   _check_inputs(q, k, v, do, lse, delta, config, ("dkv",))
   seq_q, seq_k = q.shape[1], k.shape[1]
-  dk, dv, *_ = _dkv_call(*_pad(q, k, v, do, lse, delta, kv_rows=config.tile_rows), seq_q=seq_q, seq_k=seq_k, causal=causal,
+  dk, dv, *_ = _dkv_call(*_pad(q, k, v, do, lse, delta), seq_q=seq_q, seq_k=seq_k, causal=causal,
                          softmax_scale=softmax_scale, config=config, interpret=interpret)
   return unpad_seq(dk, seq_k), unpad_seq(dv, seq_k)
 
@@ -1323,27 +1246,27 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   interpret_params, interpret = interpret_params_of(interpret)
   dtype, stages, block_q = q.dtype, config.stages, config.block_q
   transforms = _swizzled(head_dim, dtype)
-  buffers, tiles = config.dkv_buffers, NUM_CONSUMERS * config.halves  # 64-row K/V tiles per CTA
+  buffers = config.dkv_buffers
   scratch = [
-      plgpu.SMEM((buffers, tiles, WGMMA_M, head_dim), dtype, transforms=transforms),  # K
-      plgpu.SMEM((buffers, tiles, WGMMA_M, head_dim), dtype, transforms=transforms),  # V
+      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # K
+      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # V
       plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),  # Q
       plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),  # dO
       plgpu.SMEM((stages, block_q), jnp.float32),  # lse
       plgpu.SMEM((stages, block_q), jnp.float32),  # delta
-      plgpu.Barrier(num_arrivals=2 * config.halves, num_barriers=buffers * NUM_CONSUMERS),  # a consumer's K, V
+      plgpu.Barrier(num_arrivals=2, num_barriers=buffers * NUM_CONSUMERS),  # K and V tiles
       *[plgpu.Barrier(num_barriers=stages) for _ in range(4)],  # Q, dO, lse, delta ready
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # Q, lse consumed
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # dO, delta consumed
   ]
-  num_kv = k.shape[1] // config.tile_rows
+  num_kv = k.shape[1] // OUTER_ROWS
   group = heads // kv_heads
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
   operands = [q, k, v, do, lse, delta]
   if config.fused_dq:
-    piece = _dq_piece(head_dim, config)
+    piece = _dq_piece(head_dim, config.dq_turns)
     scratch += [
-        plgpu.SMEM((2, tiles, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)),  # dS^T
+        plgpu.SMEM((2, NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)),  # dS^T
         plgpu.SMEM((piece.buffers, block_q, piece.cols), jnp.float32,
                    transforms=_swizzled(piece.cols, jnp.float32)),  # pieces of dQ
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),  # dS^T staged
@@ -1351,13 +1274,9 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
         plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # a piece of dQ staged
         plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # ... and read by the producer
     ]
-    if config.halves > 1:  # dV of each consumer's second half
-      scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, head_dim), jnp.float32,
-                                transforms=_swizzled(head_dim, jnp.float32)))
     schedule = _fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=interpret)
     grid, grid_names = (schedule.num_ctas,), ("cta",)
-    ranks = _dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal,
-                      tile_rows=config.tile_rows)
+    ranks = _dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal)
     operands.append(jnp.asarray(ranks))
     # dQ piece by piece, each piece of block_q rows contiguous (`_finish_dq`
     # puts the rows back in q's layout): a TMA reduce-add then writes 16 KiB
@@ -1650,7 +1569,7 @@ def backward(
   config, softmax_scale = _settings(q, config, softmax_scale)
   _check_inputs(q, k, v, do, lse, delta, config, ("dkv",) if config.fused_dq else ("dkv", "dq"))
   seq_q, seq_k = q.shape[1], k.shape[1]
-  padded = _pad(q, k, v, do, lse, delta, kv_rows=config.tile_rows)
+  padded = _pad(q, k, v, do, lse, delta)
   kwargs = dict(seq_q=seq_q, seq_k=seq_k, causal=causal, softmax_scale=softmax_scale, config=config,
                 interpret=interpret)
   if config.fused_dq:
