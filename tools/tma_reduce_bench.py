@@ -38,20 +38,19 @@ from jax._src.lib.mlir.dialects import arith, llvm, scf
 ROWS = COLS = 64
 
 
-def _sender(*, num_ctas: int, iters: int, regions: int, depth: int, reduce: bool):
+def _kernel(send, *, num_ctas: int, iters: int, regions: int, name: str, finish=lambda: None):
   """A kernel writing num_ctas * iters tiles into a [num_ctas * regions, 64,
-  64] float32 array: CTA c sends its i-th tile to tile c * regions + i % regions."""
+  64] float32 array: CTA c sends (`send(tile, target)`) its i-th tile to tile
+  c * regions + i % regions, then calls `finish`."""
 
   def body(out_ref, tile):
     cta = lax.axis_index("cta")
 
     @pl.loop(0, iters)
     def _(i):
-      target = out_ref.at[cta * regions + lax.rem(i, jnp.int32(regions))]
-      plgpu.copy_smem_to_gmem(tile, target, reduction_op="add" if reduce else None)
-      plgpu.wait_smem_to_gmem(depth - 1, wait_read_only=True)
+      send(tile, out_ref.at[cta * regions + lax.rem(i, jnp.int32(regions))])
 
-    plgpu.wait_smem_to_gmem(0)
+    finish()
 
   return plgpu.kernel(
       body,
@@ -59,8 +58,18 @@ def _sender(*, num_ctas: int, iters: int, regions: int, depth: int, reduce: bool
       scratch_types=[plgpu.SMEM((ROWS, COLS), jnp.float32)],
       grid=(num_ctas,),
       grid_names=("cta",),
-      kernel_name="tma_reduce_bench",
+      kernel_name=name,
   )
+
+
+def _sender(*, depth: int, reduce: bool, **sizes):
+  """The TMA engine's stores or reduce-adds, `depth` in flight."""
+
+  def send(tile, target):
+    plgpu.copy_smem_to_gmem(tile, target, reduction_op="add" if reduce else None)
+    plgpu.wait_smem_to_gmem(depth - 1, wait_read_only=True)
+
+  return _kernel(send, finish=lambda: plgpu.wait_smem_to_gmem(0), name="tma_reduce_bench", **sizes)
 
 
 VEC = 4  # float32 per ld.shared.v4 / red.v4
@@ -105,25 +114,9 @@ def _red_tile(warps: int):
   return red
 
 
-def _red_sender(*, num_ctas: int, iters: int, regions: int, warps: int):
+def _red_sender(*, warps: int, **sizes):
   """As _sender, the tiles added by `warps` warps' vector reductions."""
-  red = _red_tile(warps)
-
-  def body(out_ref, tile):
-    cta = lax.axis_index("cta")
-
-    @pl.loop(0, iters)
-    def _(i):
-      red(tile, out_ref.at[cta * regions + lax.rem(i, jnp.int32(regions))])
-
-  return plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((num_ctas * regions, ROWS, COLS), jnp.float32),
-      scratch_types=[plgpu.SMEM((ROWS, COLS), jnp.float32)],
-      grid=(num_ctas,),
-      grid_names=("cta",),
-      kernel_name="red_bench",
-  )
+  return _kernel(_red_tile(warps), name="red_bench", **sizes)
 
 
 def _median_ms(fn, runs: int = 10) -> float:
