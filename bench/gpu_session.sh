@@ -55,7 +55,6 @@
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
 #             fused64_kv (the d64 fused kernel with K and V in registers: A/B, ~3.5 min),
 #             pair_share (each fused tile adding at every other step, a cluster pair's share; speed only, ~5 min),
-#             lazy_ab (the forward's conditional rescaling: A/B, ~3 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -660,20 +659,6 @@ stage_pair_share() {
   local f=fused_dq=1+dkv_persistent=0+dq_adder_warp=1
   timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
     $f+adders=2+alternate=1 $f+adders=0 2>&1 | tee "$OUT/pair_share128.log"
-}
-
-stage_lazy_ab() {
-  # FlashAttention-4's conditional rescaling in the forward (lazy_rescale:
-  # the running max moves only past a slack of 8, and a thread whose rows'
-  # max did not move skips acc's rescale), kernel alone, d64 (two and three
-  # consumers) and d128, 2k-16k, both masks. Its GPU tests first:
-  #   SHARDS=4 SHARD_K=lazy_rescale bash bench/gpu_session.sh 0:mosaic_shards wait lazy_ab
-  # ~3 min.
-  local three=consumers=3+block_q=192
-  timeout 150 python tools/mosaic_bench.py --no-triton --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
-    lazy_rescale=1 $three $three+lazy_rescale=1 2>&1 | tee "$OUT/lazy_ab64.log"
-  timeout 100 python tools/mosaic_bench.py --no-triton --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
-    lazy_rescale=1 2>&1 | tee "$OUT/lazy_ab128.log"
 }
 
 stage_gpt_flash() {

@@ -83,15 +83,6 @@ def test_q_registers_lowers_for_cuda():
   assert _kernels_text(f(dataclasses.replace(plain, q_registers=True)), q, q, q) != _kernels_text(f(plain), q, q, q)
 
 
-def test_lazy_rescale_lowers_for_cuda():
-  """The lazy running max with its per-thread skip of acc's rescale (GPU
-  only: the interpreter multiplies by 1): the kernel lowers and changes."""
-  q = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
-  plain = mosaic.default_config(64)
-  f = lambda config: (lambda q, k, v: mosaic.forward(q, k, v, causal=True, config=config))
-  assert _kernels_text(f(dataclasses.replace(plain, lazy_rescale=True)), q, q, q) != _kernels_text(f(plain), q, q, q)
-
-
 def test_three_consumers_skip_the_padding_copy_on_the_gpu():
   """seq_q 512 in 192-row Q blocks: whole 64-row consumer tiles, so the
   kernel compiled for the GPU reads q as it is (the TMA engine zero-fills
@@ -120,7 +111,6 @@ def test_three_consumers_skip_the_padding_copy_on_the_gpu():
         (dict(block_q=True), "block_q must be an int"),
         (dict(softmax_overlap=1), "softmax_overlap must be a bool"),
         (dict(q_registers=1), "q_registers must be a bool"),
-        (dict(lazy_rescale=1), "lazy_rescale must be a bool"),
         (dict(persistent=None), "persistent must be a bool"),
         (dict(pingpong=1), "pingpong must be a bool"),
         (dict(pingpong=True), "pingpong needs softmax_overlap"),
@@ -323,14 +313,10 @@ def test_only_ragged_lengths_pay_for_padding():
 
 
 def _check_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, causal, *, kv_heads=None,
-                             config=None, interpret=True, tol=1e-2, softmax_scale=None, key_ramp=0.0):
-  """key_ramp: k's rows scaled by 1 + key_ramp * j / seq_k, so that later
-  K/V blocks raise the rows' running max (lazy_rescale's moving path)."""
+                             config=None, interpret=True, tol=1e-2, softmax_scale=None):
   q, k, v, _ = random_inputs(0, batch, seq_q, seq_k, heads, head_dim, dtype)
   if kv_heads is not None:
     k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
-  if key_ramp:
-    k = (k * (1 + key_ramp * jnp.arange(seq_k) / seq_k)[None, :, None, None]).astype(dtype)
   out, lse = mosaic.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, config=config, interpret=interpret)
   ref_out, ref_lse = reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, compute_dtype=jnp.float32)
   assert out.shape == q.shape and out.dtype == q.dtype
@@ -433,41 +419,6 @@ PINGPONG = [
                          ids=["full", "causal_drain_persistent", "ragged_gqa_persistent", "rows_that_see_nothing"])
 def test_interpreter_pingpong(shape, causal, kv_heads, config):
   _check_without_races(shape, causal, kv_heads, config)
-
-
-def _running_max_moves(seq, head_dim, key_ramp, block_kv):
-  """How often a row's running max (log2 domain) passes its last value by
-  more than LAZY_MAX_SLACK, block by block, in _check_against_reference's
-  inputs (batch 1, head 0): the moves the lazy path must make."""
-  q, k, _, _ = random_inputs(0, 1, seq, seq, 1, head_dim, jnp.float32)
-  k = k * (1 + key_ramp * jnp.arange(seq) / seq)[None, :, None, None]
-  s = np.asarray(jnp.einsum("qd,kd->qk", q[0, :, 0], k[0, :, 0])) * head_dim ** -0.5 * mosaic.LOG2_E
-  moves = 0
-  m = np.full(seq, -np.inf)
-  for start in range(0, seq, block_kv):
-    block_max = s[:, start:start + block_kv].max(axis=1)
-    moved = block_max > m + mosaic.LAZY_MAX_SLACK
-    moves += int(moved[np.isfinite(m)].sum())
-    m = np.where(moved, block_max, m)
-  return moves
-
-
-@pytest.mark.parametrize(
-    "shape, causal, config",
-    [
-        ((1, 256, 512, 2, 64), False, MosaicConfig(block_q=128, block_kv=64, lazy_rescale=True)),
-        ((1, 256, 512, 2, 64), True, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, lazy_rescale=True)),
-        # seq_q > seq_k: rows that see no key keep m = -inf, then 0 (the guard).
-        ((1, 384, 256, 1, 64), True, MosaicConfig(block_q=128, block_kv=64, lazy_rescale=True)),
-    ],
-    ids=["full", "causal_overlap", "seq_q_gt_seq_k"],
-)
-def test_interpreter_lazy_rescale(shape, causal, config):
-  """FlashAttention-4's lazy running max (lazy_rescale) on keys that grow
-  along the sequence, so that rows do move their max past the slack (the
-  compiled kernel's skipped rescale is a GPU test)."""
-  assert _running_max_moves(512, 64, 7.0, 64) > 100
-  _check_against_reference(*shape, jnp.bfloat16, causal, config=config, key_ramp=7.0)
 
 
 def test_interpreter_rows_that_see_no_key():
@@ -575,28 +526,6 @@ def test_gpu_variants(shape, kv_heads, config):
 def test_gpu_poly_exp2(shape, kv_heads, config, causal):
   for dtype in (jnp.bfloat16, jnp.float16):
     _check_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config, interpret=False)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("key_ramp", [0.0, 7.0], ids=["random", "growing_keys"])
-@pytest.mark.parametrize(
-    "shape, kv_heads, config",
-    # The lazy running max and the skipped rescale of acc: the d64 default
-    # (two consumers), three consumers ragged grouped-query with seq_q >
-    # seq_k (causal: rows that see no key), d128.
-    [
-        ((2, 2048, 2048, 4, 64), None, dataclasses.replace(mosaic.default_config(64), lazy_rescale=True)),
-        ((1, 2000, 1537, 8, 64), 2, dataclasses.replace(mosaic.default_config(64, seq_q=8192), lazy_rescale=True)),
-        ((2, 2048, 2048, 4, 128), None, dataclasses.replace(mosaic.default_config(128), lazy_rescale=True)),
-    ],
-    ids=["d64", "three_consumers_ragged_gqa", "d128"],
-)
-def test_gpu_lazy_rescale(shape, kv_heads, config, causal, key_ramp):
-  for dtype in (jnp.bfloat16, jnp.float16):
-    _check_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config, interpret=False,
-                             key_ramp=key_ramp)
 
 
 @pytest.mark.gpu

@@ -77,22 +77,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, scf
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash2.mosaic import poly_exp2
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-# MosaicConfig.lazy_rescale: the running max m_i (log2 domain) moves only
-# when a row's scores pass it by more than this, so p = exp2(s - m_i) stays
-# <= 2^8 (exact: acc and l_i share m_i), and most steps leave m_i alone.
-LAZY_MAX_SLACK = 8.0
 
 # Consumer warpgroups per CTA (the forward and the dQ kernel may take 3:
 # MosaicConfig.consumers, BackwardConfig.dq_consumers); the producer
@@ -141,37 +133,6 @@ def compiler_params() -> plgpu.CompilerParams:
   # Bounds-checked: a kernel with more events than room keeps its first ones.
   return plgpu.CompilerParams(approx_math=True, profile_space=events, profile_dir=directory,
                               profile_bounds_check=True)
-
-
-def lazily_rescaled(acc: jax.Array, alpha: jax.Array) -> jax.Array:
-  """acc * alpha per row (acc [rows, D] in the WGMMA layout, alpha [rows] in
-  its row layout), where each thread skips its multiplies if alpha is 1 in
-  every row it holds: a branch per thread, which a warp takes as one when
-  no row of it moved its max (MosaicConfig.lazy_rescale)."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
-                     return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
-  def body(_, acc, alpha):
-    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-    one = mgpu.utils.c(1.0, f32)
-    moved = None  # this thread's rows: any alpha != 1
-    for reg in alpha.registers.flat:
-      for i in range(ir.VectorType(reg.type).shape[0]):
-        value = llvm.extractelement(reg, mgpu.utils.c(i, i32))
-        differs = arith.cmpf(arith.CmpFPredicate.UNE, value, one)
-        moved = differs if moved is None else arith.ori(moved, differs)
-    registers = list(acc.registers.flat)
-    branch = scf.IfOp(moved, [r.type for r in registers], has_else=True)
-    with ir.InsertionPoint(branch.then_block):
-      scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
-      scf.yield_(list(scaled.registers.flat))
-    with ir.InsertionPoint(branch.else_block):
-      scf.yield_(registers)
-    new = np.empty(acc.registers.shape, dtype=object)
-    new.flat[:] = list(branch.results)
-    return mgpu.FragmentedArray(_registers=new, _layout=acc.layout, _is_signed=None)
-
-  return body(acc, alpha)
 
 
 def specialized_kernel(body, *, out_type, scratch, grid, grid_names, interpret_params, name: str,
@@ -235,13 +196,6 @@ class MosaicConfig:
       columns and 2-18% slower at 32-48 (session 9): the SFU is not what
       binds there, and the polynomial's nine instructions per score cost
       more issue slots than the one SFU instruction they replace.
-    lazy_rescale: FlashAttention-4's conditional rescaling: a row's running
-      max moves only when its scores pass it by more than LAZY_MAX_SLACK
-      (log2 domain; exact, acc and l_i share the max), and a thread whose
-      rows' max did not move skips the rescale of acc (a branch per thread:
-      head_dim / 2 multiplies of its ~370 instructions per 128-key block at
-      head_dim 64). Compiled kernels only skip; the interpreter multiplies
-      by 1.
   Sequence lengths need not be multiples of the blocks: `forward` pads them
   (ragged lengths; see the module docstring).
   """
@@ -255,10 +209,9 @@ class MosaicConfig:
   consumers: int = NUM_CONSUMERS
   q_registers: bool = False
   poly_columns: int = 0
-  lazy_rescale: bool = False
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "persistent", "pingpong", "q_registers", "lazy_rescale"):
+    for name in ("softmax_overlap", "persistent", "pingpong", "q_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
     if self.pingpong and not self.softmax_overlap:
@@ -841,8 +794,6 @@ def _forward_kernel(
         col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         s = jnp.where(visible(row, col, seq_q=seq_q, seq_k=seq_k, causal=causal), s, -jnp.inf)
       m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * qk_scale)
-      if config.lazy_rescale:
-        m_new = jnp.where(m_new > m_i + LAZY_MAX_SLACK, m_new, m_i)
       if masked and may_see_nothing:
         # A row with only masked scores so far keeps m = -inf; shift it by 0
         # so that exp2 gives 0 rather than exp2(-inf + inf) = NaN.
@@ -852,8 +803,6 @@ def _forward_kernel(
       return p, m_new, l_i * alpha + jnp.sum(p, axis=1), alpha
 
     def rescale(acc, alpha):
-      if config.lazy_rescale and not interpret:
-        return lazily_rescaled(acc, alpha)
       return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
     def add_pv(acc, p, slot):
