@@ -55,6 +55,7 @@
 #             dkv_trace128 (profiler traces of the d128 backward kept, dK/dV softmax_overlap A/B; ~3 min),
 #             fused64_kv (the d64 fused kernel with K and V in registers: A/B, ~3.5 min),
 #             pair_share (each fused tile adding at every other step, a cluster pair's share; speed only, ~5 min),
+#             three2k (the d64 forward's three consumers from 2k: tests, A/B at 512-2k, bench64; ~6 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -659,6 +660,17 @@ stage_pair_share() {
   local f=fused_dq=1+dkv_persistent=0+dq_adder_warp=1
   timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
     $f+adders=2+alternate=1 $f+adders=0 2>&1 | tee "$OUT/pair_share128.log"
+}
+
+stage_three2k() {
+  # The d64 forward with three consumers from 2k without a mask (the default
+  # since session 13): its GPU tests, then two against three consumers at
+  # 512-2k (kernel alone), then the bench CLI at d64 (bench64). ~6 min.
+  timeout 120 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py \
+    -k three_consumers_from_2k 2>&1 | tail -3
+  timeout 60 python tools/mosaic_bench.py --no-triton --seq 512 1024 2048 --head-dim 64 --causal no --variants \
+    default consumers=3+block_q=192 2>&1 | tee "$OUT/three2k.log"
+  stage_bench64
 }
 
 stage_gpt_flash() {

@@ -57,13 +57,13 @@ def test_config_defaults_fit_shared_memory():
 
 
 def test_default_config_three_consumers_from_measured_lengths():
-  """head_dim 64 takes three consumers from 4k without a mask, 8k causal
+  """head_dim 64 takes three consumers from 2k without a mask, 8k causal
   (the measured thresholds); other head_dims never; so does the API."""
   from jax_flash2 import api
 
   assert mosaic.default_config(64).consumers == 2
-  assert mosaic.default_config(64, seq_q=2048).consumers == 2
-  assert mosaic.default_config(64, seq_q=4096).consumers == 3
+  assert mosaic.default_config(64, seq_q=1024).consumers == 2
+  assert mosaic.default_config(64, seq_q=2048).consumers == 3
   assert mosaic.default_config(64, seq_q=4096, causal=True).consumers == 2
   three = mosaic.default_config(64, seq_q=8192, causal=True)
   assert (three.consumers, three.block_q) == (3, 192)
@@ -508,6 +508,19 @@ def test_gpu_matches_reference(seq, head_dim, dtype, causal):
 def test_gpu_variants(shape, kv_heads, config):
   for dtype in (jnp.bfloat16, jnp.float16):
     _check_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("shape, kv_heads", [((4, 2048, 2048, 8, 64), None), ((2, 2100, 1537, 8, 64), 2)],
+                         ids=["2k", "ragged_gqa"])
+def test_gpu_three_consumers_from_2k(shape, kv_heads):
+  """The d64 default without a mask takes three consumers from 2k: 2048 rows
+  in 192-row Q blocks leave the last tile's third consumer past seq_q (it
+  stores nothing); ragged grouped-query with seq_q > seq_k."""
+  assert mosaic.default_config(64, seq_q=shape[1]).consumers == 3
+  for dtype in (jnp.bfloat16, jnp.float16):
+    _check_against_reference(*shape, dtype, False, kv_heads=kv_heads, interpret=False)
 
 
 @pytest.mark.gpu

@@ -182,7 +182,7 @@ class MosaicConfig:
       the tensor cores two other consumers' matmuls to run while one
       computes its softmax, which at head_dim 64 takes about as long as its
       matmuls; and a 192-row Q tile reads K and V a third less often per
-      FLOP. The head_dim-64 default from 4k (8k causal; session 8).
+      FLOP. The head_dim-64 default from 2k (8k causal; sessions 8, 13).
     q_registers: each consumer loads its Q rows into registers once per tile
       and takes them from there as the A operand of every S = Q K^T, which
       then reads only K from shared memory (a third of the bytes at block_kv
@@ -269,11 +269,11 @@ def _sm_count() -> int:
 
 # head_dim 64 takes three consumer warpgroups (192-row Q tiles) from these
 # lengths of seq_q on, without a mask / causal: measured on the H200
-# (bench/NOTES.md, session 8; the last Q block unpadded) +14-16% at 8k-16k
-# without a mask and more at 4k, +4-7% causal at 8k-16k; equal causal at
-# 4k; at 2k (then padded to 192-row blocks) -3% without a mask and -38%
-# causal.
-THREE_CONSUMERS_MIN_SEQ = {False: 4096, True: 8192}
+# (bench/NOTES.md, sessions 8 and 13; the last Q block unpadded) +14-16% at
+# 8k-16k without a mask, more at 4k, +11% at 2k (session 13; session 8's -3%
+# there was with 2k padded to whole 192-row blocks); +4-7% causal at 8k-16k,
+# equal causal at 4k, -26% causal at 2k.
+THREE_CONSUMERS_MIN_SEQ = {False: 2048, True: 8192}
 
 
 def default_config(head_dim: int, *, seq_q: int = 0, causal: bool = False) -> MosaicConfig:
