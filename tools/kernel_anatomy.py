@@ -3,7 +3,7 @@
   PYTHONPATH=. python tools/kernel_anatomy.py --impls cudnn flash2-mosaic --seq 4096 16384 --head-dim 128
 
 Traces an implementation's forward+backward as the bench CLI builds and runs
-it (jax_flash2.bench: impls, timing.fwd_bwd_fn; 16k tokens, hidden 2048,
+it (jax_flash2.bench: SweepConfig.shape, impls, timing.fwd_bwd_fn; 16k tokens, hidden 2048,
 bf16) with jax.profiler after a warm-up, reads the trace's GPU kernel events
 (the Chrome-format *.trace.json.gz that the profiler writes) and prints, per
 kernel name, the launches per call and the mean time per call in
@@ -25,7 +25,7 @@ import tempfile
 import jax
 
 from jax_flash2.bench import impls, timing
-from jax_flash2.bench.spec import Shape
+from jax_flash2.bench.spec import SweepConfig
 
 CALLS = 5  # traced calls; the table is per call
 
@@ -34,8 +34,9 @@ def fwd_bwd_step(impl: str, seq: int, head_dim: int, causal: bool):
   """(step, args): the jitted forward+backward of bench implementation
   `impl` (e.g. cudnn, flash2-mosaic) on the bench convention's problem at
   `seq`, and its inputs; step(*args) runs it once."""
-  batch, heads = max(16384 // seq, 1), 2048 // head_dim
-  shape = Shape(batch, seq, heads, heads, head_dim, causal, "bfloat16")
+  sweep = SweepConfig(seqlens=(seq,), head_dims=(head_dim,), causal=(causal,), dtypes=("bfloat16",),
+                      modes=("fwd+bwd",), impls=(impl,))
+  shape = sweep.shape("bfloat16", head_dim, causal, seq)
   attn = impls.get(impl).factory(shape, impls.Options(platform=jax.default_backend()))
   x = timing.make_inputs(shape, seed=0)
   return jax.jit(timing.fwd_bwd_fn(attn)), (x.q, x.k, x.v, x.dout)
