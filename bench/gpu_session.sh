@@ -56,7 +56,7 @@
 #             fused64_kv (the d64 fused kernel with K and V in registers: A/B, ~3.5 min),
 #             pair_share (each fused tile adding at every other step, a cluster pair's share; speed only, ~5 min),
 #             three2k (the d64 forward's three consumers from 2k: tests, A/B at 512-2k, bench64; ~6 min),
-#             dkv3 (the d64 fused backward with three consumers, 192 key rows a CTA: A/B, ~5 min),
+#             fill_rounds (the d64 fused backward's rounds filled with heads split across them: A/B, ~4 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -674,16 +674,19 @@ stage_three2k() {
   stage_bench64
 }
 
-stage_dkv3() {
-  # The d64 fused kernel with three consumers (dkv_consumers=3: 192 key rows
-  # a CTA, a third fewer reduce-adds of dQ per FLOP; one set of K/V tiles,
-  # three ring slots) against the default, with and without K and V in
-  # registers (ptxas spills 316 / 132 bytes non-causal). Its tests first:
-  #   SHARDS=3 SHARD_K=fused_dq_three_consumers bash bench/gpu_session.sh 0:mosaic_shards wait dkv3
-  # ~5 min.
-  local t=dkv_consumers=3+dkv_persistent=0+stages=3
-  timeout 300 python tools/mosaic_bwd_bench.py --seq 4096 8192 16384 --head-dim 64 --variants default $t \
-    $t+kv_registers=0 2>&1 | tee "$OUT/dkv3.log"
+stage_fill_rounds() {
+  # The d64 fused backward's schedule: rounds filled with heads split across
+  # them (the default since session 14) against whole heads per round
+  # (whole_heads=1), at lengths where whole heads leave SMs idle (6144:
+  # 96 of 132 CTAs; 12288: 96), and at 4k/16k where the two agree. Its
+  # tests first:
+  #   SHARDS=3 SHARD_K="heads_across_rounds or fused_dq_kv_registers" bash bench/gpu_session.sh \
+  #     0:mosaic_shards wait fill_rounds
+  # ~4 min.
+  timeout 300 python tools/mosaic_bwd_bench.py --seq 6144 12288 --head-dim 64 --variants default whole_heads=1 \
+    2>&1 | tee "$OUT/fill_rounds.log"
+  timeout 120 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default \
+    2>&1 | tee -a "$OUT/fill_rounds.log"
 }
 
 stage_gpt_flash() {

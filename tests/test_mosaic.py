@@ -564,10 +564,6 @@ PERSISTENT_GPU_SHAPES = dict(
                ((2, 1537, 1000, 16, 64), None)],
     ids=["d128", "d64", "ragged_gqa", "seq_q_gt_seq_k"],
 )
-# The fused d64 kernel with three consumers (192 key rows per CTA): one set
-# of K and V tiles and three ring slots leave room for three dS^T buffers
-# and three staged pieces of dQ.
-THREE_DKV_CONSUMERS = dict(dkv_consumers=3, dkv_persistent=False, stages=3)
 
 
 @pytest.mark.gpu
@@ -1041,41 +1037,19 @@ def test_bwd_interpreter_fused_dq(request, shape, dtype, causal, kv_heads):
   assert not gpu_callbacks.get_races().races_found
 
 
-@pytest.mark.parametrize(
-    "shape, dtype, causal, kv_heads",
-    # One CTA takes every tile in turn: three consumers' turns at dQ and
-    # their dS^T buffers carry across tiles and heads.
-    [
-        ((1, 384, 384, 2, 64), jnp.bfloat16, True, None),  # climbing and descending tiles
-        ((1, 200, 136, 2, 64), jnp.bfloat16, False, None),  # ragged: one tile, keys padded to 192
-        ((1, 256, 576, 2, 64), jnp.float16, True, 1),  # grouped-query, seq_q < seq_k
-        ((1, 640, 200, 1, 64), jnp.float16, True, None),  # seq_q > seq_k: rows that see no key
-    ],
-    ids=["causal", "ragged", "gqa_seq_q_lt_seq_k", "seq_q_gt_seq_k"],
-)
-def test_bwd_interpreter_fused_dq_three_consumers(shape, dtype, causal, kv_heads):
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-  config = dataclasses.replace(mosaic_bwd.fused_backward_config(64), **THREE_DKV_CONSUMERS)
-  _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config,
-                               interpret=plgpu.InterpretGPUParams(detect_races=True))
-  assert not gpu_callbacks.get_races().races_found
-
-
-def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None, kv_heads=1, tile_rows=mosaic_bwd.OUTER_ROWS):
+def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None, kv_heads=1):
   """(ranks, events): the fused kernel's order of additions into dQ and, per
   (kv head, query head of its group, Q block), the (time, cta, rank) of its
   additions in the schedule's model, from the kernel's own tile order
   (PersistentSchedule)."""
-  num_kv = -(-seq_k // tile_rows)
+  num_kv = -(-seq_k // mosaic_bwd.OUTER_ROWS)
   schedule = mosaic_bwd._fused_schedule(num_kv, kv_heads, 1, causal=causal, interpret=False)
   if num_ctas is not None:
     schedule = dataclasses.replace(schedule, num_ctas=num_ctas)
-  ranks = mosaic_bwd._dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=64, group=group, causal=causal,
-                               tile_rows=tile_rows)
+  ranks = mosaic_bwd._dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=64, group=group, causal=causal)
   assert ranks.shape[0] == (1 if mosaic_bwd._heads_alike(schedule) else kv_heads)
   num_q = -(-seq_q // 64)
-  starts = jnp.arange(num_kv) * tile_rows
+  starts = jnp.arange(num_kv) * mosaic_bwd.OUTER_ROWS
   lo = np.broadcast_to(np.asarray(mosaic_bwd._q_block_bounds(starts, 64, seq_q, seq_k, 64, causal)[0]), (num_kv,))
   events = {}
   for cta in range(schedule.num_ctas):
@@ -1093,22 +1067,21 @@ def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None, kv_heads=1, ti
 
 
 @pytest.mark.parametrize(
-    "seq_q, seq_k, causal, group, num_ctas, kv_heads, tile_rows",
-    [(1024, 1024, False, 1, None, 1, 128), (1024, 1024, True, 1, None, 1, 128), (1000, 1537, True, 2, None, 1, 128),
-     (1537, 1000, True, 1, None, 1, 128), (384, 1024, False, 1, None, 1, 128), (2048, 2048, False, 1, 4, 1, 128),
-     (2048, 2048, True, 2, 3, 1, 128),
-     # Heads across rounds (5 CTAs over 3 heads of 16 tiles; 3 over 3 heads of 8 pairs): an order per head.
-     (2048, 2048, False, 1, 5, 3, 128), (2048, 2048, True, 1, 3, 3, 128),
-     # 192 key rows per tile (three consumers), ragged.
-     (2000, 2000, False, 1, None, 2, 192), (1000, 2000, True, 1, 4, 3, 192)],
+    "seq_q, seq_k, causal, group, num_ctas, kv_heads",
+    [(1024, 1024, False, 1, None, 1), (1024, 1024, True, 1, None, 1), (1000, 1537, True, 2, None, 1),
+     (1537, 1000, True, 1, None, 1), (384, 1024, False, 1, None, 1), (2048, 2048, False, 1, 4, 1),
+     (2048, 2048, True, 2, 3, 1),
+     # Heads across rounds (5 CTAs over 3 heads of 16 tiles; 3 over 3 heads of 8 pairs;
+     # 3 over 2 heads of 5 ragged tiles): an order per head.
+     (2048, 2048, False, 1, 5, 3), (2048, 2048, True, 1, 3, 3), (1000, 600, True, 2, 3, 2)],
 )
-def test_dq_order_is_deadlock_free(seq_q, seq_k, causal, group, num_ctas, kv_heads, tile_rows):
+def test_dq_order_is_deadlock_free(seq_q, seq_k, causal, group, num_ctas, kv_heads):
   """Each Q block's additions are ranked 0, 1, ... in the order of the
   schedule's model (time, then CTA), so a CTA only ever waits for additions
   that come before its own in one total order that each CTA's steps follow:
   with all CTAs resident, the earliest pending addition can always go. The
   model is replayed here from the kernel's own tile order."""
-  _, events = _dq_order_model(seq_q, seq_k, causal, group, num_ctas, kv_heads, tile_rows)
+  _, events = _dq_order_model(seq_q, seq_k, causal, group, num_ctas, kv_heads)
   for key, additions in events.items():
     additions.sort()
     assert [rank for _, _, rank in additions] == list(range(len(additions))), key
@@ -1319,23 +1292,14 @@ def test_bwd_gpu_fused_dq_kv_registers(shape, kv_heads, causal):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "shape, kv_heads",
-    [((4, 2048, 2048, 32, 64), None), ((2, 1537, 1000, 16, 64), 4), ((1, 12800, 12800, 3, 64), None)],
-    ids=["d64", "ragged_gqa_seq_q_gt_seq_k", "heads_across_rounds"],
-)
-def test_bwd_gpu_fused_dq_three_consumers(shape, kv_heads, causal):
-  """The same with three consumers of 64 key rows (dkv_consumers=3), the
-  d64 default's other options on. At 12800, 67 tiles of 192 rows a head:
-  three heads run in two rounds of 101 CTAs, not three of 67, so each head
-  has its own order of additions (`_dq_order`)."""
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(64), **THREE_DKV_CONSUMERS)
-  grads = _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config,
-                                       interpret=False)
-  (q, k, v, do, lse, delta), _ = _bwd_problem(*shape, jnp.bfloat16, causal, kv_heads)
-  again = mosaic_bwd.backward(q, k, v, do, lse, delta, causal=causal, config=config)
-  for name, x, y in zip(("dq", "dk", "dv"), grads, again):
-    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), err_msg=name)
+def test_bwd_gpu_fused_dq_heads_across_rounds(causal):
+  """The d64 default (the fused kernel) where whole heads per round would
+  waste rounds: 11 heads of 48 K/V blocks (24 causal pairs) run on 132 CTAs
+  in 4 rounds (2 causal), not on 96 in 6 (120 in 3), so each head has an
+  order of additions of its own (`_dq_order`)."""
+  schedule = mosaic_bwd._fused_schedule(48, 11, 1, causal=causal, interpret=False)
+  assert schedule.num_ctas == 132 and not mosaic_bwd._heads_alike(schedule)
+  test_bwd_gpu_fused_dq((1, 6144, 6144, 11, 64), None, causal, adder_warp=True, kv_registers=True)
 
 
 @pytest.mark.gpu
@@ -1465,9 +1429,10 @@ def test_kernel_anatomy_reads_gpu_kernels_from_a_trace(tmp_path):
         (264, 2, 1, False, False, 132, True),
         (33, 4, 1, True, False, 132, True),  # an odd number of K/V blocks: unpaired
         (16, 2, 1, False, False, 32, True),  # few tiles: one round
-        # 192-row tiles at 16k: whole heads would take 32 rounds of 86 CTAs, 21 split ones take 132.
-        (86, 32, 1, False, False, 132, False),
-        (86, 32, 1, True, True, 129, True),  # pairs: 43 CTAs a head, 3 heads per round
+        # 6144 keys, 64 heads: whole heads would take 32 rounds of 96 CTAs; 24 split ones take 128.
+        (48, 32, 2, False, False, 128, False),
+        (48, 32, 2, True, True, 128, False),  # pairs: 24 a head, 13 rounds of 120 CTAs or 12 of 128
+        (96, 32, 1, False, False, 128, False),  # 12288 keys: 24 rounds, not 32 of 96
         (67, 3, 1, False, False, 101, False),  # two rounds, not three of 67
     ],
 )

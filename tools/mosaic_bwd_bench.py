@@ -11,6 +11,7 @@
   ... fused_dq=1+dkv_persistent=0+unordered=1   # no adder waits for its rank (nondeterministic: speed only)
   ... fused_dq=1+dkv_persistent=0+staging=0+lockstep=0   # no hand-over of dQ, no wait for the other dS^T (speed only)
   ... --variants default elementwise=0   # P = S, dS = dP: the kernels without element-wise work (speed only)
+  ... --seq 6144 --variants default whole_heads=1   # the fused schedule with whole heads per round (before session 14)
 
 Bench convention (as tools/mosaic_bench.py): 16384 tokens per batch, hidden
 2048, bf16; backward TFLOP/s = 2.5 x forward FLOPs / time (5 matmuls; the
@@ -27,6 +28,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import unittest.mock
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +44,7 @@ import mosaic_bench  # tools/, for its timer
 _time_ms = mosaic_bench._time_ms
 
 
-_EXPERIMENTS = ("adders=", "alternate=", "unordered=", "elementwise=", "staging=", "lockstep=")
+_EXPERIMENTS = ("adders=", "alternate=", "unordered=", "elementwise=", "staging=", "lockstep=", "whole_heads=")
 
 
 def _variant(config, spec: str):
@@ -49,7 +52,9 @@ def _variant(config, spec: str):
   `alternate=1`, `unordered=1`, `staging=0` and `lockstep=0` in spec (not
   config fields) time the fused kernel under
   mosaic_bwd.dq_addition_experiment(N, alternate=True, ordered=False, ...);
-  `elementwise=0` the kernels under mosaic_bwd.elementwise_experiment().
+  `elementwise=0` the kernels under mosaic_bwd.elementwise_experiment();
+  `whole_heads=1` the fused kernel on the schedule of whole heads per round
+  (mosaic_bwd._fused_schedule's fill_rounds off, patched in for the timing).
   `kernels=2` first takes dQ out of the dK/dV kernel (BackwardConfig.unfused:
   the head_dim-64 default fuses it), so that options of the two kernels
   such as softmax_overlap apply."""
@@ -70,6 +75,9 @@ def _variant(config, spec: str):
             staging=bool(experiment.get("staging", 1)), lockstep=bool(experiment.get("lockstep", 1))))
       if not experiment.get("elementwise", 1):
         stack.enter_context(mosaic_bwd.elementwise_experiment())
+      if experiment.get("whole_heads", 0):
+        stack.enter_context(unittest.mock.patch.object(
+            mosaic_bwd, "_fused_schedule", functools.partial(mosaic_bwd._fused_schedule, fill_rounds=False)))
       yield
 
   return mosaic_bench._variant(config, rest), context

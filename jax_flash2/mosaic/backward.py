@@ -288,13 +288,6 @@ class BackwardConfig:
       element-wise work beside one another's matmuls, as the forward's
       MosaicConfig.consumers). Three were no faster on the H200 (session
       8), hence two by default.
-    dkv_consumers: with fused_dq, consumer warpgroups of the dK/dV kernel,
-      2 or 3 (head_dim 64 only: 160 registers each), 64 key rows each, so
-      that a CTA owns `dkv_rows` = 128 or 192 key rows. Each consumer adds
-      the whole piece of dQ at every dkv_consumers-th step, so three add a
-      third less per FLOP than two (one 16 KiB reduce-add per 192 keys, not
-      per 128): the fused kernel's reduce-adds are what it loses (session
-      12). K and V are then padded to multiples of 192 rows.
     dq_turns: with fused_dq, the two consumers take turns at adding dQ,
       each a whole-width piece at every other step, instead of each adding
       half the columns at every step (`_dq_piece`); at head_dim 64 they
@@ -310,9 +303,8 @@ class BackwardConfig:
       instead of the SFU's ex2 (as forward.MosaicConfig.poly_columns;
       `poly_exp2.py`). Multiples of 8; 0: ex2 alone. Off: no faster at
       head_dim 64 (session 9).
-  The outer block is 64 rows per consumer: OUTER_ROWS (128) rows per CTA,
-  or `dkv_rows` for the fused kernel. Both kernels pad seq_q and seq_k to
-  multiples of OUTER_ROWS, and K, V to multiples of `dkv_rows` (ragged
+  The outer block is fixed: OUTER_ROWS (128) rows per CTA, 64 per consumer.
+  Both kernels pad seq_q and seq_k to multiples of OUTER_ROWS (ragged
   lengths; see the module docstring).
   """
 
@@ -329,7 +321,6 @@ class BackwardConfig:
   kv_registers: bool = False
   q_registers: bool = False
   dq_consumers: int = NUM_CONSUMERS
-  dkv_consumers: int = NUM_CONSUMERS
   dkv_poly_columns: int = 0
   dq_poly_columns: int = 0
 
@@ -338,8 +329,7 @@ class BackwardConfig:
                  "kv_registers", "q_registers", "dq_adder_warp"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
-    for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_consumers", "dkv_poly_columns",
-                 "dq_poly_columns"):
+    for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"BackwardConfig.{name} must be an int, got {value!r}")
@@ -348,10 +338,6 @@ class BackwardConfig:
         raise ValueError(f"BackwardConfig.{name} must be 64 or 128, got {getattr(self, name)}")
     if self.dq_consumers not in CONSUMER_REGISTERS:
       raise ValueError(f"BackwardConfig.dq_consumers must be 2 or 3, got {self.dq_consumers}")
-    if self.dkv_consumers not in CONSUMER_REGISTERS:
-      raise ValueError(f"BackwardConfig.dkv_consumers must be 2 or 3, got {self.dkv_consumers}")
-    if self.dkv_consumers != NUM_CONSUMERS and not self.fused_dq:
-      raise ValueError(f"BackwardConfig.dkv_consumers {self.dkv_consumers} needs fused_dq")
     if not 2 <= self.stages <= 8:
       raise ValueError(f"BackwardConfig.stages must be between 2 and 8, got {self.stages}")
     if self.fused_dq and self.block_q != WGMMA_M:
@@ -370,13 +356,7 @@ class BackwardConfig:
     """This tiling with dQ in a kernel of its own: fused_dq off, and the
     options that need it (the head_dim-64 default fuses dQ; softmax_overlap,
     for one, takes the two kernels)."""
-    return dataclasses.replace(self, fused_dq=False, dq_adder_warp=False, kv_registers=False,
-                               dkv_consumers=NUM_CONSUMERS)
-
-  @property
-  def dkv_rows(self) -> int:
-    """Key rows per CTA of the dK/dV kernel."""
-    return self.dkv_consumers * WGMMA_M
+    return dataclasses.replace(self, fused_dq=False, dq_adder_warp=False, kv_registers=False)
 
   @property
   def dkv_buffers(self) -> int:
@@ -387,12 +367,12 @@ class BackwardConfig:
     if head_dim in WIDE_HEAD_DIMS:
       return _wide().dkv_smem_bytes(self, head_dim, dtype)
     item = jnp.dtype(dtype).itemsize
-    kv = self.dkv_buffers * 2 * self.dkv_rows * head_dim * item
+    kv = self.dkv_buffers * 2 * OUTER_ROWS * head_dim * item
     ring = self.stages * (2 * self.block_q * head_dim * item + 2 * self.block_q * 4)
     fused = 0
-    if self.fused_dq:  # dS^T, a buffer per consumer's turn; the staged pieces of dQ (float32)
-      piece = _dq_piece(head_dim, self.dq_turns, self.dkv_consumers)
-      fused = piece.consumers * self.dkv_rows * self.block_q * item + piece.buffers * self.block_q * piece.cols * 4
+    if self.fused_dq:  # dS^T, double-buffered; the staged pieces of dQ (float32)
+      piece = _dq_piece(head_dim, self.dq_turns)
+      fused = 2 * OUTER_ROWS * self.block_q * item + piece.buffers * self.block_q * piece.cols * 4
     return kv + ring + fused + BWD_SMEM_RESERVE
 
   @property
@@ -481,9 +461,6 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
     raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
   if "dkv" in kernels and config.kv_registers and head_dim != 64:
     raise NotImplementedError(f"BackwardConfig.kv_registers needs head_dim 64 (registers), got {head_dim}")
-  if "dkv" in kernels and config.dkv_consumers != NUM_CONSUMERS and head_dim != 64:
-    raise NotImplementedError(
-        f"BackwardConfig.dkv_consumers {config.dkv_consumers} needs head_dim 64 (registers), got {head_dim}")
   if "dq" in kernels and config.dq_consumers != NUM_CONSUMERS and head_dim != 64:
     raise NotImplementedError(
         f"BackwardConfig.dq_consumers {config.dq_consumers} needs head_dim 64 (registers), got {head_dim}")
@@ -531,18 +508,17 @@ def _swizzled(head_or_cols: int, dtype):
 @dataclasses.dataclass(frozen=True)
 class _DQPiece:
   """The piece of dQ a consumer of the fused kernel adds per Q block: half
-  the columns at every step for each of two consumers (split), or all of
-  them at every `consumers`-th step, the consumers taking turns. wgmma
-  reads its K operand with 128-byte swizzling, so a column slice of K must
-  be 64 columns wide: at head_dim 64 they always take turns. Each consumer
-  stages its pieces in a float32 buffer of its own (`buffers` =
-  consumers), except whole-width pieces at head_dim 128: two 64 x 128
-  buffers (64 KiB) do not fit beside the ring, so the consumers share one
-  and each waits for the producer to have read the other's piece."""
+  the columns at every step for each consumer (split), or all of them at
+  every other step, the consumers taking turns. wgmma reads its K operand
+  with 128-byte swizzling, so a column slice of K must be 64 columns wide:
+  at head_dim 64 they always take turns. Each consumer stages its pieces in
+  a float32 buffer of its own (`buffers` = 2), except whole-width pieces at
+  head_dim 128: two 64 x 128 buffers (64 KiB) do not fit beside the ring,
+  so the consumers share one and each waits for the producer to have read
+  the other's piece."""
 
   cols: int
   split: bool
-  consumers: int = NUM_CONSUMERS  # BackwardConfig.dkv_consumers
 
   def per_row(self, head_dim: int) -> int:
     """Pieces of dQ per Q block (the semaphores' count per block)."""
@@ -550,12 +526,12 @@ class _DQPiece:
 
   @property
   def buffers(self) -> int:
-    return self.consumers if self.split or self.cols <= 64 else 1
+    return NUM_CONSUMERS if self.split or self.cols <= 64 else 1
 
 
-def _dq_piece(head_dim: int, turns: bool, consumers: int = NUM_CONSUMERS) -> _DQPiece:
-  split = not turns and head_dim >= 2 * 64 and consumers == 2
-  return _DQPiece(head_dim // 2 if split else head_dim, split, consumers)
+def _dq_piece(head_dim: int, turns: bool) -> _DQPiece:
+  split = not turns and head_dim >= 2 * 64
+  return _DQPiece(head_dim // 2 if split else head_dim, split)
 
 
 def _visit(kv_index, position, num_visits, lo, *, num_q, num_kv, causal: bool, where=jnp.where,
@@ -579,19 +555,22 @@ def _visit(kv_index, position, num_visits, lo, *, num_q, num_kv, causal: bool, w
   return rem(position + div(kv_index * num_q, num_kv), num_visits)
 
 
-def _fused_schedule(num_kv: int, kv_heads: int, batch: int, *, causal: bool, interpret: bool) -> PersistentSchedule:
+def _fused_schedule(num_kv: int, kv_heads: int, batch: int, *, causal: bool, interpret: bool,
+                    fill_rounds: bool = True) -> PersistentSchedule:
   """The fused kernel's persistent CTAs, which wait on each other: all of
   them must be resident at once (one per SM). Where it costs no round of
   tiles, the tiles of one (batch, kv head) run in the same round(s), so that
   the order of additions into its dQ can be computed for one head and hold
   for every head (`_dq_order`): the CTA count is then a multiple of the CTAs
   one head needs (tiles or pairs of tiles), or divides it. Where that would
-  take more rounds than the SMs allow (86 K/V blocks a head, 192 rows each
-  at 16k, would run 32 rounds on 86 CTAs), the fewest CTAs that take the
-  fewest rounds, heads split across rounds, and `_dq_order` orders every
-  head's additions. Causal tiles pair only within a head: an odd number of
-  K/V blocks runs unpaired. In the interpreter one CTA takes every tile in
-  turn (no semaphores there; see _dkv_kernel)."""
+  take more rounds than the SMs allow (48 K/V blocks a head at 6144 keys: 64
+  heads would run 32 rounds on 96 CTAs, or 24 on 128), the fewest CTAs that
+  take the fewest rounds, heads split across rounds, and `_dq_order` orders
+  every head's additions (fill_rounds False: whole heads per round always,
+  as before session 14; a measurement switch). Causal tiles pair only
+  within a head: an odd number of K/V blocks runs unpaired. In the
+  interpreter one CTA takes every tile in turn (no semaphores there; see
+  _dkv_kernel)."""
   paired = causal and num_kv % 2 == 0
   per_head = num_kv // 2 if paired else num_kv
   units = per_head * kv_heads * batch
@@ -604,7 +583,7 @@ def _fused_schedule(num_kv: int, kv_heads: int, batch: int, *, causal: bool, int
     else:
       num_ctas = max(d for d in range(1, sms + 1) if per_head % d == 0)
     rounds = -(-units // sms)
-    if -(-units // num_ctas) > rounds:
+    if fill_rounds and -(-units // num_ctas) > rounds:
       num_ctas = -(-units // rounds)
   return PersistentSchedule(num_kv, kv_heads, batch, num_ctas, paired)
 
@@ -618,7 +597,7 @@ def _heads_alike(schedule: PersistentSchedule) -> bool:
 
 
 def _dq_order(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: int, group: int,
-              causal: bool, tile_rows: int = OUTER_ROWS) -> np.ndarray:
+              causal: bool) -> np.ndarray:
   """rank[u, j, s]: how many additions into the dQ block that K/V block j of
   (batch, kv head) u adds into at its step s (of `group` query heads x its Q
   blocks) come before its own, int32 [units, num_kv, group * num_q] (unused
@@ -632,13 +611,13 @@ def _dq_order(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: 
   is a total one that every CTA's own sequence of steps follows, so with
   all CTAs resident the earliest addition not yet made can always be made:
   no deadlock, whatever the real timing; the model only decides how often
-  an adder waits. tile_rows: key rows per K/V block."""
+  an adder waits."""
   num_kv = schedule.num_blocks
   num_units = 1 if _heads_alike(schedule) else schedule.heads * schedule.batch
   num_q = -(-seq_q // block_q)
   steps = group * num_q
   with jax.ensure_compile_time_eval():  # numbers, also under a trace
-    k_starts = jnp.arange(num_kv, dtype=jnp.int32) * tile_rows
+    k_starts = jnp.arange(num_kv, dtype=jnp.int32) * OUTER_ROWS
     lo = np.asarray(_q_block_bounds(k_starts, WGMMA_M, seq_q, seq_k, block_q, causal)[0])
     # Every CTA's tiles in its order: [cta, i] grids of (block, head, batch).
     counts = np.asarray(schedule.tile_count(jnp.arange(schedule.num_ctas, dtype=jnp.int32)))
@@ -694,29 +673,26 @@ def _dkv_kernel(
 ):
   # q_ref, do_ref: [batch, seq_q', heads, D]; k_ref, v_ref, dk_ref, dv_ref:
   # [batch, seq_k', kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q'];
-  # seq_q', seq_k': the real seq_q, seq_k padded to multiples of OUTER_ROWS
-  # (seq_k' of config.dkv_rows). C = config.dkv_consumers (2, or 3 fused).
-  # k_smem, v_smem: [buffers, C, 64, D] (one tile per consumer, reused for
+  # seq_q', seq_k': the real seq_q, seq_k padded to multiples of OUTER_ROWS.
+  # k_smem, v_smem: [buffers, 2, 64, D] (one tile per consumer, reused for
   # dK, dV; two buffers in a persistent CTA, which loads the next tile's K
   # and V while the current one's gradients are stored); q_smem, do_smem:
   # [stages, block_q, D]; lse_smem, delta_smem: [stages, block_q].
-  # kv_ready: [buffers * C] barriers of 2 arrivals (K and V copies);
+  # kv_ready: [buffers * 2] barriers of 2 arrivals (K and V copies);
   # *_ready: [stages] (TMA); q_consumed (Q, lse), do_consumed (dO, delta):
-  # [stages], C arrivals.
+  # [stages], 2 arrivals.
   # With fused_dq: ranks_ref, an input, int32 [units, num_kv, group * num_q]
   # (`_dq_order`); dq_ref, an output, float32 [batch * heads * num_q *
   # pieces, block_q, piece columns], dQ unscaled, piece by piece; ds_smem:
-  # [C, C, 64, block_q], dS^T of every consumer, a buffer per step modulo C
-  # (step s's turn reads buffer s % C; every consumer has passed its own
-  # turn's wait, which follows step s's reads, before it writes that buffer
-  # again); dq_smem: [_DQPiece.buffers, block_q, piece columns] f32, the
-  # consumers' pieces of dQ on their way out; ds_ready: [C] barriers of C
-  # arrivals; tile_done: a barrier of C arrivals (no consumer reads another's
-  # K tile any more); dq_staged, dq_free: [C] barriers of 1 arrival (a
+  # [2, 2, 64, block_q], dS^T of both consumers, double-buffered by step;
+  # dq_smem: [_DQPiece.buffers, block_q, piece columns] f32, the consumers'
+  # pieces of dQ on their way out; ds_ready: [2] barriers of 2 arrivals;
+  # tile_done: a barrier of 2 arrivals (neither consumer reads the other's K
+  # tile any more); dq_staged, dq_free: [2] barriers of 1 arrival (a
   # consumer's piece is in dq_smem; the producer has read it).
-  # staging (interpret mode only): [C, 64, block_q], P^T and dS^T for wgmma;
-  # with fused_dq also dq_old: [C, block_q, piece columns] f32 and
-  # dq_loaded, [C] barriers (the interpreter adds into dQ by load, add and
+  # staging (interpret mode only): [2, 64, block_q], P^T and dS^T for wgmma;
+  # with fused_dq also dq_old: [2, block_q, piece columns] f32 and
+  # dq_loaded, [2] barriers (the interpreter adds into dQ by load, add and
   # store).
   # schedule: None for one CTA per tile (grid kv x heads x batch), else the
   # persistent CTAs' tiles (forward.PersistentSchedule over K/V blocks).
@@ -740,20 +716,18 @@ def _dkv_kernel(
   if interpret and fused:
     dq_old, dq_loaded = refs
   rows, block_q, stages = WGMMA_M, config.block_q, config.stages
-  consumers, tile_rows = config.dkv_consumers, config.dkv_rows
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   wg = lax.axis_index("wg")
   num_q = pl.cdiv(seq_q, block_q)
-  num_kv = k_ref.shape[1] // tile_rows
+  num_kv = k_ref.shape[1] // OUTER_ROWS
   qk_scale = softmax_scale * LOG2_E
 
   @dataclasses.dataclass(frozen=True)
   class KVTile:
-    """tile_rows key rows of one (batch, kv head): a CTA's unit of work. It
+    """OUTER_ROWS key rows of one (batch, kv head): a CTA's unit of work. It
     visits Q blocks [lo, num_q) of every query head of the group: the first
-    consumer's keys come first, so its range covers the others'. int32
-    scalars."""
+    consumer's keys come first, so its range covers both. int32 scalars."""
     batch: jax.Array
     kv_head: jax.Array
     kv_index: jax.Array  # K/V block
@@ -781,7 +755,7 @@ def _dkv_kernel(
   def tile_at(kv_index, kv_head, batch) -> KVTile:
     # K/V block 0 sees the most Q blocks when causal: in grid order it runs
     # first, the heaviest-first order of the Q-outer kernels.
-    k_start = kv_index * tile_rows
+    k_start = kv_index * OUTER_ROWS
     lo, _ = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
     return KVTile(batch, kv_head, kv_index, k_start, lo, group * (jnp.int32(num_q) - lo))
 
@@ -820,18 +794,18 @@ def _dkv_kernel(
   def load_kv(tile: KVTile, buffer):
     """Starts the copies of this consumer's K and V rows of `tile`."""
     kv_rows = (tile.batch, pl.ds(tile.k_start + wg * rows, rows), tile.kv_head)
-    ready = kv_ready.at[buffer * consumers + wg]
+    ready = kv_ready.at[buffer * NUM_CONSUMERS + wg]
     plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[buffer, wg], ready)
     plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[buffer, wg], ready)
 
-  piece = _dq_piece(head_dim, config.dq_turns, consumers)
+  piece = _dq_piece(head_dim, config.dq_turns)
   piece_cols, split = piece.cols, piece.split
-  own_buffer = piece.buffers == consumers  # a staging buffer per consumer
+  own_buffer = piece.buffers == NUM_CONSUMERS  # a staging buffer per consumer
   pieces = piece.per_row(head_dim)  # pieces of dQ per step: every column of the Q block
 
   def owner(ring_step):
     """The consumer whose turn it is at ring step `ring_step` (dq_turns)."""
-    return lax.rem(ring_step, jnp.int32(consumers))
+    return lax.rem(ring_step, jnp.int32(NUM_CONSUMERS))
 
   def first_column(consumer):
     """The first column of dQ in `consumer`'s pieces."""
@@ -883,8 +857,8 @@ def _dkv_kernel(
     rank = ranks_ref[ranks_unit(tile), tile.kv_index, step]
     counters = []
     # Split pieces: both consumers', every step; else the turn's owner's.
-    adders = range(consumers) if split else [owner(ring_step)]
-    for piece, consumer in enumerate(adders):
+    consumers = range(NUM_CONSUMERS) if split else [owner(ring_step)]
+    for piece, consumer in enumerate(consumers):
       counter = ((tile.batch * heads + head) * num_q + qb) * pieces + piece
       target = dq_ref.at[counter]  # contiguous: one counter per piece
       staged = dq_smem.at[consumer if own_buffer else 0]
@@ -917,10 +891,10 @@ def _dkv_kernel(
   # The piece staged last in this consumer's buffer, which the producer must
   # have read before the consumer stages its own: its own, `gap` ring steps
   # before (own buffers), or the other consumer's, the step before (one
-  # shared buffer, two consumers). Each consumer waits for every phase of that piece's
+  # shared buffer). Each consumer waits for every phase of that piece's
   # dq_free barrier in turn, the last in its epilogue.
   previous_owner = wg if own_buffer else 1 - wg
-  gap = consumers if own_buffer and not split else 1
+  gap = NUM_CONSUMERS if own_buffer and not split else 1
 
   def stage_piece(dq, ring_step):
     """Hands this consumer's piece of dQ to the producer (`add_pieces`)."""
@@ -936,10 +910,10 @@ def _dkv_kernel(
     plgpu.barrier_arrive(dq_staged.at[wg])
 
   def dq_product(acc_ref, buf, buffer):
-    """acc += this consumer's piece of dS K: dS from every consumer's dS^T
-    in ds_smem[buf] (transposed), K from every K tile of `buffer`."""
+    """acc += this consumer's piece of dS K: dS from both consumers' dS^T in
+    ds_smem[buf] (transposed), K from both K tiles of `buffer`."""
     columns = pl.ds(first_column(wg), piece_cols)
-    for c in range(consumers):
+    for c in range(NUM_CONSUMERS):
       plgpu.wgmma(acc_ref, ds_smem.at[buf, c].transpose((1, 0)), k_smem.at[buffer, c, :, columns])
 
   def last_release(end_step):
@@ -958,7 +932,7 @@ def _dkv_kernel(
     the ring's steps from ring_base; its K and V rows are in `buffer`."""
     k_start = tile.k_start + wg * rows
     k_tile, v_tile = k_smem.at[buffer, wg], v_smem.at[buffer, wg]
-    plgpu.barrier_wait(kv_ready.at[buffer * consumers + wg])
+    plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + wg])
     # The A operands of S^T and dP^T: K and V from shared memory, or loaded
     # once per tile into registers (kv_registers; the interpreter reads
     # them from shared memory either way).
@@ -1035,8 +1009,8 @@ def _dkv_kernel(
         p_t = probs_t(s_t, qb, slot, masked=masked)
         ds_t = grad_scores_t(p_t, dp_t, slot).astype(dtype)
       if fused:
-        # Every consumer's dS^T rows make the dS of dQ = dS K.
-        buf = lax.rem(ring_step, jnp.int32(consumers))
+        # Both consumers' dS^T rows make the dS of dQ = dS K.
+        buf = lax.rem(ring_step, jnp.int32(2))
         with jax.named_scope("stage_ds"):
           ds_smem.at[buf, wg][...] = ds_t
           plgpu.commit_smem()
@@ -1198,12 +1172,11 @@ def _dkv_kernel(
       return lax.fori_loop(last, tile.visits, functools.partial(visit, masked=True), carry)
 
     if fused:
-      # The other consumers' K rows take part in this consumer's dQ products.
-      for c in range(1, consumers):
-        plgpu.barrier_wait(kv_ready.at[buffer * consumers + lax.rem(wg + c, jnp.int32(consumers))])
+      # The other consumer's K rows take part in this consumer's dQ products.
+      plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + 1 - wg])
       carry = (acc, acc)
       dk, dv = one_head_fused(jnp.int32(0), carry) if group == 1 else lax.fori_loop(0, group, one_head_fused, carry)
-      # dK and dV are staged in the K and V tiles next: the other consumers
+      # dK and dV are staged in the K and V tiles next: the other consumer
       # must be done reading this one's K.
       plgpu.barrier_arrive(tile_done)
       plgpu.barrier_wait(tile_done)
@@ -1240,7 +1213,7 @@ def _dkv_kernel(
 
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
             compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers,
-            consumers=consumers, produce_aside=add_tile_pieces if adder_warp else None)
+            produce_aside=add_tile_pieces if adder_warp else None)
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):
@@ -1249,14 +1222,14 @@ def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float 
   return config, float(head_dim ** -0.5 if softmax_scale is None else softmax_scale)
 
 
-def _pad(q, k, v, do, lse, delta, *, q_rows: int = OUTER_ROWS, k_rows: int = OUTER_ROWS):
+def _pad(q, k, v, do, lse, delta, *, q_rows: int = OUTER_ROWS):
   """The operands padded along their sequence axes, for both kernels: q,
-  do, lse and delta to multiples of q_rows, k and v of k_rows (an operand
-  already a multiple is returned as it is). Padded query rows get
+  do, lse and delta to multiples of q_rows, k and v of OUTER_ROWS (an
+  operand already a multiple is returned as it is). Padded query rows get
   lse = +inf, so that P = exp2(S - lse) = 0 there (finite S: Q is 0), and
   dO = 0, delta = 0, so that dS = P * (dP - delta) = 0 as well."""
   q, do = pad_seq(q, q_rows), pad_seq(do, q_rows)
-  k, v = pad_seq(k, k_rows), pad_seq(v, k_rows)
+  k, v = pad_seq(k, OUTER_ROWS), pad_seq(v, OUTER_ROWS)
   lse = pad_seq(lse, q_rows, axis=2, value=jnp.inf)
   delta = pad_seq(delta, q_rows, axis=2)
   return q, k, v, do, lse, delta
@@ -1289,8 +1262,7 @@ def dkv(
   config, softmax_scale = _settings(q, config, softmax_scale)
   _check_inputs(q, k, v, do, lse, delta, config, ("dkv",))
   seq_q, seq_k = q.shape[1], k.shape[1]
-  dk, dv, *_ = _dkv_call(*_pad(q, k, v, do, lse, delta, k_rows=config.dkv_rows), seq_q=seq_q, seq_k=seq_k,
-                         causal=causal,
+  dk, dv, *_ = _dkv_call(*_pad(q, k, v, do, lse, delta), seq_q=seq_q, seq_k=seq_k, causal=causal,
                          softmax_scale=softmax_scale, config=config, interpret=interpret)
   return unpad_seq(dk, seq_k), unpad_seq(dv, seq_k)
 
@@ -1305,38 +1277,37 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   interpret_params, interpret = interpret_params_of(interpret)
   dtype, stages, block_q = q.dtype, config.stages, config.block_q
   transforms = _swizzled(head_dim, dtype)
-  buffers, consumers = config.dkv_buffers, config.dkv_consumers
+  buffers = config.dkv_buffers
   scratch = [
-      plgpu.SMEM((buffers, consumers, WGMMA_M, head_dim), dtype, transforms=transforms),  # K
-      plgpu.SMEM((buffers, consumers, WGMMA_M, head_dim), dtype, transforms=transforms),  # V
+      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # K
+      plgpu.SMEM((buffers, NUM_CONSUMERS, WGMMA_M, head_dim), dtype, transforms=transforms),  # V
       plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),  # Q
       plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),  # dO
       plgpu.SMEM((stages, block_q), jnp.float32),  # lse
       plgpu.SMEM((stages, block_q), jnp.float32),  # delta
-      plgpu.Barrier(num_arrivals=2, num_barriers=buffers * consumers),  # K and V tiles
+      plgpu.Barrier(num_arrivals=2, num_barriers=buffers * NUM_CONSUMERS),  # K and V tiles
       *[plgpu.Barrier(num_barriers=stages) for _ in range(4)],  # Q, dO, lse, delta ready
-      plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # Q, lse consumed
-      plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # dO, delta consumed
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # Q, lse consumed
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # dO, delta consumed
   ]
-  num_kv = k.shape[1] // config.dkv_rows
+  num_kv = k.shape[1] // OUTER_ROWS
   group = heads // kv_heads
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
   operands = [q, k, v, do, lse, delta]
   if config.fused_dq:
-    piece = _dq_piece(head_dim, config.dq_turns, consumers)
+    piece = _dq_piece(head_dim, config.dq_turns)
     scratch += [
-        plgpu.SMEM((consumers, consumers, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)),  # dS^T
+        plgpu.SMEM((2, NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)),  # dS^T
         plgpu.SMEM((piece.buffers, block_q, piece.cols), jnp.float32,
                    transforms=_swizzled(piece.cols, jnp.float32)),  # pieces of dQ
-        plgpu.Barrier(num_arrivals=consumers, num_barriers=consumers),  # dS^T staged
-        plgpu.Barrier(num_arrivals=consumers),  # tile done
-        plgpu.Barrier(num_barriers=consumers),  # a piece of dQ staged
-        plgpu.Barrier(num_barriers=consumers),  # ... and read by the producer
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),  # dS^T staged
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # tile done
+        plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # a piece of dQ staged
+        plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # ... and read by the producer
     ]
     schedule = _fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=interpret)
     grid, grid_names = (schedule.num_ctas,), ("cta",)
-    ranks = _dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal,
-                      tile_rows=config.dkv_rows)
+    ranks = _dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal)
     operands.append(jnp.asarray(ranks))
     # dQ piece by piece, each piece of block_q rows contiguous (`_finish_dq`
     # puts the rows back in q's layout): a TMA reduce-add then writes 16 KiB
@@ -1350,19 +1321,18 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
     schedule, grid, grid_names = outer_grid(num_kv, kv_heads, batch, axis="kv", persistent=config.dkv_persistent,
                                             causal=causal, interpret=interpret)
   if interpret:
-    scratch.append(plgpu.SMEM((consumers, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)))
+    scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)))
     if config.fused_dq:
       scratch += [
-          plgpu.SMEM((consumers, block_q, piece.cols), jnp.float32, transforms=_swizzled(piece.cols, jnp.float32)),
-          plgpu.Barrier(num_barriers=consumers),  # dQ loaded
+          plgpu.SMEM((NUM_CONSUMERS, block_q, piece.cols), jnp.float32, transforms=_swizzled(piece.cols, jnp.float32)),
+          plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # dQ loaded
       ]
   kernel = functools.partial(
       _dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=group, schedule=schedule, causal=causal,
       softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
   return specialized_kernel(kernel, out_type=tuple(out_type), scratch=scratch, grid=grid, grid_names=grid_names,
-                            interpret_params=interpret_params, name="flash2_bwd_dkv_mosaic",
-                            consumers=consumers)(*operands)
+                            interpret_params=interpret_params, name="flash2_bwd_dkv_mosaic")(*operands)
 
 
 def _finish_dq(dq, shape, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float, dtype) -> jax.Array:
@@ -1630,7 +1600,7 @@ def backward(
   config, softmax_scale = _settings(q, config, softmax_scale)
   _check_inputs(q, k, v, do, lse, delta, config, ("dkv",) if config.fused_dq else ("dkv", "dq"))
   seq_q, seq_k = q.shape[1], k.shape[1]
-  padded = _pad(q, k, v, do, lse, delta, k_rows=config.dkv_rows)
+  padded = _pad(q, k, v, do, lse, delta)
   kwargs = dict(seq_q=seq_q, seq_k=seq_k, causal=causal, softmax_scale=softmax_scale, config=config,
                 interpret=interpret)
   if config.fused_dq:
