@@ -57,6 +57,7 @@
 #             pair_share (each fused tile adding at every other step, a cluster pair's share; speed only, ~5 min),
 #             three2k (the d64 forward's three consumers from 2k: tests, A/B at 512-2k, bench64; ~6 min),
 #             fill_rounds (the d64 fused backward's rounds filled with heads split across them: A/B, ~4 min),
+#             bench64_odd (the bench CLI at d64, 6144 and 12288, ~3 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -207,6 +208,13 @@ stage_bench128() {
 stage_bench64() {
   timeout 250 $BENCH --seqlens 2048 4096 8192 16384 --head-dims 64 --modes fwd fwd+bwd \
     --impls flash2 flash2-triton cudnn --out "$OUT/bench_d64" 2>&1 | grep -v "^$" | tail -30
+}
+
+stage_bench64_odd() {
+  # The bench CLI at d64 at lengths whose K/V blocks per head do not divide
+  # the SMs (6144, 12288: the fused backward's filled rounds, session 14). ~3 min.
+  timeout 200 $BENCH --seqlens 6144 12288 --head-dims 64 --modes fwd fwd+bwd \
+    --impls flash2 flash2-triton cudnn --out "$OUT/bench_d64_odd" 2>&1 | grep -v "^$" | tail -20
 }
 
 stage_gqa_vs_mha() {
