@@ -58,6 +58,7 @@
 #             three2k (the d64 forward's three consumers from 2k: tests, A/B at 512-2k, bench64; ~6 min),
 #             fill_rounds (the d64 fused backward's rounds filled with heads split across them: A/B, ~4 min),
 #             bench64_odd (the bench CLI at d64, 6144 and 12288, ~3 min),
+#             adder_warps (the d64 fused backward with two warps adding dQ: A/B, ~3 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -208,6 +209,15 @@ stage_bench128() {
 stage_bench64() {
   timeout 250 $BENCH --seqlens 2048 4096 8192 16384 --head-dims 64 --modes fwd fwd+bwd \
     --impls flash2 flash2-triton cudnn --out "$OUT/bench_d64" 2>&1 | grep -v "^$" | tail -30
+}
+
+stage_adder_warps() {
+  # The d64 fused backward with two warps adding dQ (dq_adder_warps=2, one
+  # per consumer's pieces) against one. Its tests first:
+  #   SHARDS=2 SHARD_K=two_adder_warps bash bench/gpu_session.sh 0:mosaic_shards wait adder_warps
+  # ~3 min.
+  timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default dq_adder_warps=2 \
+    2>&1 | tee "$OUT/adder_warps.log"
 }
 
 stage_bench64_odd() {

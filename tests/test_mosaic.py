@@ -1292,6 +1292,23 @@ def test_bwd_gpu_fused_dq_kv_registers(shape, kv_heads, causal):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape, kv_heads", [((4, 2048, 2048, 32, 64), None), ((2, 1537, 1000, 16, 64), 4)],
+                         ids=["d64", "ragged_gqa_seq_q_gt_seq_k"])
+def test_bwd_gpu_fused_dq_two_adder_warps(shape, kv_heads, causal):
+  """The d64 default with two warps adding dQ, one per consumer's pieces
+  (dq_adder_warps=2): right, and the same bits again."""
+  config = dataclasses.replace(mosaic_bwd.default_backward_config(64), dq_adder_warps=2)
+  grads = _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config,
+                                       interpret=False)
+  (q, k, v, do, lse, delta), _ = _bwd_problem(*shape, jnp.bfloat16, causal, kv_heads)
+  again = mosaic_bwd.backward(q, k, v, do, lse, delta, causal=causal, config=config)
+  for name, x, y in zip(("dq", "dk", "dv"), grads, again):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), err_msg=name)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_bwd_gpu_fused_dq_heads_across_rounds(causal):
   """The d64 default (the fused kernel) where whole heads per round would
   waste rounds: 11 heads of 48 K/V blocks (24 causal pairs) run on 132 CTAs

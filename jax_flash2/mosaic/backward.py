@@ -297,6 +297,11 @@ class BackwardConfig:
       loads never wait behind the additions' waits (FlashAttention-3's dQ
       writer warp; session 11). Compiled kernels only: in Mosaic's
       interpreter the producer does both in turn.
+    dq_adder_warps: with dq_adder_warp and the consumers taking turns
+      (head_dim 64), warps of the producer that add dQ, 1 or 2: with 2 the
+      second and third warps take the even and the odd ring steps (each
+      consumer's pieces), so that one piece's additions need not land
+      before the next piece's start (session 14).
     dkv_poly_columns, dq_poly_columns: the last columns of each P^T tile of
       the dK/dV kernel (of block_q) and each P tile of the dQ kernel (of
       block_kv) whose exponentials are a polynomial on the FP32 units
@@ -318,6 +323,7 @@ class BackwardConfig:
   fused_dq: bool = False
   dq_turns: bool = False
   dq_adder_warp: bool = False
+  dq_adder_warps: int = 1
   kv_registers: bool = False
   q_registers: bool = False
   dq_consumers: int = NUM_CONSUMERS
@@ -329,7 +335,8 @@ class BackwardConfig:
                  "kv_registers", "q_registers", "dq_adder_warp"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
-    for name in ("block_q", "block_kv", "stages", "dq_consumers", "dkv_poly_columns", "dq_poly_columns"):
+    for name in ("block_q", "block_kv", "stages", "dq_consumers", "dq_adder_warps", "dkv_poly_columns",
+                 "dq_poly_columns"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"BackwardConfig.{name} must be an int, got {value!r}")
@@ -344,6 +351,10 @@ class BackwardConfig:
       raise ValueError(f"BackwardConfig.fused_dq needs block_q {WGMMA_M}, got {self.block_q}")
     if self.fused_dq and self.softmax_overlap:
       raise ValueError("BackwardConfig.fused_dq does not take softmax_overlap")
+    if self.dq_adder_warps not in (1, 2):
+      raise ValueError(f"BackwardConfig.dq_adder_warps must be 1 or 2, got {self.dq_adder_warps}")
+    if self.dq_adder_warps != 1 and not self.dq_adder_warp:
+      raise ValueError("BackwardConfig.dq_adder_warps needs dq_adder_warp")
     if self.dq_adder_warp and not self.fused_dq:
       raise ValueError("BackwardConfig.dq_adder_warp needs fused_dq")
     if self.kv_registers and not self.fused_dq:
@@ -356,7 +367,7 @@ class BackwardConfig:
     """This tiling with dQ in a kernel of its own: fused_dq off, and the
     options that need it (the head_dim-64 default fuses dQ; softmax_overlap,
     for one, takes the two kernels)."""
-    return dataclasses.replace(self, fused_dq=False, dq_adder_warp=False, kv_registers=False)
+    return dataclasses.replace(self, fused_dq=False, dq_adder_warp=False, dq_adder_warps=1, kv_registers=False)
 
   @property
   def dkv_buffers(self) -> int:
@@ -459,6 +470,9 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
     raise NotImplementedError(f"the Mosaic GPU backward supports bfloat16 and float16, got {q.dtype}")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  if "dkv" in kernels and config.dq_adder_warps != 1 and _dq_piece(head_dim, config.dq_turns).split:
+    raise NotImplementedError("BackwardConfig.dq_adder_warps 2 needs the consumers taking turns (dq_turns, or "
+                              f"head_dim 64), got head_dim {head_dim}")
   if "dkv" in kernels and config.kv_registers and head_dim != 64:
     raise NotImplementedError(f"BackwardConfig.kv_registers needs head_dim 64 (registers), got {head_dim}")
   if "dq" in kernels and config.dq_consumers != NUM_CONSUMERS and head_dim != 64:
@@ -1206,14 +1220,23 @@ def _dkv_kernel(
     plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv_rows])
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
 
-  def add_tile_pieces(tile: KVTile, ring_base):
+  def add_tile_pieces(tile: KVTile, ring_base, parity=None):
     """The adder warp's work for one tile (dq_adder_warp): `add_pieces` of
-    every step, in order."""
-    pl.loop(0, tile.num_steps)(lambda step: add_pieces(tile, ring_base, step))
+    every step, in order; or of the steps whose ring step has this parity
+    (dq_adder_warps 2: the pieces of consumer `parity`, whose turns they
+    are, so that each barrier pair has one warp waiting on every phase)."""
+    if parity is None:
+      pl.loop(0, tile.num_steps)(lambda step: add_pieces(tile, ring_base, step))
+      return
+    first = lax.rem(ring_base + parity, jnp.int32(2))  # (ring_base + first) % 2 == parity
+    pl.loop(first, tile.num_steps, step=2)(lambda step: add_pieces(tile, ring_base, step))
 
+  adders = [add_tile_pieces]
+  if config.dq_adder_warps == 2:
+    adders = [functools.partial(add_tile_pieces, parity=p) for p in range(NUM_CONSUMERS)]
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
             compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers,
-            produce_aside=add_tile_pieces if adder_warp else None)
+            produce_aside=adders if adder_warp else None)
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):

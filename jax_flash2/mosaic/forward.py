@@ -491,7 +491,8 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
     produce_aside(tile, ring_base), optional (persistent CTAs only): more
       producer work, run by the producer warpgroup's second warp over the
       same tiles while its first warp runs `produce` and `observe`, so that
-      neither waits behind the other.
+      neither waits behind the other; a sequence of such callables runs on
+      the second, third, ... warps.
 
   With schedule None the CTA takes the one tile of its grid position
   (tile_at(index on `axis`, head, batch)); else the schedule's tiles, with
@@ -542,6 +543,7 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
     if produce_aside is None:
       observe(over_tiles(produce))
       return
+    asides = produce_aside if isinstance(produce_aside, (list, tuple)) else [produce_aside]
 
     @plgpu.warp_map
     def _(warp):
@@ -549,9 +551,10 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
       def _():
         observe(over_tiles(produce))
 
-      @pl.when(warp == 1)
-      def _():
-        over_tiles(produce_aside)
+      for index, work in enumerate(asides, start=1):
+        @pl.when(warp == index)
+        def _(work=work):
+          over_tiles(work)
 
   @pl.when(wg < consumers)
   def _persistent_consumer():
