@@ -422,7 +422,7 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   if head_dim <= 64:
     return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
                           dkv_persistent=True, q_registers=True, fused_dq=True, dq_adder_warp=True,
-                          kv_registers=True)
+                          dq_adder_warps=2, kv_registers=True)
   if head_dim in WIDE_HEAD_DIMS:
     # backward_wide.py: 64-row blocks, room for two ring slots; persistent dQ
     # CTAs (2-17% faster; persistent dK/dV CTAs spill and lose up to 11%).
