@@ -59,6 +59,7 @@
 #             fill_rounds (the d64 fused backward's rounds filled with heads split across them: A/B, ~4 min),
 #             bench64_odd (the bench CLI at d64, 6144 and 12288, ~3 min),
 #             adder_warps (the d64 fused backward with two warps adding dQ: A/B, ~3 min),
+#             adder_warps128 (the same for the d128 fused kernel against the two kernels, ~4 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -218,6 +219,17 @@ stage_adder_warps() {
   # ~3 min.
   timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default dq_adder_warps=2 \
     2>&1 | tee "$OUT/adder_warps.log"
+}
+
+stage_adder_warps128() {
+  # The d128 fused kernel with two adder warps, one per consumer's half of
+  # the columns (not yet run: written after session 14's last device call),
+  # against one and the two kernels (the d128 default). Its tests first:
+  #   SHARDS=2 SHARD_K="two_adder_warps and d128" bash bench/gpu_session.sh 0:mosaic_shards wait adder_warps128
+  # ~4 min.
+  local f=fused_dq=1+dq_adder_warp=1+dkv_persistent=0+stages=2
+  timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default $f \
+    $f+dq_adder_warps=2 2>&1 | tee "$OUT/adder_warps128.log"
 }
 
 stage_bench64_odd() {

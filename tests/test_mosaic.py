@@ -769,6 +769,8 @@ def test_bwd_config():
       (dict(fused_dq=True, softmax_overlap=True), "does not take softmax_overlap"),
       (dict(dq_adder_warp=True), "dq_adder_warp needs fused_dq"),
       (dict(fused_dq=True, block_q=64, dq_adder_warp=1), "dq_adder_warp must be a bool"),
+      (dict(fused_dq=True, dq_adder_warp=True, dq_adder_warps=3), "dq_adder_warps must be 1 or 2"),
+      (dict(fused_dq=True, dq_adder_warps=2), "dq_adder_warps needs dq_adder_warp"),
       (dict(dq_turns=1), "dq_turns must be a bool"),
       (dict(dq_consumers=4), "dq_consumers must be 2 or 3"),
       (dict(dq_softmax_overlap=1), "dq_softmax_overlap must be a bool"),
@@ -784,7 +786,7 @@ def test_bwd_config():
       BackwardConfig(**kwargs)
   # The d64 default fuses dQ; unfused() takes it and what needs it out.
   unfused = mosaic_bwd.default_backward_config(64).unfused()
-  assert not (unfused.fused_dq or unfused.dq_adder_warp or unfused.kv_registers)
+  assert not (unfused.fused_dq or unfused.dq_adder_warp or unfused.kv_registers) and unfused.dq_adder_warps == 1
   assert dataclasses.replace(unfused, softmax_overlap=True).softmax_overlap
   assert mosaic_bwd.default_backward_config(128).unfused() == mosaic_bwd.default_backward_config(128)
   # A persistent dQ kernel keeps two sets of Q, dO, lse and delta rows.
@@ -1107,13 +1109,17 @@ def test_bwd_fused_lowers_for_cuda(shape, causal):
   assert "flash2_bwd_dkv_mosaic" in text and "flash2_bwd_dq_mosaic" not in text
 
 
-def test_bwd_fused_adder_warp_lowers_for_cuda():
-  """The additions of dQ move to a warp of the producer: another kernel."""
-  structs = _bwd_structs(1, 1024, 1024, 2, 128)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_fused_adder_warp_lowers_for_cuda(head_dim):
+  """The additions of dQ move to a warp of the producer, or two (one per
+  consumer's pieces: taking turns at head_dim 64, split columns at 128):
+  another kernel each time."""
+  structs = _bwd_structs(1, 1024, 1024, 2, head_dim)
   lower = lambda config: _kernels_text(lambda *a: mosaic_bwd.backward(*a, config=config), *structs)
-  config = mosaic_bwd.fused_backward_config(128)
-  text = lower(dataclasses.replace(config, dq_adder_warp=True))
-  assert "flash2_bwd_dkv_mosaic" in text and text != lower(config)
+  config = mosaic_bwd.fused_backward_config(head_dim)
+  one = lower(dataclasses.replace(config, dq_adder_warp=True))
+  two = lower(dataclasses.replace(config, dq_adder_warp=True, dq_adder_warps=2))
+  assert "flash2_bwd_dkv_mosaic" in one and len({lower(config), one, two}) == 3
 
 
 @pytest.mark.parametrize("every, alternate, ordered, staging, lockstep",
@@ -1292,12 +1298,20 @@ def test_bwd_gpu_fused_dq_kv_registers(shape, kv_heads, causal):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape, kv_heads", [((4, 2048, 2048, 32, 64), None), ((2, 1537, 1000, 16, 64), 4)],
-                         ids=["d64", "ragged_gqa_seq_q_gt_seq_k"])
+@pytest.mark.parametrize(
+    "shape, kv_heads",
+    [((4, 2048, 2048, 32, 64), None), ((2, 1537, 1000, 16, 64), 4), ((8, 2048, 2048, 16, 128), None)],
+    ids=["d64", "ragged_gqa_seq_q_gt_seq_k", "d128_split"],
+)
 def test_bwd_gpu_fused_dq_two_adder_warps(shape, kv_heads, causal):
-  """The d64 default with two warps adding dQ, one per consumer's pieces
-  (dq_adder_warps=2): right, and the same bits again."""
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(64), dq_adder_warps=2)
+  """Two warps adding dQ, one per consumer's pieces (dq_adder_warps=2): the
+  d64 default, and the d128 fused kernel, whose consumers add half the
+  columns each at every step: right, and the same bits again. (The d128
+  case was written in session 14 after its last device call.)"""
+  config = mosaic_bwd.default_backward_config(64)
+  if shape[-1] != 64:
+    config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_adder_warp=True, dq_adder_warps=2)
+  assert config.dq_adder_warps == 2
   grads = _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config,
                                        interpret=False)
   (q, k, v, do, lse, delta), _ = _bwd_problem(*shape, jnp.bfloat16, causal, kv_heads)

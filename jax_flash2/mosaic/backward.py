@@ -44,8 +44,9 @@ visit their Q blocks staggered, `_visit`), enforced by a semaphore per Q
 block and piece that counts the additions made, so the gradients are
 deterministic. The CTAs are persistent, one per SM, all resident, which
 the waits need. With `BackwardConfig.dq_adder_warp` the producer's second
-warp makes the additions while its first issues the loads. The head_dim-64
-default takes this kernel; head_dim 128 the two.
+warp makes the additions while its first issues the loads, and with
+`dq_adder_warps` 2 its second and third warps each make one consumer's. The
+head_dim-64 default takes this kernel with both; head_dim 128 the two.
 
 With `BackwardConfig.dq_persistent` / `dkv_persistent` either kernel runs as
 the forward's persistent CTAs (forward.PersistentSchedule: one per SM over
@@ -94,13 +95,17 @@ speed in bench/NOTES.md). The fused kernel passes its GPU tests, bit-for-bit
 deterministic. At head_dim 128 it is slower than the two kernels (12-50%
 at 4k, 4-10% at 16k; sessions 7-11). At 64, with the additions in a warp of
 their own (dq_adder_warp) and K and V in registers (kv_registers), it is
-2-4.5% faster than them and the default (session 12); its reduce-adds are
-what it loses, each CTA's own (`dq_addition_experiment`: 17% faster without
-them, 10% with half of each CTA's). Neither design that halves them does
-better: a cluster pair summing its pieces (60-75% slower, session 12) and
-tiles of 256 key rows (its adds then cost nothing, but the tile's own work
-runs 21% slower, so the whole is 1-3% slower without a mask and 18-30%
-causal; session 13, commit 9e2cf89). Checked on CPU: lowering for CUDA,
+2-4.5% faster than them and the default (session 12). Its reduce-adds
+were what it lost (`dq_addition_experiment`: 17% faster without them, 10%
+with half of each CTA's), and most of that was one warp making them all in
+a chain: each addition must land, and be counted, before the next one's
+turn. With a warp per consumer (dq_adder_warps 2) it is 7-15% faster again
+(session 14), 16k at 12.0 ms against 11.7 without any additions (session
+12). Designs that halved the additions did worse: a cluster pair summing
+its pieces (60-75% slower, session 12), tiles of 256 key rows (their own
+work 21% slower; session 13, commit 9e2cf89), three consumers of 64 key
+rows (spilling at 160 registers, 1.6-2.4x slower; session 14, commit
+84ea775). Checked on CPU: lowering for CUDA,
 compilation to sm_90a SASS (tools/mosaic_bwd_cpu_compile.py: HGMMA, no
 spills except a few scalars in the causal dkv at head_dim 128; dkv at
 block_q 128 and head_dim 128 spills heavily: S^T and dP^T then take 128
@@ -269,9 +274,10 @@ class BackwardConfig:
       twice. Needs block_q 64, and all its CTAs resident at once (one per
       SM; a GPU shared with other work only delays it, an SM limit such as
       MPS's would hang it). On at head_dim 64 (with dq_adder_warp and
-      kv_registers: 2-4.5% faster than the two kernels, session 12); off at
-      128, where it is slower: each CTA's own reduce-adds cost what fusing
-      saves (bench/NOTES.md, sessions 6-12).
+      kv_registers: 2-4.5% faster than the two kernels, session 12; with
+      dq_adder_warps 2 another 7-15%, session 14); off at 128, where it was
+      slower with one adder warp (bench/NOTES.md, sessions 6-12; two are
+      not yet measured there).
     kv_registers: with fused_dq, the consumers hold their K and V rows in
       registers, loaded once per tile, for S^T = K Q^T and dP^T = V dO^T,
       which then read only Q and dO from shared memory. head_dim 64 only
@@ -297,11 +303,13 @@ class BackwardConfig:
       loads never wait behind the additions' waits (FlashAttention-3's dQ
       writer warp; session 11). Compiled kernels only: in Mosaic's
       interpreter the producer does both in turn.
-    dq_adder_warps: with dq_adder_warp and the consumers taking turns
-      (head_dim 64), warps of the producer that add dQ, 1 or 2: with 2 the
-      second and third warps take the even and the odd ring steps (each
-      consumer's pieces), so that one piece's additions need not land
-      before the next piece's start (session 14).
+    dq_adder_warps: with dq_adder_warp, warps of the producer that add
+      dQ, 1 or 2: with 2 the second and third warps each add one
+      consumer's pieces, so that one piece's addition need not land (and be
+      counted) before the next piece's starts. Each adder's steps are a
+      chain: wait for the piece, for the additions ranked before it, add,
+      wait until it has landed, count it; one warp alone was the kernel's
+      bottleneck. On in the head_dim-64 default: 7-15% faster (session 14).
     dkv_poly_columns, dq_poly_columns: the last columns of each P^T tile of
       the dK/dV kernel (of block_q) and each P tile of the dQ kernel (of
       block_kv) whose exponentials are a polynomial on the FP32 units
@@ -416,9 +424,11 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   from registers (q_registers: 0-9% faster, session 9).
 
   At head_dim 64 one kernel computes dQ as well (fused_dq, as
-  `fused_backward_config`), with its additions in a warp of their own and K
-  and V in registers: 2-4.5% faster than the two kernels at 4k-16k, both
-  masks (session 12). The dQ kernel's fields stay for `dq` called alone."""
+  `fused_backward_config`), with its additions in warps of their own, one
+  per consumer, and K and V in registers: 2-4.5% faster than the two
+  kernels at 4k-16k, both masks, with one adder warp (session 12), 7-15%
+  faster again with two (session 14). The dQ kernel's fields stay for `dq`
+  called alone."""
   if head_dim <= 64:
     return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
                           dkv_persistent=True, q_registers=True, fused_dq=True, dq_adder_warp=True,
@@ -470,9 +480,6 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
     raise NotImplementedError(f"the Mosaic GPU backward supports bfloat16 and float16, got {q.dtype}")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-  if "dkv" in kernels and config.dq_adder_warps != 1 and _dq_piece(head_dim, config.dq_turns).split:
-    raise NotImplementedError("BackwardConfig.dq_adder_warps 2 needs the consumers taking turns (dq_turns, or "
-                              f"head_dim 64), got head_dim {head_dim}")
   if "dkv" in kernels and config.kv_registers and head_dim != 64:
     raise NotImplementedError(f"BackwardConfig.kv_registers needs head_dim 64 (registers), got {head_dim}")
   if "dq" in kernels and config.dq_consumers != NUM_CONSUMERS and head_dim != 64:
@@ -852,14 +859,15 @@ def _dkv_kernel(
       plgpu.semaphore_signal(additions.at[counter], 1, memory_scope="gpu")
 
   @jax.named_scope("add_dq")
-  def add_pieces(tile: KVTile, ring_base, step):
+  def add_pieces(tile: KVTile, ring_base, step, consumer=None):
     """The producer adds the consumers' pieces of dQ_qb += dS K of the
     tile's `step` (Q block qb of query head g; float32, unscaled) into
     dq_ref, each after the `rank` additions that precede it (`_dq_order`),
     then counts them once they have landed (`count_additions`). A TMA
     reduce-add, the first (rank 0) a plain store. The consumers never wait
     on global memory for dQ: only for the producer to have read their last
-    piece (dq_free).
+    piece (dq_free). `consumer` (split pieces): only that consumer's (an
+    adder warp of its own, dq_adder_warps 2).
 
     Mosaic's interpreter has neither semaphores nor reduce-adds: there one
     CTA takes every tile in turn, and the producer adds by load, add and
@@ -871,8 +879,9 @@ def _dkv_kernel(
     rank = ranks_ref[ranks_unit(tile), tile.kv_index, step]
     counters = []
     # Split pieces: both consumers', every step; else the turn's owner's.
-    consumers = range(NUM_CONSUMERS) if split else [owner(ring_step)]
-    for piece, consumer in enumerate(consumers):
+    adders = [consumer] if consumer is not None else range(NUM_CONSUMERS) if split else [owner(ring_step)]
+    for consumer in adders:
+      piece = consumer if split else 0  # the columns of dQ it adds
       counter = ((tile.batch * heads + head) * num_q + qb) * pieces + piece
       target = dq_ref.at[counter]  # contiguous: one counter per piece
       staged = dq_smem.at[consumer if own_buffer else 0]
@@ -1220,20 +1229,24 @@ def _dkv_kernel(
     plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv_rows])
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
 
-  def add_tile_pieces(tile: KVTile, ring_base, parity=None):
-    """The adder warp's work for one tile (dq_adder_warp): `add_pieces` of
-    every step, in order; or of the steps whose ring step has this parity
-    (dq_adder_warps 2: the pieces of consumer `parity`, whose turns they
-    are, so that each barrier pair has one warp waiting on every phase)."""
-    if parity is None:
+  def add_tile_pieces(tile: KVTile, ring_base, consumer=None):
+    """An adder warp's work for one tile (dq_adder_warp): `add_pieces` of
+    every step, in order; or, with a warp per consumer (dq_adder_warps 2),
+    of `consumer`'s pieces alone: every step's half of the columns (split),
+    or the steps of its turns (the ring steps of its parity). Either way
+    one warp waits on every phase of a consumer's dq_staged barrier and
+    arrives on its dq_free."""
+    if consumer is None:
       pl.loop(0, tile.num_steps)(lambda step: add_pieces(tile, ring_base, step))
-      return
-    first = lax.rem(ring_base + parity, jnp.int32(2))  # (ring_base + first) % 2 == parity
-    pl.loop(first, tile.num_steps, step=2)(lambda step: add_pieces(tile, ring_base, step))
+    elif split:
+      pl.loop(0, tile.num_steps)(lambda step: add_pieces(tile, ring_base, step, consumer))
+    else:  # consumer c's turns: (ring_base + step) % 2 == c, its pieces (the turn's owner's, `add_pieces`)
+      first = lax.rem(ring_base + consumer, jnp.int32(NUM_CONSUMERS))
+      pl.loop(first, tile.num_steps, step=NUM_CONSUMERS)(lambda step: add_pieces(tile, ring_base, step))
 
   adders = [add_tile_pieces]
   if config.dq_adder_warps == 2:
-    adders = [functools.partial(add_tile_pieces, parity=p) for p in range(NUM_CONSUMERS)]
+    adders = [functools.partial(add_tile_pieces, consumer=c) for c in range(NUM_CONSUMERS)]
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
             compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers,
             produce_aside=adders if adder_warp else None)
