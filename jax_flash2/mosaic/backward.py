@@ -1249,7 +1249,7 @@ def _dkv_kernel(
     adders = [functools.partial(add_tile_pieces, consumer=c) for c in range(NUM_CONSUMERS)]
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
             compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers,
-            produce_aside=adders if adder_warp else None)
+            produce_aside=adders if adder_warp else ())
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):

@@ -475,7 +475,7 @@ class Turns:
 
 def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, produce, observe, load, compute,
               store, prologue=lambda: None, epilogue=lambda end_step: None, buffers: int = 2,
-              consumers: int = NUM_CONSUMERS, produce_aside=None) -> None:
+              consumers: int = NUM_CONSUMERS, produce_aside=()) -> None:
   """A warp-specialized CTA's two roles over its tiles; the kernels supply
   the work, as callables of a tile (QTile or the like: num_steps ring steps):
 
@@ -488,11 +488,10 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
     store(tile, buffer, result): starts the result's TMA stores;
     prologue(), epilogue(end_step): a consumer's work before its first tile
       and after its last (end_step: the ring steps of all its tiles);
-    produce_aside(tile, ring_base), optional (persistent CTAs only): more
-      producer work, run by the producer warpgroup's second warp over the
-      same tiles while its first warp runs `produce` and `observe`, so that
-      neither waits behind the other; a sequence of such callables runs on
-      the second, third, ... warps.
+    produce_aside: callables (tile, ring_base), optional (persistent CTAs
+      only): more producer work, each run by one more warp of the producer
+      warpgroup (the second, third, ...) over the same tiles while its first
+      warp runs `produce` and `observe`, so that none waits behind another.
 
   With schedule None the CTA takes the one tile of its grid position
   (tile_at(index on `axis`, head, batch)); else the schedule's tiles, with
@@ -502,7 +501,7 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
   stores have read them). wg: the warpgroup index; warpgroups [0, consumers)
   consume, warpgroup `consumers` produces."""
   producer, consumer_registers = consumers, CONSUMER_REGISTERS[consumers]
-  if schedule is None and produce_aside is not None:
+  if schedule is None and produce_aside:
     raise NotImplementedError("run_tiles: produce_aside needs a schedule (persistent CTAs)")
   if schedule is None:
     tile = tile_at(lax.axis_index(axis), lax.axis_index("heads"), lax.axis_index("batch"))
@@ -540,10 +539,9 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
 
       return lax.fori_loop(0, num_tiles, one_tile, jnp.int32(0))
 
-    if produce_aside is None:
+    if not produce_aside:
       observe(over_tiles(produce))
       return
-    asides = produce_aside if isinstance(produce_aside, (list, tuple)) else [produce_aside]
 
     @plgpu.warp_map
     def _(warp):
@@ -551,7 +549,7 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
       def _():
         observe(over_tiles(produce))
 
-      for index, work in enumerate(asides, start=1):
+      for index, work in enumerate(produce_aside, start=1):
         @pl.when(warp == index)
         def _(work=work):
           over_tiles(work)
