@@ -60,6 +60,7 @@
 #             bench64_odd (the bench CLI at d64, 6144 and 12288, ~3 min),
 #             adder_warps (the d64 fused backward with two warps adding dQ: A/B, ~3 min),
 #             adder_warps128 (the same for the d128 fused kernel against the two kernels, ~4 min),
+#             early_q (the persistent forward loading the next tile's Q early: A/B d64/d128, ~4 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -230,6 +231,17 @@ stage_adder_warps128() {
   local f=fused_dq=1+dq_adder_warp=1+dkv_persistent=0+stages=2
   timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default $f \
     $f+dq_adder_warps=2 2>&1 | tee "$OUT/adder_warps128.log"
+}
+
+stage_early_q() {
+  # The persistent forward loading each next tile's Q at the current tile's
+  # start (MosaicConfig.early_q; written after session 14's last device
+  # call), against the default, from the API's per-length defaults: d64
+  # (causal 4k-8k at 0.96-0.97x cuDNN) and d128. Its tests first:
+  #   SHARDS=4 SHARD_K=gpu_early_q bash bench/gpu_session.sh 0:mosaic_shards wait early_q
+  # ~4 min.
+  timeout 230 python tools/mosaic_bench.py --no-triton --per-length --seq 2048 4096 8192 16384 --head-dim 64 128 \
+    --variants default early_q=1 2>&1 | tee "$OUT/early_q.log"
 }
 
 stage_bench64_odd() {

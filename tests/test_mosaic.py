@@ -114,6 +114,8 @@ def test_three_consumers_skip_the_padding_copy_on_the_gpu():
         (dict(persistent=None), "persistent must be a bool"),
         (dict(pingpong=1), "pingpong must be a bool"),
         (dict(pingpong=True), "pingpong needs softmax_overlap"),
+        (dict(early_q=True), "early_q needs persistent"),
+        (dict(persistent=True, early_q=1), "early_q must be a bool"),
         (dict(consumers=4), "consumers must be 2 or 3"),
         (dict(consumers=3.0), "consumers must be an int"),
         (dict(consumers=3), "block_q must be 192 or 384"),
@@ -391,11 +393,18 @@ PERSISTENT = [
     # 256-row tiles (128 rows a consumer), the d64 candidate of stage d64_tiles.
     ((1, 512, 512, 2, 64), True, None, MosaicConfig(block_q=256, block_kv=64, stages=3, softmax_overlap=True,
                                                     persistent=True)),
+    # early_q: the next tile's Q loads into the buffer the previous tile's
+    # output is leaving, from the current tile's start.
+    ((2, 256, 256, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, stages=3, persistent=True,
+                                                    early_q=True)),
+    ((1, 200, 136, 4, 64), False, 2, MosaicConfig(block_q=192, block_kv=64, softmax_overlap=True, persistent=True,
+                                                  consumers=3, early_q=True)),
 ]
 
 
 @pytest.mark.parametrize("shape, causal, kv_heads, config", PERSISTENT,
-                         ids=["full_overlap", "causal_drain", "gqa_rows_that_see_nothing", "ragged_gqa", "block_q_256"])
+                         ids=["full_overlap", "causal_drain", "gqa_rows_that_see_nothing", "ragged_gqa", "block_q_256",
+                              "early_q_causal", "early_q_ragged_gqa_three"])
 def test_interpreter_persistent(shape, causal, kv_heads, config):
   batch, seq_q, _, heads, _ = shape
   assert batch * heads * -(-seq_q // config.block_q) >= 2 * mosaic._PERSISTENT_INTERPRET_CTAS
@@ -572,6 +581,18 @@ PERSISTENT_GPU_SHAPES = dict(
 @pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
 def test_gpu_persistent(shape, kv_heads, causal):
   config = dataclasses.replace(mosaic.default_config(shape[-1]), persistent=True)
+  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
+def test_gpu_early_q(shape, kv_heads, causal):
+  """The persistent forward loading each next tile's Q from the current
+  tile's start (early_q; written in session 14 after its last device call)."""
+  config = dataclasses.replace(mosaic.default_config(shape[-1], seq_q=shape[1], causal=causal), persistent=True,
+                               early_q=True)
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 

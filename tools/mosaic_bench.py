@@ -46,6 +46,9 @@ def main() -> None:
   parser.add_argument("--block-kv", type=int, default=None)
   parser.add_argument("--stages", type=int, default=None)
   parser.add_argument("--no-triton", action="store_true", help="time the Mosaic kernel only")
+  parser.add_argument("--per-length", action="store_true",
+                      help="start each row from the API's choice, default_config(head_dim, seq_q=seq, causal=...) "
+                           "(three consumers at d64 from 2k, 8k causal), not default_config(head_dim)")
   parser.add_argument("--variants", nargs="*", default=["default"],
                       help="Mosaic configs to time side by side: 'default', or MosaicConfig fields set on "
                            "the default, as NAME=VALUE joined by '+' (booleans 0/1)")
@@ -65,8 +68,12 @@ def main() -> None:
       for causal in causals:
         flops = forward_flops(batch, heads, seq, seq, head_dim, causal)
         row = f"{head_dim:>4} {seq:>6} {str(causal):>6}"
+        base = config
+        if args.per_length:
+          base = dataclasses.replace(mosaic.default_config(head_dim, seq_q=seq, causal=causal),
+                                     block_kv=args.block_kv or config.block_kv, stages=args.stages or config.stages)
         for variant in args.variants:
-          variant_config = _variant(config, variant)
+          variant_config = _variant(base, variant)
           ms = _time_ms(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=variant_config), (q, k, v))
           row += f" {ms:>24.3f} {flops / ms / 1e9:>8.0f}"
         if not args.no_triton:

@@ -170,6 +170,12 @@ class MosaicConfig:
       and the next tile's Q is in flight during the output store: the start
       and end of each tile (launch, first loads, store) overlap other work.
       Costs a second Q buffer in shared memory.
+    early_q: with persistent, each consumer loads the next tile's Q rows at
+      the start of the current tile (once the previous tile's output store
+      has read that buffer) instead of at its end, where the load's latency
+      stalls the next tile's first step: most felt by short tiles (causal,
+      d64: ~16 K/V blocks a tile at 4k). Written in session 14 after its
+      last device call: not yet timed, hence off.
     pingpong: the two consumers take turns on the tensor cores (as
       FlashAttention-3's warpgroup ping-pong): each issues one step's
       matmuls only after the other has issued its own, so that one
@@ -205,15 +211,18 @@ class MosaicConfig:
   stages: int = 2
   softmax_overlap: bool = False
   persistent: bool = False
+  early_q: bool = False
   pingpong: bool = False
   consumers: int = NUM_CONSUMERS
   q_registers: bool = False
   poly_columns: int = 0
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "persistent", "pingpong", "q_registers"):
+    for name in ("softmax_overlap", "persistent", "early_q", "pingpong", "q_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
+    if self.early_q and not self.persistent:
+      raise ValueError("MosaicConfig.early_q needs persistent=True (the next tile's Q goes to a second buffer)")
     if self.pingpong and not self.softmax_overlap:
       raise ValueError("MosaicConfig.pingpong needs softmax_overlap=True (a turn is one overlapped step)")
     for name in ("block_q", "block_kv", "stages", "consumers", "poly_columns"):
@@ -475,7 +484,7 @@ class Turns:
 
 def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, produce, observe, load, compute,
               store, prologue=lambda: None, epilogue=lambda end_step: None, buffers: int = 2,
-              consumers: int = NUM_CONSUMERS, produce_aside=()) -> None:
+              consumers: int = NUM_CONSUMERS, produce_aside=(), early_load: bool = False) -> None:
   """A warp-specialized CTA's two roles over its tiles; the kernels supply
   the work, as callables of a tile (QTile or the like: num_steps ring steps):
 
@@ -498,7 +507,9 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
   one ring through all of them and the outer rows double-buffered, the next
   tile's rows loading while the current one's results are stored (with
   `buffers` 1, where shared memory has no room for a second set: after the
-  stores have read them). wg: the warpgroup index; warpgroups [0, consumers)
+  stores have read them); with `early_load` (two buffers) the next tile's
+  rows load from the current tile's start, once the previous tile's stores
+  have read their buffer. wg: the warpgroup index; warpgroups [0, consumers)
   consume, warpgroup `consumers` produces."""
   producer, consumer_registers = consumers, CONSUMER_REGISTERS[consumers]
   if schedule is None and produce_aside:
@@ -573,16 +584,18 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
 
         return ring_base + tile.num_steps
       buffer = lax.rem(i, jnp.int32(2))
+
+      def load_next():
+        # The next tile's rows go to the other buffer, which staged the
+        # previous tile's results: their stores must have read it.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        pl.when(i + 1 < num_tiles)(lambda: load(tile_of(i + 1), 1 - buffer))
+
+      if early_load:  # before this tile: its stores just issued, the loads a whole tile ahead
+        load_next()
       result = compute(tile, buffer, ring_base)
-      # The next tile's rows go to the other buffer, which staged the
-      # previous tile's results: their stores, issued a whole tile ago, must
-      # have read it.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      @pl.when(i + 1 < num_tiles)
-      def _():
-        load(tile_of(i + 1), 1 - buffer)
-
+      if not early_load:  # after it: the stores issued a whole tile ago, the loads just in time
+        load_next()
       store(tile, buffer, result)
       return ring_base + tile.num_steps
 
@@ -970,7 +983,8 @@ def _forward_kernel(
   produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                       group=group, block_kv=block_kv, stages=stages)
   run_tiles(schedule, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_q, compute=compute,
-            store=store, prologue=turns.start, epilogue=lambda end_step: turns.end(), consumers=consumers)
+            store=store, prologue=turns.start, epilogue=lambda end_step: turns.end(), consumers=consumers,
+            early_load=config.early_q)
 
 
 def forward(
