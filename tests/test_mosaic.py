@@ -1096,7 +1096,9 @@ def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None, kv_heads=1):
      (2048, 2048, True, 2, 3, 1),
      # Heads across rounds (5 CTAs over 3 heads of 16 tiles; 3 over 3 heads of 8 pairs;
      # 3 over 2 heads of 5 ragged tiles): an order per head.
-     (2048, 2048, False, 1, 5, 3), (2048, 2048, True, 1, 3, 3), (1000, 600, True, 2, 3, 2)],
+     (2048, 2048, False, 1, 5, 3), (2048, 2048, True, 1, 3, 3), (1000, 600, True, 2, 3, 2),
+     # Whole heads per round over several heads: one order serves them all.
+     (1024, 1024, False, 1, None, 4), (1024, 1024, True, 1, 8, 4)],
 )
 def test_dq_order_is_deadlock_free(seq_q, seq_k, causal, group, num_ctas, kv_heads):
   """Each Q block's additions are ranked 0, 1, ... in the order of the
