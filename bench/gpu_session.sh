@@ -225,12 +225,13 @@ stage_adder_warps() {
 stage_adder_warps128() {
   # The d128 fused kernel with two adder warps, one per consumer's half of
   # the columns (not yet run: written after session 14's last device call),
-  # against one and the two kernels (the d128 default). Its tests first:
-  #   SHARDS=2 SHARD_K="two_adder_warps and d128" bash bench/gpu_session.sh 0:mosaic_shards wait adder_warps128
-  # ~4 min.
+  # against one and the two kernels (the d128 default); and taking turns at
+  # whole-width pieces (dq_turns). Its tests first:
+  #   SHARDS=4 SHARD_K="two_adder_warps and d128" bash bench/gpu_session.sh 0:mosaic_shards wait adder_warps128
+  # ~5 min.
   local f=fused_dq=1+dq_adder_warp=1+dkv_persistent=0+stages=2
   timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default $f \
-    $f+dq_adder_warps=2 2>&1 | tee "$OUT/adder_warps128.log"
+    $f+dq_adder_warps=2 $f+dq_adder_warps=2+dq_turns=1 2>&1 | tee "$OUT/adder_warps128.log"
 }
 
 stage_early_q() {

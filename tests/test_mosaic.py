@@ -1328,17 +1328,20 @@ def test_bwd_gpu_fused_dq_kv_registers(shape, kv_heads, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "shape, kv_heads",
-    [((4, 2048, 2048, 32, 64), None), ((2, 1537, 1000, 16, 64), 4), ((8, 2048, 2048, 16, 128), None)],
-    ids=["d64", "ragged_gqa_seq_q_gt_seq_k", "d128_split"],
+    [((4, 2048, 2048, 32, 64), None), ((2, 1537, 1000, 16, 64), 4), ((8, 2048, 2048, 16, 128), None),
+     ((3, 1000, 1537, 16, 128), 4)],
+    ids=["d64", "ragged_gqa_seq_q_gt_seq_k", "d128_split", "d128_turns_ragged_gqa"],
 )
-def test_bwd_gpu_fused_dq_two_adder_warps(shape, kv_heads, causal):
+def test_bwd_gpu_fused_dq_two_adder_warps(request, shape, kv_heads, causal):
   """Two warps adding dQ, one per consumer's pieces (dq_adder_warps=2): the
-  d64 default, and the d128 fused kernel, whose consumers add half the
-  columns each at every step: right, and the same bits again. (The d128
-  case was written in session 14 after its last device call.)"""
+  d64 default; the d128 fused kernel, whose consumers add half the columns
+  each at every step, or take turns at whole-width pieces in one shared
+  buffer (dq_turns): right, and the same bits again. (The d128 cases were
+  written in session 14 after its last device call.)"""
   config = mosaic_bwd.default_backward_config(64)
   if shape[-1] != 64:
-    config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_adder_warp=True, dq_adder_warps=2)
+    config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_adder_warp=True, dq_adder_warps=2,
+                                 dq_turns="turns" in request.node.callspec.id)
   assert config.dq_adder_warps == 2
   _check_fused_bwd_on_gpu(shape, kv_heads, causal, config)
 
