@@ -649,6 +649,9 @@ def _dq_order(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: 
   visits = np.where(valid, num_q - lo[block], 0)
   start = np.cumsum(group * visits, axis=1) - group * visits  # the tile's first time step on its CTA
   unit = batch * schedule.heads + head
+  # The modelled tiles (all of them, or the first head's where every head
+  # repeats its pattern), a row each; their steps, a column each (`used`
+  # where the tile has that step).
   keep = valid & (unit < num_units)
   cta, block, unit, visits, start = (x[keep][:, None] for x in (cta, block, unit, visits, start))
   step = np.arange(steps)[None, :]
@@ -656,9 +659,11 @@ def _dq_order(schedule: PersistentSchedule, *, seq_q: int, seq_k: int, block_q: 
   position = step % np.maximum(visits, 1)
   qb = _visit(block, position, np.maximum(visits, 1), lo[block], num_q=num_q, num_kv=num_kv, causal=causal,
               where=np.where, div=np.floor_divide, rem=np.remainder)
+  # The dQ block each addition goes into: (unit, query head g, Q block).
   key = unit * steps + (step // np.maximum(visits, 1)) * num_q + qb
   full = lambda x: np.broadcast_to(x, used.shape)[used]
   tile_unit, tile_block, step, key, time, cta = (full(x) for x in (unit, block, step, key, start + step, cta))
+  # Rank: an addition's place among its block's, by time, then by CTA.
   order = np.lexsort((cta, time, key))
   first = np.searchsorted(key[order], key[order], side="left")
   ranks = np.zeros((num_units, num_kv, steps), np.int32)
