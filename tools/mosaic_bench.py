@@ -57,10 +57,15 @@ def main() -> None:
   causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
   header = f"{'d':>4} {'seq':>6} {'causal':>6}" + "".join(f" {name + ' ms':>24} {'TFLOP/s':>8}" for name in args.variants)
   print(header + ("" if args.no_triton else f" {'triton ms':>10} {'TFLOP/s':>8}"))
+
+  def start_config(head_dim, seq, causal):
+    """The row's config before its variant: the default (per length with
+    --per-length), with --block-kv and --stages."""
+    config = mosaic.default_config(head_dim, seq_q=seq, causal=causal) if args.per_length else (
+        mosaic.default_config(head_dim))
+    return dataclasses.replace(config, block_kv=args.block_kv or config.block_kv, stages=args.stages or config.stages)
+
   for head_dim in args.head_dim:
-    config = mosaic.default_config(head_dim)
-    if args.block_kv or args.stages:
-      config = dataclasses.replace(config, block_kv=args.block_kv or config.block_kv, stages=args.stages or config.stages)
     for seq in args.seq:
       batch, heads = max(16384 // seq, 1), 2048 // head_dim
       keys = jax.random.split(jax.random.PRNGKey(seq), 3)
@@ -68,10 +73,7 @@ def main() -> None:
       for causal in causals:
         flops = forward_flops(batch, heads, seq, seq, head_dim, causal)
         row = f"{head_dim:>4} {seq:>6} {str(causal):>6}"
-        base = config
-        if args.per_length:
-          base = dataclasses.replace(mosaic.default_config(head_dim, seq_q=seq, causal=causal),
-                                     block_kv=args.block_kv or config.block_kv, stages=args.stages or config.stages)
+        base = start_config(head_dim, seq, causal)
         for variant in args.variants:
           variant_config = _variant(base, variant)
           ms = _time_ms(lambda q, k, v: mosaic.forward(q, k, v, causal=causal, config=variant_config), (q, k, v))

@@ -1241,9 +1241,7 @@ def _dkv_kernel(
     or the steps of its turns (the ring steps of its parity). Either way
     one warp waits on every phase of a consumer's dq_staged barrier and
     arrives on its dq_free."""
-    if consumer is None:
-      pl.loop(0, tile.num_steps)(lambda step: add_pieces(tile, ring_base, step))
-    elif split:
+    if consumer is None or split:
       pl.loop(0, tile.num_steps)(lambda step: add_pieces(tile, ring_base, step, consumer))
     else:  # consumer c's turns: (ring_base + step) % 2 == c, its pieces (the turn's owner's, `add_pieces`)
       first = lax.rem(ring_base + consumer, jnp.int32(NUM_CONSUMERS))
