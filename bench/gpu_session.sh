@@ -61,6 +61,7 @@
 #             adder_warps (the d64 fused backward with two warps adding dQ: A/B, ~3 min),
 #             adder_warps128 (the same for the d128 fused kernel against the two kernels, ~4 min),
 #             early_q (the persistent forward loading the next tile's Q early: A/B d64/d128, ~4 min),
+#             balanced (the causal forward's tiles from a balanced table against pairs; early_q again; ~3 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -232,6 +233,20 @@ stage_adder_warps128() {
   local f=fused_dq=1+dq_adder_warp=1+dkv_persistent=0+stages=2
   timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default $f \
     $f+dq_adder_warps=2 $f+dq_adder_warps=2+dq_turns=1 2>&1 | tee "$OUT/adder_warps128.log"
+}
+
+stage_balanced() {
+  # The causal persistent forward with its tiles from the balanced table
+  # (MosaicConfig.balanced, the default from session 15) against the paired
+  # schedule, each twice (the rounds' spread); then early_q again at d128,
+  # whose first run (session 15, call 1) was 2-7% faster at 2k, 8k and 16k
+  # but 5% slower at 4k. Its tests first:
+  #   SHARDS=4 SHARD_K=gpu_balanced bash bench/gpu_session.sh 0:mosaic_shards wait balanced
+  # ~3 min.
+  timeout 150 python tools/mosaic_bench.py --no-triton --per-length --causal yes --seq 2048 4096 8192 16384 \
+    --head-dim 64 128 --variants default balanced=0 default balanced=0 2>&1 | tee "$OUT/balanced.log"
+  timeout 120 python tools/mosaic_bench.py --no-triton --per-length --seq 2048 4096 8192 16384 --head-dim 128 \
+    --variants default early_q=1 default early_q=1 2>&1 | tee "$OUT/early_q128.log"
 }
 
 stage_early_q() {

@@ -116,6 +116,7 @@ def test_three_consumers_skip_the_padding_copy_on_the_gpu():
         (dict(pingpong=True), "pingpong needs softmax_overlap"),
         (dict(early_q=True), "early_q needs persistent"),
         (dict(persistent=True, early_q=1), "early_q must be a bool"),
+        (dict(persistent=True, balanced=1), "balanced must be a bool"),
         (dict(consumers=4), "consumers must be 2 or 3"),
         (dict(consumers=3.0), "consumers must be an int"),
         (dict(consumers=3), "block_q must be 192 or 384"),
@@ -155,6 +156,40 @@ def test_persistent_schedule_covers_every_tile_once(num_q_blocks, heads, batch, 
   if causal and schedule.num_tiles >= 4 * schedule.num_ctas and num_q_blocks % 2 == 0:
     # Pairs of equal work: every CTA within one pair's work of the others.
     assert max(work) - min(work) <= num_q_blocks + 1
+
+
+@pytest.mark.parametrize("num_q_blocks, heads, batch, consumers, seq", [
+    (32, 32, 4, 2, 4096), (43, 32, 2, 3, 8192), (86, 32, 1, 3, 16384), (128, 16, 1, 2, 16384), (16, 16, 8, 2, 2048),
+    (13, 3, 2, 2, 1600), (7, 1, 1, 2, 896),
+], ids=["d64_4k", "d64_8k_three", "d64_16k_three", "d128_16k", "d128_2k", "small", "fewer_tiles_than_ctas"])
+def test_balanced_schedule(num_q_blocks, heads, batch, consumers, seq):
+  """The balanced table (MosaicConfig.balanced) runs every tile once, and
+  no CTA's work (ring steps and a step a tile) exceeds the mean by more than
+  one tile's, nor the paired schedule's busiest CTA: at the bench shapes
+  within 1% of the mean."""
+  block_q = 64 * consumers
+  work = mosaic.q_tile_work(num_q_blocks, block_q=block_q, block_kv=128, seq_q=seq, seq_k=seq, consumers=consumers)
+  assert work[0] == max(work) and work[-1] == min(work)  # block 0 the heaviest
+  balanced = mosaic.PersistentSchedule.create(num_q_blocks, heads, batch, causal=True, interpret=False, work=work)
+  paired = mosaic.PersistentSchedule.create(num_q_blocks, heads, batch, causal=True, interpret=False)
+  table = jnp.asarray(balanced.table())
+  cost = lambda tiles: sum(work[block] + mosaic._TILE_OVERHEAD_STEPS for block, _, _ in tiles)
+  loads, seen = {}, []
+  for name, schedule in ("balanced", balanced), ("paired", paired):
+    loads[name] = []
+    for cta in range(schedule.num_ctas):
+      count = int(schedule.tile_count(jnp.int32(cta), table))
+      tiles = [tuple(int(x) for x in schedule.tile(jnp.int32(cta), jnp.int32(i), table)) for i in range(count)]
+      if name == "balanced":
+        seen += tiles
+      loads[name].append(cost(tiles))
+  assert sorted(seen) == [(q, h, b) for q in range(num_q_blocks) for h in range(heads) for b in range(batch)]
+  busiest, mean = max(loads["balanced"]), np.mean(loads["balanced"])
+  assert busiest <= mean + max(work) + 1 and busiest <= max(loads["paired"])
+  if num_q_blocks * heads * batch >= 2048:
+    assert busiest <= 1.01 * mean
+  # One column past each CTA's last tile, read ahead by run_tiles, is in bounds.
+  assert table.shape[1] >= 2 + max(int(table[cta, 0]) for cta in range(balanced.num_ctas))
 
 
 # ---------------------------------------------------------------- errors
@@ -399,12 +434,18 @@ PERSISTENT = [
                                                     early_q=True)),
     ((1, 200, 136, 4, 64), False, 2, MosaicConfig(block_q=192, block_kv=64, softmax_overlap=True, persistent=True,
                                                   consumers=3, early_q=True)),
+    # balanced: the tiles from the host's table (causal), with three
+    # consumers and rows that see no key (tiles of no K/V block).
+    ((2, 256, 256, 2, 64), True, None, MosaicConfig(block_q=128, block_kv=64, stages=3, softmax_overlap=True,
+                                                    persistent=True, balanced=True)),
+    ((1, 576, 320, 3, 64), True, 1, MosaicConfig(block_q=192, block_kv=64, softmax_overlap=True, persistent=True,
+                                                 consumers=3, balanced=True)),
 ]
 
 
 @pytest.mark.parametrize("shape, causal, kv_heads, config", PERSISTENT,
                          ids=["full_overlap", "causal_drain", "gqa_rows_that_see_nothing", "ragged_gqa", "block_q_256",
-                              "early_q_causal", "early_q_ragged_gqa_three"])
+                              "early_q_causal", "early_q_ragged_gqa_three", "balanced", "balanced_three_see_nothing"])
 def test_interpreter_persistent(shape, causal, kv_heads, config):
   batch, seq_q, _, heads, _ = shape
   assert batch * heads * -(-seq_q // config.block_q) >= 2 * mosaic._PERSISTENT_INTERPRET_CTAS
@@ -594,6 +635,16 @@ def test_gpu_early_q(shape, kv_heads, causal):
   config = dataclasses.replace(mosaic.default_config(shape[-1], seq_q=shape[1], causal=causal), persistent=True,
                                early_q=True)
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
+def test_gpu_balanced(shape, kv_heads):
+  """The causal persistent forward with its tiles from the balanced table
+  (MosaicConfig.balanced; written in session 15)."""
+  config = dataclasses.replace(mosaic.default_config(shape[-1], seq_q=shape[1], causal=True), balanced=True)
+  _check_against_reference(*shape, jnp.bfloat16, True, kv_heads=kv_heads, config=config, interpret=False)
 
 
 @pytest.mark.gpu

@@ -73,10 +73,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import heapq
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -176,6 +178,15 @@ class MosaicConfig:
       stalls the next tile's first step: most felt by short tiles (causal,
       d64: ~16 K/V blocks a tile at 4k). Written in session 14 after its
       last device call: not yet timed, hence off.
+    balanced: with persistent and causal, the CTAs take their tiles from
+      a table built on the host that evens out their work
+      (PersistentSchedule.table), instead of heavy-light pairs dealt
+      round-robin, whose last round only some CTAs take: by the tiles'
+      steps, the busiest CTA then works 3% longer than the mean at 2k-4k
+      (d128 everywhere), 9% at 8k and 5% at 16k (d64, three consumers,
+      whose 43 and 86 Q blocks a head pair unevenly); balanced, 0.1-0.7%
+      (tools/schedule_model.py). Written in session 15; timed in
+      bench/NOTES.md.
     pingpong: the two consumers take turns on the tensor cores (as
       FlashAttention-3's warpgroup ping-pong): each issues one step's
       matmuls only after the other has issued its own, so that one
@@ -212,13 +223,14 @@ class MosaicConfig:
   softmax_overlap: bool = False
   persistent: bool = False
   early_q: bool = False
+  balanced: bool = False
   pingpong: bool = False
   consumers: int = NUM_CONSUMERS
   q_registers: bool = False
   poly_columns: int = 0
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "persistent", "early_q", "pingpong", "q_registers"):
+    for name in ("softmax_overlap", "persistent", "early_q", "balanced", "pingpong", "q_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
     if self.early_q and not self.persistent:
@@ -289,18 +301,19 @@ def default_config(head_dim: int, *, seq_q: int = 0, causal: bool = False) -> Mo
   """The tiling per head_dim (and, at head_dim 64, length): the deepest ring
   that fits shared memory with 128-row K/V blocks (64 for head_dim 256), the
   softmax overlapped with P V, and persistent CTAs where their second Q
-  buffer fits (head_dim 64 and 128; bench/NOTES.md, sessions 4 and 5); at
+  buffer fits (head_dim 64 and 128; bench/NOTES.md, sessions 4 and 5), their
+  causal tiles from a balanced table (session 15); at
   head_dim 64 and long seq_q three consumer warpgroups: 192-row Q tiles
   read K and V a third less often per query row, and three consumers' softmax
   keeps the tensor cores busier (session 7's profile: the d64 forward is
   bound by its element-wise work)."""
   if head_dim <= 64:
-    config = MosaicConfig(block_q=128, block_kv=128, stages=4, softmax_overlap=True, persistent=True)
+    config = MosaicConfig(block_q=128, block_kv=128, stages=4, softmax_overlap=True, persistent=True, balanced=True)
     if seq_q >= THREE_CONSUMERS_MIN_SEQ[bool(causal)]:
       config = dataclasses.replace(config, block_q=3 * WGMMA_M, consumers=3)
     return config
   if head_dim <= 128:
-    return MosaicConfig(block_q=128, block_kv=128, stages=2, softmax_overlap=True, persistent=True)
+    return MosaicConfig(block_q=128, block_kv=128, stages=2, softmax_overlap=True, persistent=True, balanced=True)
   return MosaicConfig(block_q=128, block_kv=64, stages=2, softmax_overlap=True)
 
 
@@ -369,24 +382,25 @@ def visible(query: jax.Array, key: jax.Array, *, seq_q: int, seq_k: int, causal:
   return key < seq_k
 
 
-def _kv_block_bounds(q_start: jax.Array, rows: int, seq_q: int, seq_k: int, block_kv: int, causal: bool):
+def _kv_block_bounds(q_start: jax.Array, rows: int, seq_q: int, seq_k: int, block_kv: int, causal: bool, *, xp=jnp):
   """(full_hi, hi): this warpgroup's rows [q_start, q_start + rows) see every
   key of K/V blocks [0, full_hi), some keys of blocks [full_hi, hi) (those
   crossing the diagonal, and a last block that is partly padding: they take
   the masked path) and none from hi on. seq_q, seq_k are the real lengths:
-  no block past the last real key is visited. int32 scalars."""
+  no block past the last real key is visited. int32 scalars (numpy's with
+  xp=np, on the host)."""
   num_kv = pl.cdiv(seq_k, block_kv)
   num_full = seq_k // block_kv  # blocks with no padding
   if not causal:
-    return jnp.int32(num_full), jnp.int32(num_kv)
+    return xp.int32(num_full), xp.int32(num_kv)
   offset = seq_k - seq_q  # bottom-right alignment: row i sees keys j <= i + offset
   # Last key the last row sees is q_start + rows - 1 + offset.
-  hi = jnp.clip(q_start + (rows + offset + block_kv - 1), 0, None) // block_kv
-  hi = jnp.minimum(hi, num_kv)
+  hi = xp.clip(q_start + (rows + offset + block_kv - 1), 0, None) // block_kv
+  hi = xp.minimum(hi, num_kv)
   # Block kb is fully visible to the first row iff kb * block_kv + block_kv - 1 <= q_start + offset
   # (never a partial block for a real row; rows of padding are kept off it too).
-  full_hi = jnp.clip(q_start + (offset + 1), 0, None) // block_kv
-  full_hi = jnp.minimum(full_hi, jnp.minimum(hi, num_full))
+  full_hi = xp.clip(q_start + (offset + 1), 0, None) // block_kv
+  full_hi = xp.minimum(full_hi, xp.minimum(hi, num_full))
   return full_hi.astype(jnp.int32), hi.astype(jnp.int32)
 
 
@@ -484,7 +498,7 @@ class Turns:
 
 def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, produce, observe, load, compute,
               store, prologue=lambda: None, epilogue=lambda end_step: None, buffers: int = 2,
-              consumers: int = NUM_CONSUMERS, produce_aside=(), early_load: bool = False) -> None:
+              consumers: int = NUM_CONSUMERS, produce_aside=(), early_load: bool = False, tiles_ref=None) -> None:
   """A warp-specialized CTA's two roles over its tiles; the kernels supply
   the work, as callables of a tile (QTile or the like: num_steps ring steps):
 
@@ -509,8 +523,10 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
   `buffers` 1, where shared memory has no room for a second set: after the
   stores have read them); with `early_load` (two buffers) the next tile's
   rows load from the current tile's start, once the previous tile's stores
-  have read their buffer. wg: the warpgroup index; warpgroups [0, consumers)
-  consume, warpgroup `consumers` produces."""
+  have read their buffer. tiles_ref: the schedule's table (int32 in global
+  memory; see PersistentSchedule.table), where it has one. wg: the
+  warpgroup index; warpgroups [0, consumers) consume, warpgroup `consumers`
+  produces."""
   producer, consumer_registers = consumers, CONSUMER_REGISTERS[consumers]
   if schedule is None and produce_aside:
     raise NotImplementedError("run_tiles: produce_aside needs a schedule (persistent CTAs)")
@@ -535,8 +551,10 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
 
     return
 
-  num_tiles = schedule.tile_count(lax.axis_index("cta"))
-  tile_of = lambda i: tile_at(*schedule.tile(lax.axis_index("cta"), i))
+  cta = lax.axis_index("cta")
+  num_tiles = schedule.tile_count(cta, tiles_ref)
+  number_of = lambda i: schedule.number(cta, i, tiles_ref)
+  tile_of = lambda number: tile_at(*schedule.decode(number))
 
   @pl.when(wg == producer)
   def _persistent_producer():
@@ -544,7 +562,7 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
 
     def over_tiles(work):
       def one_tile(i, ring_base):
-        tile = tile_of(i)
+        tile = tile_of(number_of(i))
         work(tile, ring_base)
         return ring_base + tile.num_steps
 
@@ -569,10 +587,15 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
   def _persistent_consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
     prologue()
-    load(tile_of(jnp.int32(0)), 0)
+    first = number_of(jnp.int32(0))
+    load(tile_of(first), 0)
 
-    def consume(i, ring_base):
-      tile = tile_of(i)
+    def consume(i, carry):
+      ring_base, number = carry
+      # The next tile's number is read a whole tile before its rows load: a
+      # table's entries come from global memory.
+      next_number = number_of(i + 1)
+      tile, next_tile = tile_of(number), tile_of(next_number)
       if buffers == 1:
         result = compute(tile, 0, ring_base)
         store(tile, 0, result)
@@ -580,16 +603,16 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
 
         @pl.when(i + 1 < num_tiles)
         def _():
-          load(tile_of(i + 1), 0)
+          load(next_tile, 0)
 
-        return ring_base + tile.num_steps
+        return ring_base + tile.num_steps, next_number
       buffer = lax.rem(i, jnp.int32(2))
 
       def load_next():
         # The next tile's rows go to the other buffer, which staged the
         # previous tile's results: their stores must have read it.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        pl.when(i + 1 < num_tiles)(lambda: load(tile_of(i + 1), 1 - buffer))
+        pl.when(i + 1 < num_tiles)(lambda: load(next_tile, 1 - buffer))
 
       if early_load:  # before this tile: its stores just issued, the loads a whole tile ahead
         load_next()
@@ -597,9 +620,9 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
       if not early_load:  # after it: the stores issued a whole tile ago, the loads just in time
         load_next()
       store(tile, buffer, result)
-      return ring_base + tile.num_steps
+      return ring_base + tile.num_steps, next_number
 
-    end_step = lax.fori_loop(0, num_tiles, consume, jnp.int32(0))
+    end_step, _ = lax.fori_loop(0, num_tiles, consume, (jnp.int32(0), first))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # shared memory must outlive the stores' reads
     epilogue(end_step)
 
@@ -624,15 +647,34 @@ class QTile:
     if causal:
       q_index = jnp.int32(num_q_blocks - 1) - q_index
     q_start = q_index * block_q
-    # The producer must load every block any consumer needs; the last
-    # consumer's rows are the latest, so its bound covers them all.
-    rows = block_q // consumers
-    _, num_steps = _kv_block_bounds(q_start + (consumers - 1) * rows, rows, seq_q, seq_k, block_kv, causal)
-    return cls(batch, head, q_start, num_steps)
+    return cls(batch, head, q_start, _q_tile_steps(q_start, block_q=block_q, block_kv=block_kv, seq_q=seq_q,
+                                                   seq_k=seq_k, causal=causal, consumers=consumers))
 
   def kv_head(self, group: int) -> jax.Array:
     """The K/V head of this tile's query head (grouped-query attention)."""
     return lax.div(self.head, jnp.int32(group))
+
+
+def _q_tile_steps(q_start, *, block_q: int, block_kv: int, seq_q: int, seq_k: int, causal: bool, consumers: int,
+                  xp=jnp):
+  """K/V blocks the producer loads for the Q tile from row q_start: every
+  block any consumer needs; the last consumer's rows are the latest, so its
+  bound covers them all."""
+  rows = block_q // consumers
+  _, hi = _kv_block_bounds(q_start + (consumers - 1) * rows, rows, seq_q, seq_k, block_kv, causal, xp=xp)
+  return hi
+
+
+def q_tile_work(num_q_blocks: int, *, block_q: int, block_kv: int, seq_q: int, seq_k: int,
+                consumers: int = NUM_CONSUMERS) -> tuple[int, ...]:
+  """The ring steps of each causal Q tile, numbered as QTile.at numbers
+  them (block 0 the heaviest): the work a balanced PersistentSchedule
+  evens out."""
+  return tuple(
+      int(_q_tile_steps((num_q_blocks - 1 - b) * block_q, block_q=block_q, block_kv=block_kv, seq_q=seq_q,
+                        seq_k=seq_k, causal=True, consumers=consumers, xp=np))
+      for b in range(num_q_blocks)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -648,7 +690,15 @@ class PersistentSchedule:
   even that out the way the hardware's CTA launcher does. So with `paired`
   the tiles go in pairs of equal total work, the heaviest block of a (batch,
   head) with its lightest, the second heaviest with the second lightest, ...,
-  and CTA c takes pairs c, c + num_ctas, ...: every CTA gets the same work.
+  and CTA c takes pairs c, c + num_ctas, ...: every CTA gets the same work,
+  but for the last round, which only some CTAs take.
+
+  With `work` (the ring steps of each block, block 0 the heaviest) the tiles
+  come instead from `table()`, built on the host, which evens out that last
+  round too (`_balanced_table`); the kernel reads its tiles from that table
+  (an int32 input, `tiles_ref`).
+
+  A tile's number is (batch * heads + head) * num_blocks + block: `decode`.
   """
 
   num_blocks: int
@@ -656,22 +706,40 @@ class PersistentSchedule:
   batch: int
   num_ctas: int
   paired: bool
+  work: tuple[int, ...] | None = None
 
   @classmethod
-  def create(cls, num_blocks: int, heads: int, batch: int, *, causal: bool, interpret: bool):
+  def create(cls, num_blocks: int, heads: int, batch: int, *, causal: bool, interpret: bool,
+             work: tuple[int, ...] | None = None):
     """One CTA per SM (fewer in the interpreter, so that each takes several
-    tiles), and none without a tile."""
+    tiles), and none without a tile. `work` (causal only): tiles from a
+    balanced table."""
     num_tiles = num_blocks * heads * batch
     num_ctas = min(-(-num_tiles // 2) if causal else num_tiles,
                    _PERSISTENT_INTERPRET_CTAS if interpret else _sm_count())
-    return cls(num_blocks, heads, batch, num_ctas, paired=causal)
+    return cls(num_blocks, heads, batch, num_ctas, paired=causal, work=work if causal else None)
 
   @property
   def num_tiles(self) -> int:
     return self.num_blocks * self.heads * self.batch
 
-  def tile_count(self, cta):
+  @property
+  def tabled(self) -> bool:
+    return self.work is not None
+
+  def table(self) -> np.ndarray:
+    """int32 [num_ctas, 2 + most tiles of a CTA]: column 0 each CTA's tile
+    count, then its tiles' numbers in the order it runs them, then zeros (at
+    least one, so that reading one tile past the last stays in bounds). A
+    [1, 2] placeholder for a schedule that computes its tiles."""
+    if not self.tabled:
+      return np.zeros((1, 2), np.int32)
+    return _balanced_table(self.num_blocks, self.heads * self.batch, self.num_ctas, self.work)
+
+  def tile_count(self, cta, tiles_ref=None):
     """Tiles of CTA `cta` (int32 scalar)."""
+    if self.tabled:
+      return tiles_ref[cta, 0]
     if not self.paired:
       return lax.div(jnp.int32(self.num_tiles - 1) - cta, jnp.int32(self.num_ctas)) + 1
     stride = jnp.int32(2 * self.num_ctas)
@@ -679,39 +747,108 @@ class PersistentSchedule:
     seconds = lax.div(jnp.maximum(jnp.int32(self.num_tiles - 2) - 2 * cta, -1) + stride, stride)  # 2p + 1
     return firsts + seconds
 
-  def tile(self, cta, i):
-    """(block, head, batch) of CTA cta's i-th tile, int32 scalars; block
-    counts as the grid's outer axis does: a pair's first tile is block `half`,
-    the heavy one where block 0 is the heaviest (K/V blocks; the Q-outer
-    kernels reverse their index to run the heaviest Q blocks first)."""
+  def number(self, cta, i, tiles_ref=None):
+    """The number of CTA cta's i-th tile (int32 scalar; i may run one past
+    the last tile, whose number is then meaningless but harmless). Block
+    counts as the grid's outer axis does: a pair's first tile is block
+    `half`, the heavy one where block 0 is the heaviest (K/V blocks; the
+    Q-outer kernels reverse their index to run the heaviest Q blocks
+    first)."""
+    if self.tabled:
+      return tiles_ref[cta, 1 + i]
+    if not self.paired:
+      return cta + i * self.num_ctas
     nb = jnp.int32(self.num_blocks)
-    if self.paired:
-      t = 2 * (cta + lax.div(i, jnp.int32(2)) * self.num_ctas) + lax.rem(i, jnp.int32(2))
-      position = lax.rem(t, nb)
-      half = lax.div(position, jnp.int32(2))
-      block = jnp.where(lax.rem(position, jnp.int32(2)) == 0, half, nb - 1 - half)
-    else:
-      t = cta + i * self.num_ctas
-      block = lax.rem(t, nb)
-    rest = lax.div(t, nb)
-    return block, lax.rem(rest, jnp.int32(self.heads)), lax.div(rest, jnp.int32(self.heads))
+    t = 2 * (cta + lax.div(i, jnp.int32(2)) * self.num_ctas) + lax.rem(i, jnp.int32(2))
+    position = lax.rem(t, nb)
+    half = lax.div(position, jnp.int32(2))
+    block = jnp.where(lax.rem(position, jnp.int32(2)) == 0, half, nb - 1 - half)
+    return t - position + block
+
+  def decode(self, number):
+    """(block, head, batch) of a tile's number, int32 scalars."""
+    nb = jnp.int32(self.num_blocks)
+    rest = lax.div(number, nb)
+    return lax.rem(number, nb), lax.rem(rest, jnp.int32(self.heads)), lax.div(rest, jnp.int32(self.heads))
+
+  def tile(self, cta, i, tiles_ref=None):
+    """(block, head, batch) of CTA cta's i-th tile, int32 scalars."""
+    return self.decode(self.number(cta, i, tiles_ref))
+
+
+# A tile's cost in `_balanced_table` beyond its ring steps: its first loads,
+# its last P V and its stores, about a step's time.
+_TILE_OVERHEAD_STEPS = 1
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced_table(num_blocks: int, units: int, num_ctas: int, work: tuple[int, ...]) -> np.ndarray:
+  """PersistentSchedule.table() of `units` (batch, head) pairs of num_blocks
+  tiles each, tile b of a unit costing work[b] ring steps (plus
+  _TILE_OVERHEAD_STEPS).
+
+  Pairs dealt round-robin (the paired schedule) leave a last round of pairs
+  that only some CTAs take: at 2048 pairs on 132 CTAs, 68 CTAs take one pair
+  more than the rest (+3% of the kernel), and where a (batch, head) has an
+  odd number of blocks the pairs are unequal too (+9% at 8k, d64, three
+  consumers). Here every tile goes, in turn, to the CTA with the least work
+  so far (greedy list scheduling): first the heavy-light pairs of each
+  (batch, head) in order, as whole pairs, which keeps the CTAs that run
+  together on few heads (their K/V shared in L2); then the last few rounds'
+  worth of pairs as single tiles, heaviest first, which fill the CTAs up
+  evenly (longest processing time first). Of tails of 1 to 4 rounds, the one
+  whose busiest CTA works least (the shortest of equals: the fewest heads at
+  once); at the bench shapes within 1.1% of the mean."""
+  cost = np.asarray(work, np.int64) + _TILE_OVERHEAD_STEPS
+  pairs = []
+  for unit in range(units):
+    base = unit * num_blocks
+    for b in range((num_blocks + 1) // 2):
+      light = num_blocks - 1 - b
+      pairs.append((base + b,) if light == b else (base + b, base + light))
+
+  def deal(tail_rounds: int):
+    whole = max(len(pairs) // num_ctas - tail_rounds, 0) * num_ctas
+    singles = sorted((t for pair in pairs[whole:] for t in pair), key=lambda t: -cost[t % num_blocks])
+    loads = [(0, cta) for cta in range(num_ctas)]  # a heap of (work so far, CTA)
+    tiles = [[] for _ in range(num_ctas)]
+    for group in pairs[:whole] + [(t,) for t in singles]:
+      load, cta = heapq.heappop(loads)
+      tiles[cta].extend(group)
+      heapq.heappush(loads, (load + int(sum(cost[t % num_blocks] for t in group)), cta))
+    return max(loads)[0], tiles
+
+  _, tiles = min((deal(tail_rounds) for tail_rounds in range(1, 5)), key=lambda dealt: dealt[0])
+  table = np.zeros((num_ctas, 2 + max(len(t) for t in tiles)), np.int32)
+  for cta, numbers in enumerate(tiles):
+    table[cta, 0] = len(numbers)
+    table[cta, 1:1 + len(numbers)] = numbers
+  table.flags.writeable = False  # cached: shared by every caller
+  return table
 
 
 def outer_grid(num_blocks: int, heads: int, batch: int, *, axis: str, persistent: bool, causal: bool,
-               interpret: bool):
+               interpret: bool, work: tuple[int, ...] | None = None):
   """(schedule, grid, grid_names) of a kernel over outer blocks (Q blocks of
   the forward and dQ, axis "q"; K/V blocks of dK/dV, axis "kv"): persistent
-  CTAs (schedule), or one CTA per tile (schedule None) with the outer blocks
-  the fastest-varying grid axis, so that CTAs running together share one
-  (batch, head) and read the same inner blocks from L2."""
+  CTAs (schedule; from a balanced table with `work`, causal only), or one
+  CTA per tile (schedule None) with the outer blocks the fastest-varying
+  grid axis, so that CTAs running together share one (batch, head) and read
+  the same inner blocks from L2."""
   if persistent:
-    schedule = PersistentSchedule.create(num_blocks, heads, batch, causal=causal, interpret=interpret)
+    schedule = PersistentSchedule.create(num_blocks, heads, batch, causal=causal, interpret=interpret, work=work)
     return schedule, (schedule.num_ctas,), ("cta",)
   return None, (num_blocks, heads, batch), (axis, "heads", "batch")
 
 
+def tile_table(schedule: PersistentSchedule | None) -> jax.Array:
+  """The kernel input `tiles_ref`: the schedule's table (a placeholder
+  without one)."""
+  return jnp.asarray(schedule.table() if schedule is not None else np.zeros((1, 2), np.int32))
+
+
 def _forward_kernel(
-    q_ref, k_ref, v_ref, out_ref, lse_ref,
+    q_ref, k_ref, v_ref, tiles_ref, out_ref, lse_ref,
     q_smem, k_smem, v_smem, lse_smem,
     q_ready, k_ready, v_ready, k_consumed, v_consumed, *extra,
     seq_q: int, seq_k: int, group: int, num_q_blocks: int, schedule: PersistentSchedule | None,
@@ -720,7 +857,8 @@ def _forward_kernel(
   # q_ref, out_ref: [batch, seq_q', heads, D] in GMEM; k_ref, v_ref: [batch,
   # seq_k', heads // group, D] in GMEM; lse_ref: [batch, heads, seq_q'] f32;
   # seq_q', seq_k': the real seq_q, seq_k padded to whole blocks (seq_q on
-  # the GPU only to whole consumer tiles; see `forward`).
+  # the GPU only to whole consumer tiles; see `forward`); tiles_ref: the
+  # persistent schedule's table (`tile_table`).
   # C = config.consumers (2, or 3). q_smem: [buffers, C, rows, D] (one Q
   # tile per consumer, reused for its output; two buffers in a persistent
   # CTA, which loads the next tile's Q while the current one's output is
@@ -984,7 +1122,7 @@ def _forward_kernel(
                                       group=group, block_kv=block_kv, stages=stages)
   run_tiles(schedule, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_q, compute=compute,
             store=store, prologue=turns.start, epilogue=lambda end_step: turns.end(), consumers=consumers,
-            early_load=config.early_q)
+            early_load=config.early_q, tiles_ref=tiles_ref)
 
 
 def forward(
@@ -1064,8 +1202,12 @@ def forward(
         plgpu.SwizzleTransform(128),
     )
     scratch.append(plgpu.SMEM((consumers, rows, config.block_kv), dtype, transforms=p_transforms))
+  work = None
+  if causal and config.balanced:
+    work = q_tile_work(num_q_blocks, block_q=config.block_q, block_kv=config.block_kv, seq_q=seq_q, seq_k=seq_k,
+                       consumers=consumers)
   schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.persistent,
-                                          causal=causal, interpret=interpret)
+                                          causal=causal, interpret=interpret, work=work)
   kernel = functools.partial(
       _forward_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
       schedule=schedule, causal=causal, softmax_scale=float(softmax_scale), config=config, interpret=interpret,
@@ -1073,5 +1215,5 @@ def forward(
   out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32))
   out, lse = specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                                 interpret_params=interpret_params, name="flash2_fwd_mosaic",
-                                consumers=consumers)(q, k, v)
+                                consumers=consumers)(q, k, v, tile_table(schedule))
   return unpad_seq(out, seq_q), unpad_seq(lse, seq_q, axis=2)
