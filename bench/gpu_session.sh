@@ -62,6 +62,7 @@
 #             adder_warps128 (the same for the d128 fused kernel against the two kernels, ~4 min),
 #             early_q (the persistent forward loading the next tile's Q early: A/B d64/d128, ~4 min),
 #             balanced (the causal forward's tiles from a balanced table against pairs; early_q again; ~3 min),
+#             balanced_bwd (the same for the d128 backward's two kernels; three d64 consumers causal 2k-4k; ~4 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -247,6 +248,21 @@ stage_balanced() {
     --head-dim 64 128 --variants default balanced=0 default balanced=0 2>&1 | tee "$OUT/balanced.log"
   timeout 120 python tools/mosaic_bench.py --no-triton --per-length --seq 2048 4096 8192 16384 --head-dim 128 \
     --variants default early_q=1 default early_q=1 2>&1 | tee "$OUT/early_q128.log"
+}
+
+stage_balanced_bwd() {
+  # The causal d128 backward (dQ and dK/dV kernels) with their tiles from
+  # the balanced table (BackwardConfig.balanced, the default from session
+  # 15) against pairs, each twice; then three consumers for the d64 causal
+  # forward at 2k-4k, which lost to two with paired tiles (sessions 8, 13)
+  # but whose 22 and 11 Q blocks a head paired unevenly. Its tests first:
+  #   SHARDS=6 SHARD_K="bwd_gpu_persistent and causal or bwd_gpu_matches_reference and causal-128" \
+  #     bash bench/gpu_session.sh 0:mosaic_shards wait balanced_bwd
+  # ~4 min.
+  timeout 220 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --causal yes \
+    --variants default balanced=0 default balanced=0 2>&1 | tee "$OUT/balanced_bwd.log"
+  timeout 90 python tools/mosaic_bench.py --no-triton --per-length --causal yes --seq 2048 4096 --head-dim 64 \
+    --variants default block_q=192+consumers=3 default block_q=192+consumers=3 2>&1 | tee "$OUT/three_causal.log"
 }
 
 stage_early_q() {

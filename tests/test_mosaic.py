@@ -1045,8 +1045,12 @@ def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, confi
         ((1, 200, 136, 4, 64), jnp.bfloat16, False, 2, BackwardConfig(64, 64, 2)),
         ((1, 384, 128, 3, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, softmax_overlap=True)),
         ((1, 128, 384, 3, 64), jnp.bfloat16, True, None, BackwardConfig(64, 64, 2)),
+        # The tiles from the balanced table (BackwardConfig.balanced).
+        ((2, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, balanced=True)),
+        ((1, 384, 128, 3, 64), jnp.float16, True, None, BackwardConfig(64, 64, 2, balanced=True)),
     ],
-    ids=["causal_gqa", "ragged_gqa", "seq_q_gt_seq_k", "seq_q_lt_seq_k"],
+    ids=["causal_gqa", "ragged_gqa", "seq_q_gt_seq_k", "seq_q_lt_seq_k", "balanced_causal_gqa",
+         "balanced_seq_q_gt_seq_k"],
 )
 def test_bwd_interpreter_persistent(kernel, shape, dtype, causal, kv_heads, config):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks

@@ -144,8 +144,10 @@ from jax_flash2.mosaic.forward import (
     observe_last_releases,
     outer_grid,
     pad_seq,
+    q_tile_work,
     run_tiles,
     specialized_kernel,
+    tile_table,
     unpad_seq,
     visible,
 )
@@ -298,6 +300,9 @@ class BackwardConfig:
       each a whole-width piece at every other step, instead of each adding
       half the columns at every step (`_dq_piece`); at head_dim 64 they
       always take turns. At head_dim 128 slower than the split (session 7).
+    balanced: causal persistent CTAs of either kernel (not the fused one,
+      whose CTAs run in lockstep rounds) take their tiles from a balanced
+      table, as forward.MosaicConfig.balanced. On by default (session 15).
     dq_adder_warp: with fused_dq, the producer warpgroup's second warp adds
       the pieces of dQ while its first warp issues the loads, so that the
       loads never wait behind the additions' waits (FlashAttention-3's dQ
@@ -328,6 +333,7 @@ class BackwardConfig:
   dq_softmax_overlap: bool = False
   dq_persistent: bool = False
   dkv_persistent: bool = False
+  balanced: bool = False
   fused_dq: bool = False
   dq_turns: bool = False
   dq_adder_warp: bool = False
@@ -339,8 +345,8 @@ class BackwardConfig:
   dq_poly_columns: int = 0
 
   def __post_init__(self):
-    for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "dq_turns",
-                 "kv_registers", "q_registers", "dq_adder_warp"):
+    for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "balanced", "fused_dq",
+                 "dq_turns", "kv_registers", "q_registers", "dq_adder_warp"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers", "dq_adder_warps", "dkv_poly_columns",
@@ -421,7 +427,8 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   of the dQ kernel's time, no gain overall (session 8): two. The dQ kernel
   overlaps its softmax with dP's product (1-5% faster at most lengths,
   session 8; the dK/dV kernel loses with it, session 5) and takes Q and dO
-  from registers (q_registers: 0-9% faster, session 9).
+  from registers (q_registers: 0-9% faster, session 9). Causal tiles come
+  from a balanced table (balanced, session 15).
 
   At head_dim 64 one kernel computes dQ as well (fused_dq, as
   `fused_backward_config`), with its additions in warps of their own, one
@@ -431,14 +438,14 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   called alone."""
   if head_dim <= 64:
     return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
-                          dkv_persistent=True, q_registers=True, fused_dq=True, dq_adder_warp=True,
+                          dkv_persistent=True, balanced=True, q_registers=True, fused_dq=True, dq_adder_warp=True,
                           dq_adder_warps=2, kv_registers=True)
   if head_dim in WIDE_HEAD_DIMS:
     # backward_wide.py: 64-row blocks, room for two ring slots; persistent dQ
     # CTAs (2-17% faster; persistent dK/dV CTAs spill and lose up to 11%).
     return BackwardConfig(block_q=64, block_kv=64, stages=2, dq_persistent=True)
   return BackwardConfig(block_q=64, block_kv=64, stages=2, dq_softmax_overlap=True, dq_persistent=True,
-                        dkv_persistent=True, q_registers=True)
+                        dkv_persistent=True, balanced=True, q_registers=True)
 
 
 def _wide():
@@ -494,25 +501,37 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
       )
 
 
-def _q_block_bounds(k_start, rows: int, seq_q: int, seq_k: int, block_q: int, causal: bool):
+def _q_block_bounds(k_start, rows: int, seq_q: int, seq_k: int, block_q: int, causal: bool, *, xp=jnp):
   """(lo, full_lo): key rows [k_start, k_start + rows) are seen by no query of
   Q blocks [0, lo), by some of blocks [lo, full_lo) (the diagonal) and by
   every query of blocks [full_lo, num_q). seq_q, seq_k are the real lengths:
   num_q = cdiv(seq_q, block_q), no block of padded queries alone; keys past
   seq_k count as seen by every query when attention is not causal (see
-  _dkv_kernel). int32 scalars."""
+  _dkv_kernel). int32 scalars (numpy's with xp=np, on the host)."""
   num_q = pl.cdiv(seq_q, block_q)
   if not causal:
-    return jnp.int32(0), jnp.int32(0)
+    return xp.int32(0), xp.int32(0)
   offset = seq_k - seq_q  # query i sees key j iff j <= i + offset
   # Block b holds a query that sees key k_start iff (b + 1) * block_q - 1 + offset >= k_start.
-  lo = jnp.minimum(jnp.clip(k_start - offset, 0, None) // block_q, num_q)
+  lo = xp.minimum(xp.clip(k_start - offset, 0, None) // block_q, num_q)
   # Block b is fully visible iff b * block_q + offset >= k_start + rows - 1 (never, for keys of
   # padding: that would need b * block_q >= seq_q, past the last block; so the diagonal's mask
   # hides them from every real query).
-  full_lo = jnp.clip(k_start + (rows - 1 - offset + block_q - 1), 0, None) // block_q
-  full_lo = jnp.clip(full_lo, lo, num_q)
+  full_lo = xp.clip(k_start + (rows - 1 - offset + block_q - 1), 0, None) // block_q
+  full_lo = xp.clip(full_lo, lo, num_q)
   return lo.astype(jnp.int32), full_lo.astype(jnp.int32)
+
+
+def _kv_tile_work(num_kv: int, *, group: int, block_q: int, seq_q: int, seq_k: int) -> tuple[int, ...]:
+  """The ring steps of each causal K/V tile of the dK/dV kernel (its Q
+  blocks from the first consumer's diagonal on, for every query head of the
+  group; block 0 the heaviest): the work a balanced PersistentSchedule
+  evens out."""
+  num_q = pl.cdiv(seq_q, block_q)
+  return tuple(
+      group * (num_q - int(_q_block_bounds(kv * OUTER_ROWS, WGMMA_M, seq_q, seq_k, block_q, True, xp=np)[0]))
+      for kv in range(num_kv)
+  )
 
 
 def _swizzled(head_or_cols: int, dtype):
@@ -693,13 +712,14 @@ def _copy_q_block(gmem, smem, ready, released, *, ring_step, stages: int, rows, 
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, *refs,
     seq_q: int, seq_k: int, group: int, schedule: PersistentSchedule | None, causal: bool, softmax_scale: float,
     config: BackwardConfig, interpret: bool,
 ):
   # q_ref, do_ref: [batch, seq_q', heads, D]; k_ref, v_ref, dk_ref, dv_ref:
   # [batch, seq_k', kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q'];
   # seq_q', seq_k': the real seq_q, seq_k padded to multiples of OUTER_ROWS.
+  # tiles_ref: the persistent schedule's table (forward.tile_table).
   # k_smem, v_smem: [buffers, 2, 64, D] (one tile per consumer, reused for
   # dK, dV; two buffers in a persistent CTA, which loads the next tile's K
   # and V while the current one's gradients are stored); q_smem, do_smem:
@@ -1252,7 +1272,7 @@ def _dkv_kernel(
     adders = [functools.partial(add_tile_pieces, consumer=c) for c in range(NUM_CONSUMERS)]
   run_tiles(schedule, tile_at, wg=wg, axis="kv", produce=load_q_blocks, observe=observe, load=load_kv,
             compute=gradients, store=store_gradients, epilogue=last_release, buffers=config.dkv_buffers,
-            produce_aside=adders if adder_warp else ())
+            produce_aside=adders if adder_warp else (), tiles_ref=tiles_ref)
 
 
 def _settings(q: jax.Array, config: BackwardConfig | None, softmax_scale: float | None):
@@ -1332,7 +1352,7 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
   num_kv = k.shape[1] // OUTER_ROWS
   group = heads // kv_heads
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
-  operands = [q, k, v, do, lse, delta]
+  ranks = []
   if config.fused_dq:
     piece = _dq_piece(head_dim, config.dq_turns)
     scratch += [
@@ -1346,8 +1366,7 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
     ]
     schedule = _fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=interpret)
     grid, grid_names = (schedule.num_ctas,), ("cta",)
-    ranks = _dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal)
-    operands.append(jnp.asarray(ranks))
+    ranks = [jnp.asarray(_dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=block_q, group=group, causal=causal))]
     # dQ piece by piece, each piece of block_q rows contiguous (`_finish_dq`
     # puts the rows back in q's layout): a TMA reduce-add then writes 16 KiB
     # in one run, not 64 rows of 256 bytes heads * head_dim * 4 bytes apart.
@@ -1357,8 +1376,11 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
     # K/V blocks fastest: CTAs running together share one (batch, kv head)
     # and read the same Q and dO from L2. Block 0 (causal: the most Q
     # blocks) runs first.
+    work = None
+    if causal and config.balanced:
+      work = _kv_tile_work(num_kv, group=group, block_q=block_q, seq_q=seq_q, seq_k=seq_k)
     schedule, grid, grid_names = outer_grid(num_kv, kv_heads, batch, axis="kv", persistent=config.dkv_persistent,
-                                            causal=causal, interpret=interpret)
+                                            causal=causal, interpret=interpret, work=work)
   if interpret:
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_q), dtype, transforms=_swizzled(block_q, dtype)))
     if config.fused_dq:
@@ -1371,7 +1393,8 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
       softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
   return specialized_kernel(kernel, out_type=tuple(out_type), scratch=scratch, grid=grid, grid_names=grid_names,
-                            interpret_params=interpret_params, name="flash2_bwd_dkv_mosaic")(*operands)
+                            interpret_params=interpret_params, name="flash2_bwd_dkv_mosaic")(
+                                q, k, v, do, lse, delta, tile_table(schedule), *ranks)
 
 
 def _finish_dq(dq, shape, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float, dtype) -> jax.Array:
@@ -1394,7 +1417,7 @@ def _finish_dq(dq, shape, *, seq_q: int, seq_k: int, causal: bool, softmax_scale
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, dq_ref,
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     q_ready, k_ready, v_ready, k_consumed, v_consumed, *staging,
     seq_q: int, seq_k: int, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, causal: bool,
@@ -1554,7 +1577,7 @@ def _dq_kernel(
   produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                       group=group, block_kv=block_kv, stages=stages)
   run_tiles(schedule, tile_at, wg=wg, axis="q", produce=produce, observe=observe, load=load_rows, compute=gradient,
-            store=store_dq, consumers=consumers)
+            store=store_dq, consumers=consumers, tiles_ref=tiles_ref)
 
 
 def dq(
@@ -1607,15 +1630,19 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
   if interpret:
     scratch.append(plgpu.SMEM((consumers, WGMMA_M, block_kv), dtype, transforms=_swizzled(block_kv, dtype)))
   num_q_blocks = pl.cdiv(q.shape[1], consumers * WGMMA_M)
+  work = None
+  if causal and config.balanced:
+    work = q_tile_work(num_q_blocks, block_q=consumers * WGMMA_M, block_kv=block_kv, seq_q=seq_q, seq_k=seq_k,
+                       consumers=consumers)
   schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.dq_persistent,
-                                          causal=causal, interpret=interpret)
+                                          causal=causal, interpret=interpret, work=work)
   kernel = functools.partial(
       _dq_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, num_q_blocks=num_q_blocks,
       schedule=schedule, causal=causal, softmax_scale=softmax_scale, config=config, interpret=interpret,
   )
   dq = specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
                           grid_names=grid_names, interpret_params=interpret_params, name="flash2_bwd_dq_mosaic",
-                          consumers=consumers)(q, k, v, do, lse, delta)
+                          consumers=consumers)(q, k, v, do, lse, delta, tile_table(schedule))
   return unpad_seq(dq, padded_q)
 
 
