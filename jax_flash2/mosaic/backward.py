@@ -302,7 +302,9 @@ class BackwardConfig:
       always take turns. At head_dim 128 slower than the split (session 7).
     balanced: causal persistent CTAs of either kernel (not the fused one,
       whose CTAs run in lockstep rounds) take their tiles from a balanced
-      table, as forward.MosaicConfig.balanced. On by default (session 15).
+      table, as forward.MosaicConfig.balanced. Off: no gain at head_dim
+      128 (session 15: -6% to +3% of the two kernels' time, the dK/dV
+      kernel spilling 40-90 bytes more).
     dq_adder_warp: with fused_dq, the producer warpgroup's second warp adds
       the pieces of dQ while its first warp issues the loads, so that the
       loads never wait behind the additions' waits (FlashAttention-3's dQ
@@ -427,8 +429,9 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   of the dQ kernel's time, no gain overall (session 8): two. The dQ kernel
   overlaps its softmax with dP's product (1-5% faster at most lengths,
   session 8; the dK/dV kernel loses with it, session 5) and takes Q and dO
-  from registers (q_registers: 0-9% faster, session 9). Causal tiles come
-  from a balanced table (balanced, session 15).
+  from registers (q_registers: 0-9% faster, session 9). Their causal tiles
+  stay in pairs: from the balanced table (balanced) the two d128 kernels
+  were 6% faster to 3% slower, no gain (session 15).
 
   At head_dim 64 one kernel computes dQ as well (fused_dq, as
   `fused_backward_config`), with its additions in warps of their own, one
@@ -438,14 +441,14 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   called alone."""
   if head_dim <= 64:
     return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
-                          dkv_persistent=True, balanced=True, q_registers=True, fused_dq=True, dq_adder_warp=True,
+                          dkv_persistent=True, q_registers=True, fused_dq=True, dq_adder_warp=True,
                           dq_adder_warps=2, kv_registers=True)
   if head_dim in WIDE_HEAD_DIMS:
     # backward_wide.py: 64-row blocks, room for two ring slots; persistent dQ
     # CTAs (2-17% faster; persistent dK/dV CTAs spill and lose up to 11%).
     return BackwardConfig(block_q=64, block_kv=64, stages=2, dq_persistent=True)
   return BackwardConfig(block_q=64, block_kv=64, stages=2, dq_softmax_overlap=True, dq_persistent=True,
-                        dkv_persistent=True, balanced=True, q_registers=True)
+                        dkv_persistent=True, q_registers=True)
 
 
 def _wide():
