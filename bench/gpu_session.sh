@@ -63,6 +63,7 @@
 #             early_q (the persistent forward loading the next tile's Q early: A/B d64/d128, ~4 min),
 #             balanced (the causal forward's tiles from a balanced table against pairs; early_q again; ~3 min),
 #             balanced_bwd (the same for the d128 backward's two kernels; three d64 consumers causal 2k-4k; ~4 min),
+#             three4k (the d64 causal forward at 4k, two consumers against three, kernel bench; ~1 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -263,6 +264,14 @@ stage_balanced_bwd() {
     --variants default balanced=0 default balanced=0 2>&1 | tee "$OUT/balanced_bwd.log"
   timeout 90 python tools/mosaic_bench.py --no-triton --per-length --causal yes --seq 2048 4096 --head-dim 64 \
     --variants default block_q=192+consumers=3 default block_q=192+consumers=3 2>&1 | tee "$OUT/three_causal.log"
+}
+
+stage_three4k() {
+  # The d64 causal forward at 4k, two consumers (the default) against three,
+  # in the kernel bench and then through the bench CLI's timing in the same
+  # run (session 15: the two tools disagreed across runs). ~1.5 min.
+  timeout 60 python tools/mosaic_bench.py --no-triton --per-length --causal yes --seq 4096 --head-dim 64 \
+    --variants default block_q=192+consumers=3 2>&1 | tee "$OUT/three4k.log"
 }
 
 stage_early_q() {

@@ -57,21 +57,21 @@ def test_config_defaults_fit_shared_memory():
 
 
 def test_default_config_three_consumers_from_measured_lengths():
-  """head_dim 64 takes three consumers from 2k without a mask, 4k causal
+  """head_dim 64 takes three consumers from 2k without a mask, 8k causal
   (the measured thresholds); other head_dims never; so does the API."""
   from jax_flash2 import api
 
   assert mosaic.default_config(64).consumers == 2
   assert mosaic.default_config(64, seq_q=1024).consumers == 2
   assert mosaic.default_config(64, seq_q=2048).consumers == 3
-  assert mosaic.default_config(64, seq_q=2048, causal=True).consumers == 2
-  three = mosaic.default_config(64, seq_q=4096, causal=True)
+  assert mosaic.default_config(64, seq_q=4096, causal=True).consumers == 2
+  three = mosaic.default_config(64, seq_q=8192, causal=True)
   assert (three.consumers, three.block_q) == (3, 192)
   assert three.smem_bytes(64, jnp.bfloat16) <= mosaic.SMEM_LIMIT
   assert mosaic.default_config(128, seq_q=16384).consumers == 2
-  causal_4k = api.Problem(4096, 4096, 64, 64, None, 0, 0.125, "bfloat16")
-  q = jax.ShapeDtypeStruct((1, 4096, 2, 64), jnp.bfloat16)
-  assert api._mosaic_config(causal_4k, q) == three
+  causal_8k = api.Problem(8192, 8192, 64, 64, None, 0, 0.125, "bfloat16")
+  q = jax.ShapeDtypeStruct((1, 8192, 2, 64), jnp.bfloat16)
+  assert api._mosaic_config(causal_8k, q) == three
 
 
 def test_q_registers_lowers_for_cuda():
@@ -646,9 +646,11 @@ def test_gpu_early_q(shape, kv_heads, causal):
 )
 def test_gpu_balanced(shape, kv_heads):
   """The causal persistent forward with its tiles from the balanced table
-  (MosaicConfig.balanced; session 15), with two consumers and, from 4k at
-  head_dim 64, three."""
+  (MosaicConfig.balanced; session 15), with two consumers and three (at
+  head_dim 64 they are the default from 8k causal)."""
   config = dataclasses.replace(mosaic.default_config(shape[-1], seq_q=shape[1], causal=True), balanced=True)
+  if shape[1] >= 4096:
+    config = dataclasses.replace(config, block_q=3 * mosaic.WGMMA_M, consumers=3)
   _check_against_reference(*shape, jnp.bfloat16, True, kv_heads=kv_heads, config=config, interpret=False)
 
 

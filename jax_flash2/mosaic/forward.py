@@ -199,7 +199,7 @@ class MosaicConfig:
       the tensor cores two other consumers' matmuls to run while one
       computes its softmax, which at head_dim 64 takes about as long as its
       matmuls; and a 192-row Q tile reads K and V a third less often per
-      FLOP. The head_dim-64 default from 2k (4k causal; sessions 8, 13,
+      FLOP. The head_dim-64 default from 2k (8k causal; sessions 8, 13,
       15).
     q_registers: each consumer loads its Q rows into registers once per tile
       and takes them from there as the A operand of every S = Q K^T, which
@@ -294,9 +294,11 @@ def _sm_count() -> int:
 # (bench/NOTES.md, sessions 8 and 13; the last Q block unpadded) +14-16% at
 # 8k-16k without a mask, more at 4k, +11% at 2k (session 13; session 8's -3%
 # there was with 2k padded to whole 192-row blocks); +4-7% causal at 8k-16k,
-# equal causal at 4k and -26% at 2k with paired tiles; with balanced tiles
-# (session 15) +1.6% causal at 4k, -3% at 2k.
-THREE_CONSUMERS_MIN_SEQ = {False: 2048, True: 4096}
+# equal causal at 4k and -26% at 2k with paired tiles. With balanced tiles
+# (session 15) three were 1.6% faster causal at 4k in tools/mosaic_bench.py
+# but 4% slower in the bench CLI (0.769 against 0.737 ms, separate runs):
+# two stay there.
+THREE_CONSUMERS_MIN_SEQ = {False: 2048, True: 8192}
 
 
 def default_config(head_dim: int, *, seq_q: int = 0, causal: bool = False) -> MosaicConfig:
