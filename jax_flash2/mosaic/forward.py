@@ -184,9 +184,9 @@ class MosaicConfig:
       round-robin, whose last round only some CTAs take: by the tiles'
       steps, the busiest CTA then works 3% longer than the mean at 2k-4k
       (d128 everywhere), 9% at 8k and 5% at 16k (d64, three consumers,
-      whose 43 and 86 Q blocks a head pair unevenly); balanced, 0.1-0.7%
-      (tools/schedule_model.py). Written in session 15; timed in
-      bench/NOTES.md.
+      whose 43 and 86 Q blocks a head pair unevenly); balanced, 0.2-0.5%
+      (tools/schedule_model.py). Measured (session 15): the causal
+      forward 2-7% faster at d64 and d128, 2k-16k. On in the defaults.
     pingpong: the two consumers take turns on the tensor cores (as
       FlashAttention-3's warpgroup ping-pong): each issues one step's
       matmuls only after the other has issued its own, so that one

@@ -1,0 +1,57 @@
+"""How evenly the persistent CTAs of the causal Mosaic forward share their work.
+
+  PYTHONPATH=. python tools/schedule_model.py            # the bench shapes, head_dim 64 and 128
+  PYTHONPATH=. python tools/schedule_model.py --ctas 114  # an H100 PCIe's SMs
+
+For each bench shape (16384 tokens, hidden 2048) the work of a CTA is the
+ring steps of its tiles plus one step a tile (`forward._TILE_OVERHEAD_STEPS`);
+the kernel's time follows its busiest CTA. Printed: that CTA's work over the
+mean, for the heavy-light pairs dealt round-robin (`PersistentSchedule`
+without `work`) and for the balanced table (`MosaicConfig.balanced`). A model
+only: bench/NOTES.md (session 15) has what the kernels measured. CPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash2.mosaic import forward as mosaic
+
+
+def busiest_over_mean(schedule: mosaic.PersistentSchedule, work: tuple[int, ...]) -> float:
+  """The busiest CTA's work over the mean, tiles costing work[block] + 1."""
+  table = jnp.asarray(schedule.table())
+  loads = []
+  for cta in range(schedule.num_ctas):
+    count = int(schedule.tile_count(jnp.int32(cta), table))
+    blocks = [int(schedule.tile(jnp.int32(cta), jnp.int32(i), table)[0]) for i in range(count)]
+    loads.append(sum(work[b] + mosaic._TILE_OVERHEAD_STEPS for b in blocks))
+  return max(loads) / float(np.mean(loads))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seq", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
+  parser.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
+  parser.add_argument("--ctas", type=int, default=132, help="persistent CTAs: one per SM (132 on the H100 SXM/H200)")
+  args = parser.parse_args()
+  print(f"{'d':>4} {'seq':>6} {'consumers':>9} {'Q blocks':>8} {'paired':>7} {'balanced':>8}")
+  for head_dim in args.head_dim:
+    for seq in args.seq:
+      config = mosaic.default_config(head_dim, seq_q=seq, causal=True)
+      batch, heads = max(16384 // seq, 1), 2048 // head_dim
+      num_q_blocks = -(-seq // config.block_q)
+      work = mosaic.q_tile_work(num_q_blocks, block_q=config.block_q, block_kv=config.block_kv, seq_q=seq,
+                                seq_k=seq, consumers=config.consumers)
+      paired = mosaic.PersistentSchedule(num_q_blocks, heads, batch, min(args.ctas, num_q_blocks * heads * batch // 2),
+                                         paired=True)
+      balanced = mosaic.PersistentSchedule(num_q_blocks, heads, batch, paired.num_ctas, paired=True, work=work)
+      print(f"{head_dim:>4} {seq:>6} {config.consumers:>9} {num_q_blocks:>8} {busiest_over_mean(paired, work):>7.3f}"
+            f" {busiest_over_mean(balanced, work):>8.3f}")
+
+
+if __name__ == "__main__":
+  main()
