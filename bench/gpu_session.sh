@@ -227,8 +227,8 @@ stage_adder_warps() {
 
 stage_adder_warps128() {
   # The d128 fused kernel with two adder warps, one per consumer's half of
-  # the columns (not yet run: written after session 14's last device call),
-  # against one and the two kernels (the d128 default); and taking turns at
+  # the columns (session 15: level with the two kernels without a mask,
+  # 12-19% behind causal), against one and the two kernels (the d128 default); and taking turns at
   # whole-width pieces (dq_turns). Its tests first:
   #   SHARDS=4 SHARD_K="two_adder_warps and d128" bash bench/gpu_session.sh 0:mosaic_shards wait adder_warps128
   # ~5 min.
@@ -276,8 +276,8 @@ stage_three4k() {
 
 stage_early_q() {
   # The persistent forward loading each next tile's Q at the current tile's
-  # start (MosaicConfig.early_q; written after session 14's last device
-  # call), against the default, from the API's per-length defaults: d64
+  # start (MosaicConfig.early_q; session 15: within noise), against the
+  # default, from the API's per-length defaults: d64
   # (causal 4k-8k at 0.96-0.97x cuDNN) and d128. Its tests first:
   #   SHARDS=4 SHARD_K=gpu_early_q bash bench/gpu_session.sh 0:mosaic_shards wait early_q
   # ~4 min.

@@ -631,7 +631,7 @@ def test_gpu_persistent(shape, kv_heads, causal):
 @pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
 def test_gpu_early_q(shape, kv_heads, causal):
   """The persistent forward loading each next tile's Q from the current
-  tile's start (early_q; written in session 14 after its last device call)."""
+  tile's start (early_q; an option, off: session 15)."""
   config = dataclasses.replace(mosaic.default_config(shape[-1], seq_q=shape[1], causal=causal), persistent=True,
                                early_q=True)
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
@@ -1398,8 +1398,8 @@ def test_bwd_gpu_fused_dq_two_adder_warps(request, shape, kv_heads, causal):
   """Two warps adding dQ, one per consumer's pieces (dq_adder_warps=2): the
   d64 default; the d128 fused kernel, whose consumers add half the columns
   each at every step, or take turns at whole-width pieces in one shared
-  buffer (dq_turns): right, and the same bits again. (The d128 cases were
-  written in session 14 after its last device call.)"""
+  buffer (dq_turns): right, and the same bits again (the d128 cases an
+  option, off: session 15)."""
   config = mosaic_bwd.default_backward_config(64)
   if shape[-1] != 64:
     config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_adder_warp=True, dq_adder_warps=2,

@@ -176,8 +176,8 @@ class MosaicConfig:
       the start of the current tile (once the previous tile's output store
       has read that buffer) instead of at its end, where the load's latency
       stalls the next tile's first step: most felt by short tiles (causal,
-      d64: ~16 K/V blocks a tile at 4k). Written in session 14 after its
-      last device call: not yet timed, hence off.
+      d64: ~16 K/V blocks a tile at 4k). Off: within noise (session 15:
+      d64 -1% to +3%, d128 -7% to +5%, runs disagreeing in sign).
     balanced: with persistent and causal, the CTAs take their tiles from
       a table built on the host that evens out their work
       (PersistentSchedule.table), instead of heavy-light pairs dealt
