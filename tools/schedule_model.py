@@ -46,8 +46,8 @@ def main() -> None:
       num_q_blocks = -(-seq // config.block_q)
       work = mosaic.q_tile_work(num_q_blocks, block_q=config.block_q, block_kv=config.block_kv, seq_q=seq,
                                 seq_k=seq, consumers=config.consumers)
-      paired = mosaic.PersistentSchedule(num_q_blocks, heads, batch, min(args.ctas, num_q_blocks * heads * batch // 2),
-                                         paired=True)
+      num_ctas = min(args.ctas, -(-num_q_blocks * heads * batch // 2))  # as PersistentSchedule.create, causal
+      paired = mosaic.PersistentSchedule(num_q_blocks, heads, batch, num_ctas, paired=True)
       balanced = mosaic.PersistentSchedule(num_q_blocks, heads, batch, paired.num_ctas, paired=True, work=work)
       print(f"{head_dim:>4} {seq:>6} {config.consumers:>9} {num_q_blocks:>8} {busiest_over_mean(paired, work):>7.3f}"
             f" {busiest_over_mean(balanced, work):>8.3f}")

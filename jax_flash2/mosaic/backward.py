@@ -93,7 +93,8 @@ Status: runs on the H200 and passes its GPU tests at the Triton path's bar,
 ragged lengths included (session 4; persistent by default since session 6;
 speed in bench/NOTES.md). The fused kernel passes its GPU tests, bit-for-bit
 deterministic. At head_dim 128 it is slower than the two kernels (12-50%
-at 4k, 4-10% at 16k; sessions 7-11). At 64, with the additions in a warp of
+at 4k, 4-10% at 16k; sessions 7-11; with two adder warps level with them
+without a mask, 12-19% behind causal, session 15). At 64, with the additions in a warp of
 their own (dq_adder_warp) and K and V in registers (kv_registers), it is
 2-4.5% faster than them and the default (session 12). Its reduce-adds
 were what it lost (`dq_addition_experiment`: 17% faster without them, 10%
@@ -278,8 +279,8 @@ class BackwardConfig:
       MPS's would hang it). On at head_dim 64 (with dq_adder_warp and
       kv_registers: 2-4.5% faster than the two kernels, session 12; with
       dq_adder_warps 2 another 7-15%, session 14); off at 128, where it was
-      slower with one adder warp (bench/NOTES.md, sessions 6-12; two are
-      not yet measured there).
+      slower with one adder warp (bench/NOTES.md, sessions 6-12) and with
+      two level without a mask, 12-19% behind causal (session 15).
     kv_registers: with fused_dq, the consumers hold their K and V rows in
       registers, loaded once per tile, for S^T = K Q^T and dP^T = V dO^T,
       which then read only Q and dO from shared memory. head_dim 64 only

@@ -735,9 +735,9 @@ class PersistentSchedule:
     """int32 [num_ctas, 2 + most tiles of a CTA]: column 0 each CTA's tile
     count, then its tiles' numbers in the order it runs them, then zeros (at
     least one, so that reading one tile past the last stays in bounds). A
-    [1, 2] placeholder for a schedule that computes its tiles."""
+    placeholder for a schedule that computes its tiles."""
     if not self.tabled:
-      return np.zeros((1, 2), np.int32)
+      return _NO_TABLE
     return _balanced_table(self.num_blocks, self.heads * self.batch, self.num_ctas, self.work)
 
   def tile_count(self, cta, tiles_ref=None):
@@ -780,6 +780,11 @@ class PersistentSchedule:
     return self.decode(self.number(cta, i, tiles_ref))
 
 
+# `tiles_ref` of a kernel without a table (one CTA per tile, or a schedule
+# that computes its tiles): never read.
+_NO_TABLE = np.zeros((1, 2), np.int32)
+_NO_TABLE.flags.writeable = False
+
 # A tile's cost in `_balanced_table` beyond its ring steps: its first loads,
 # its last P V and its stores, about a step's time.
 _TILE_OVERHEAD_STEPS = 1
@@ -802,7 +807,8 @@ def _balanced_table(num_blocks: int, units: int, num_ctas: int, work: tuple[int,
   worth of pairs as single tiles, heaviest first, which fill the CTAs up
   evenly (longest processing time first). Of tails of 1 to 4 rounds, the one
   whose busiest CTA works least (the shortest of equals: the fewest heads at
-  once); at the bench shapes within 1.1% of the mean."""
+  once); at the bench shapes within 0.2-0.5% of the mean
+  (tools/schedule_model.py)."""
   cost = np.asarray(work, np.int64) + _TILE_OVERHEAD_STEPS
   pairs = []
   for unit in range(units):
@@ -848,7 +854,7 @@ def outer_grid(num_blocks: int, heads: int, batch: int, *, axis: str, persistent
 def tile_table(schedule: PersistentSchedule | None) -> jax.Array:
   """The kernel input `tiles_ref`: the schedule's table (a placeholder
   without one)."""
-  return jnp.asarray(schedule.table() if schedule is not None else np.zeros((1, 2), np.int32))
+  return jnp.asarray(_NO_TABLE if schedule is None else schedule.table())
 
 
 def _forward_kernel(
