@@ -64,6 +64,9 @@
 #             balanced (the causal forward's tiles from a balanced table against pairs; early_q again; ~3 min),
 #             balanced_bwd (the same for the d128 backward's two kernels; three d64 consumers causal 2k-4k; ~4 min),
 #             three4k (the d64 causal forward at 4k, two consumers against three, kernel bench; ~1 min),
+#             cli_ab64 (the same through the bench CLI, tools/cli_ab.py, both orders, early_q beside; ~3 min),
+#             bwd_ab128 (the d128 backward: dK/dV softmax_overlap, dQ on 128-row K/V blocks; ~3 min),
+#             cli_ab128 (the d128 fused backward against the two kernels through the bench CLI; ~3 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -272,6 +275,42 @@ stage_three4k() {
   # run (session 15: the two tools disagreed across runs). ~1.5 min.
   timeout 60 python tools/mosaic_bench.py --no-triton --per-length --causal yes --seq 4096 --head-dim 64 \
     --variants default block_q=192+consumers=3 2>&1 | tee "$OUT/three4k.log"
+}
+
+stage_cli_ab64() {
+  # The d64 causal forward at 4k through the bench CLI's own timing
+  # (tools/cli_ab.py), cuDNN in the same run: two consumers (the default)
+  # against three, with and without early_q, in both orders (session 15:
+  # the kernel bench and the CLI disagreed by 3-5%). ~3 min.
+  local three=block_q=192+consumers=3
+  for order in "two three" "three two"; do
+    local args=()
+    for name in $order; do
+      [[ $name == two ]] && args+=(--fwd two=default --fwd two_q=early_q=1)
+      [[ $name == three ]] && args+=(--fwd three=$three --fwd three_q=$three+early_q=1)
+    done
+    timeout 120 python tools/cli_ab.py "${args[@]}" -- --seqlens 4096 --head-dims 64 --causal true --modes fwd \
+      --iters 30 --no-check --no-progress --out "$OUT/cli_ab64_${order// /_}" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
+  done
+}
+
+stage_cli_ab128() {
+  # The d128 forward+backward through the bench CLI without a mask: the two
+  # kernels (the default) against the fused kernel with two adder warps
+  # (session 15, kernel bench: level), cuDNN in the same run. ~3 min.
+  local fused=fused_dq=1+dq_adder_warp=1+dq_adder_warps=2+dkv_persistent=0+stages=2
+  timeout 200 python tools/cli_ab.py --bwd two=default --bwd fused=$fused -- --seqlens 4096 16384 --head-dims 128 \
+    --causal false --modes fwd+bwd --no-progress --out "$OUT/cli_ab128" 2>&1 | grep -E "^ +[0-9]+ |== |rror|  flash2|  cudnn"
+}
+
+stage_bwd_ab128() {
+  # The d128 backward kernels, kernel bench: the default against the dK/dV
+  # kernel's softmax_overlap (session 5: 1-11% slower, before persistent
+  # CTAs) and the dQ kernel on 128-row K/V blocks (S = 64 x 128 per
+  # consumer, Q and dO from shared memory, not persistent: no spills on
+  # sm_90a without a mask, 36-60 B causal). ~3 min.
+  timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
+    softmax_overlap=1 block_kv=128+dq_persistent=0+q_registers=0 2>&1 | tee "$OUT/bwd_ab128.log"
 }
 
 stage_early_q() {
