@@ -66,7 +66,8 @@
 #             three4k (the d64 causal forward at 4k, two consumers against three, kernel bench; ~1 min),
 #             cli_ab64 (the same through the bench CLI, tools/cli_ab.py, both orders, early_q beside; ~3 min),
 #             bwd_ab128 (the d128 backward: dK/dV softmax_overlap, dQ on 128-row K/V blocks; ~3 min),
-#             cli_ab128 (the d128 fused backward against the two kernels through the bench CLI; ~3 min),
+#             cli_ab128 (the d128 backward: dK/dV softmax_overlap and the fused kernel through the bench CLI; ~4 min),
+#             overlap128 (the d128 dK/dV softmax_overlap, kernel bench, two runs; ~4 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -296,11 +297,24 @@ stage_cli_ab64() {
 
 stage_cli_ab128() {
   # The d128 forward+backward through the bench CLI without a mask: the two
-  # kernels (the default) against the fused kernel with two adder warps
-  # (session 15, kernel bench: level), cuDNN in the same run. ~3 min.
+  # kernels (the default) against the same with the dK/dV kernel's
+  # softmax_overlap (session 16, kernel bench: 0-1.2% faster) and against
+  # the fused kernel with two adder warps (session 15, kernel bench:
+  # level), cuDNN in the same run. ~4 min.
   local fused=fused_dq=1+dq_adder_warp=1+dq_adder_warps=2+dkv_persistent=0+stages=2
-  timeout 200 python tools/cli_ab.py --bwd two=default --bwd fused=$fused -- --seqlens 4096 16384 --head-dims 128 \
-    --causal false --modes fwd+bwd --no-progress --out "$OUT/cli_ab128" 2>&1 | grep -E "^ +[0-9]+ |== |rror|  flash2|  cudnn"
+  timeout 260 python tools/cli_ab.py --bwd two=default --bwd overlap=softmax_overlap=1 --bwd fused=$fused -- \
+    --seqlens 4096 16384 --head-dims 128 --causal false --modes fwd+bwd --no-check --no-progress \
+    --out "$OUT/cli_ab128" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
+}
+
+stage_overlap128() {
+  # The d128 dK/dV kernel's softmax_overlap against the default, kernel
+  # bench, 4k-16k, both masks, two runs (the tool keeps one row per variant
+  # name). ~4 min.
+  for run in 1 2; do
+    timeout 120 python tools/mosaic_bwd_bench.py --seq 4096 8192 16384 --head-dim 128 --variants default \
+      softmax_overlap=1 2>&1 | tee "$OUT/overlap128_$run.log"
+  done
 }
 
 stage_bwd_ab128() {
