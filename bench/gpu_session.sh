@@ -68,6 +68,7 @@
 #             bwd_ab128 (the d128 backward: dK/dV softmax_overlap, dQ on 128-row K/V blocks; ~3 min),
 #             cli_ab128 (the d128 backward: dK/dV softmax_overlap and the fused kernel through the bench CLI; ~4 min),
 #             overlap128 (the d128 dK/dV softmax_overlap, kernel bench, two runs; ~4 min),
+#             ncu128 (Nsight Compute's counters: d128 forward+backward, ours, fused, cuDNN; ~5 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -325,6 +326,26 @@ stage_bwd_ab128() {
   # sm_90a without a mask, 36-60 B causal). ~3 min.
   timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
     softmax_overlap=1 block_kv=128+dq_persistent=0+q_registers=0 2>&1 | tee "$OUT/bwd_ab128.log"
+}
+
+stage_ncu128() {
+  # Nsight Compute's counters (full set, clocks left alone) for one d128
+  # forward+backward at 4k without a mask of each: our default (forward,
+  # dK/dV and dQ kernels), the fused backward with two adder warps, and
+  # cuDNN (fprop, bprop); tools/ncu_profile.py. What bounds each backward:
+  # tensor pipe, shared memory, stalls. ~5 min.
+  local ncu fused=fused_dq=1+dq_adder_warp=1+dq_adder_warps=2+dkv_persistent=0+stages=2
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  echo "ncu: $ncu"; [[ -n $ncu ]] || return
+  PYTHONUNBUFFERED=1 timeout 420 "$ncu" --clock-control none --profile-from-start off --set full \
+    -k "regex:flash2_(fwd|bwd_d)|sdpa" -f -o "$OUT/ncu128" python tools/ncu_profile.py --seq 4096 --head-dim 128 \
+    --bwd two=default --bwd fused=$fused 2>&1 | grep -v "^==PROF==" | tail -15
+  "$ncu" --import "$OUT/ncu128.ncu-rep" --page details >"$OUT/ncu128_details.txt" 2>&1
+  "$ncu" --import "$OUT/ncu128.ncu-rep" --page raw --csv >"$OUT/ncu128_raw.csv" 2>&1
+  grep -E "^  [a-z_]|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Shared Memory" \
+    "$OUT/ncu128_details.txt" | head -120
+  local size; size=$(stat -c %s "$OUT/ncu128.ncu-rep" 2>/dev/null || echo 0)
+  ((size > 12000000)) && rm -f "$OUT/ncu128.ncu-rep"  # the device returns files of 16 MiB at most
 }
 
 stage_early_q() {

@@ -1,0 +1,90 @@
+"""Runs forward+backward once per implementation inside a profiler range, for Nsight Compute.
+
+  ncu --clock-control none --profile-from-start off --set full -k regex:'flash2_(fwd|bwd_d)|sdpa' \\
+      -o prof python tools/ncu_profile.py --seq 4096 --head-dim 128 \\
+      --bwd two=default --bwd fused=fused_dq=1+dq_adder_warp=1+dq_adder_warps=2+dkv_persistent=0+stages=2
+  ncu --import prof.ncu-rep --page details
+
+Every implementation is compiled and run once first, outside the range
+(cuProfilerStart / cuProfilerStop through the CUDA driver), so that ncu,
+started with --profile-from-start off, sees one forward+backward of each and
+nothing of the compilation. `--bwd NAME=SPEC` / `--fwd NAME=SPEC` name
+Mosaic config variants as tools/cli_ab.py does; cuDNN runs last unless
+--no-cudnn. Bench convention: 16384 tokens per batch, hidden 2048, bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash2 import flash_attention
+from jax_flash2.bench import timing
+
+import cli_ab  # tools/
+
+
+class _ProfilerRange:
+  """cuProfilerStart/Stop on the device's primary context (the one JAX uses)."""
+
+  def __init__(self):
+    self.cuda = ctypes.CDLL("libcuda.so.1")
+    self.ctx = ctypes.c_void_p()
+    self._check(self.cuda.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), 0), "cuDevicePrimaryCtxRetain")
+
+  def _check(self, status: int, what: str) -> None:
+    if status:
+      raise RuntimeError(f"{what} failed with CUresult {status}")
+
+  def __enter__(self):
+    self._check(self.cuda.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+    self._check(self.cuda.cuProfilerStart(), "cuProfilerStart")
+
+  def __exit__(self, *exc):
+    self._check(self.cuda.cuProfilerStop(), "cuProfilerStop")
+    self._check(self.cuda.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--fwd", action="append", default=[], metavar="NAME=SPEC")
+  parser.add_argument("--bwd", action="append", default=[], metavar="NAME=SPEC")
+  parser.add_argument("--no-cudnn", action="store_true")
+  args = parser.parse_args(argv)
+  batch, heads = 16384 // args.seq, 2048 // args.head_dim
+  shape = (batch, args.seq, heads, args.head_dim)
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q, k, v, dout = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key in keys)
+
+  fwd, bwd = cli_ab._specs(args.fwd, "--fwd"), cli_ab._specs(args.bwd, "--bwd")
+  fns = {}
+  for name in dict.fromkeys([*fwd, *bwd]) or ["default"]:
+    context = cli_ab._patched(fwd.get(name), bwd.get(name))
+
+    def attn(q, k, v, context=context):
+      with context():
+        return flash_attention(q, k, v, causal=args.causal, backend="mosaic")
+
+    fns[name] = attn
+  if not args.no_cudnn:
+    fns["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=args.causal,
+                                                                implementation="cudnn")
+  compiled = {name: jax.jit(timing.fwd_bwd_fn(fn)).lower(q, k, v, dout).compile() for name, fn in fns.items()}
+  for name, fn in compiled.items():  # first runs (module loads, cuDNN plans) outside the range
+    jax.block_until_ready(fn(q, k, v, dout))
+  with _ProfilerRange():
+    for name, fn in compiled.items():
+      print(f"profiling {name}", flush=True)
+      jax.block_until_ready(fn(q, k, v, dout))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
