@@ -41,12 +41,12 @@ class _ProfilerRange:
       raise RuntimeError(f"{what} failed with CUresult {status}")
 
   def __enter__(self):
-    self._check(self.cuda.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+    self._check(self.cuda.cuCtxPushCurrent_v2(self.ctx), "cuCtxPushCurrent")
     self._check(self.cuda.cuProfilerStart(), "cuProfilerStart")
 
   def __exit__(self, *exc):
     self._check(self.cuda.cuProfilerStop(), "cuProfilerStop")
-    self._check(self.cuda.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+    self._check(self.cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
 
 
 def main(argv: list[str]) -> int:
