@@ -68,6 +68,7 @@
 #             bwd_ab128 (the d128 backward: dK/dV softmax_overlap, dQ on 128-row K/V blocks; ~3 min),
 #             cli_ab128 (the d128 backward: dK/dV softmax_overlap and the fused kernel through the bench CLI; ~4 min),
 #             overlap128 (the d128 dK/dV softmax_overlap, kernel bench, two runs; ~4 min),
+#             kreg128 (the d128 dK/dV kernel with K in registers: kernel bench, then the CLI; ~3.5 min),
 #             ncu128 (Nsight Compute's counters: d128 forward+backward, ours, fused, cuDNN; ~5 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
@@ -346,6 +347,20 @@ stage_ncu128() {
     "$OUT/ncu128_details.txt" | head -120
   local size; size=$(stat -c %s "$OUT/ncu128.ncu-rep" 2>/dev/null || echo 0)
   ((size > 12000000)) && rm -f "$OUT/ncu128.ncu-rep"  # the device returns files of 16 MiB at most
+}
+
+stage_kreg128() {
+  # The d128 dK/dV kernel with K in registers for S^T (k_registers; Nsight
+  # Compute, session 16: its shared-memory pipe 63% busy, half of it the
+  # operand reads of S^T and dP^T): kernel bench both masks, then through
+  # the bench CLI beside cuDNN without a mask. Its tests first:
+  #   SHARDS=4 SHARD_K=bwd_gpu_k_registers bash bench/gpu_session.sh 0:mosaic_shards wait kreg128
+  # ~3.5 min.
+  timeout 100 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default k_registers=1 \
+    2>&1 | tee "$OUT/kreg128.log"
+  timeout 150 python tools/cli_ab.py --bwd two=default --bwd kreg=k_registers=1 -- --seqlens 4096 16384 \
+    --head-dims 128 --causal false --modes fwd+bwd --no-check --no-progress --out "$OUT/cli_kreg128" 2>&1 \
+    | grep -E "^ +[0-9]+ |== |rror"
 }
 
 stage_early_q() {
