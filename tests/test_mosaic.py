@@ -856,8 +856,6 @@ def test_bwd_config():
       (dict(q_registers="yes"), "q_registers must be a bool"),
       (dict(kv_registers=1), "kv_registers must be a bool"),
       (dict(kv_registers=True), "kv_registers needs fused_dq"),
-      (dict(k_registers=1), "k_registers must be a bool"),
-      (dict(fused_dq=True, kv_registers=True, k_registers=True), "k_registers and kv_registers exclude each other"),
       (dict(dq_consumers=3.0), "dq_consumers must be an int"),
       (dict(dkv_poly_columns=72), "dkv_poly_columns must be a multiple of 8 between 0 and 64"),
       (dict(block_kv=128, dq_poly_columns=4), "dq_poly_columns must be a multiple of 8 between 0 and 128"),
@@ -973,18 +971,6 @@ def test_bwd_kv_registers_lowers_for_cuda_at_head_dim_64_only():
   config = dataclasses.replace(mosaic_bwd.fused_backward_config(128), kv_registers=True)
   with pytest.raises(NotImplementedError, match="kv_registers needs head_dim 64"):
     mosaic_bwd.dkv(*_bwd_structs(1, 512, 512, 2, 128), config=config)
-
-
-def test_bwd_k_registers_lowers_for_cuda_at_head_dim_128_only():
-  """K in registers for S^T (k_registers) in the d128 dK/dV kernel: it
-  lowers and changes the kernel; head_dim 64 takes kv_registers and says so."""
-  structs = _bwd_structs(1, 512, 512, 2, 128)
-  lower = lambda config: _kernels_text(lambda *a: mosaic_bwd.dkv(*a, causal=False, config=config), *structs)
-  config = mosaic_bwd.default_backward_config(128)
-  assert lower(config) != lower(dataclasses.replace(config, k_registers=True))
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(64).unfused(), k_registers=True)
-  with pytest.raises(NotImplementedError, match="k_registers needs head_dim 128"):
-    mosaic_bwd.dkv(*_bwd_structs(1, 512, 512, 2, 64), config=config)
 
 
 def test_bwd_only_ragged_lengths_pay_for_padding():
@@ -1397,19 +1383,6 @@ def test_bwd_gpu_fused_dq_kv_registers(shape, kv_heads, causal):
   ptxas 13.0 miscompiles the two-kernel dK/dV loop with K and V in registers
   (tools/mosaic_cpu_compile.py's A-clobber check), not this one."""
   test_bwd_gpu_fused_dq(shape, kv_heads, causal, adder_warp=True, kv_registers=True)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape, kv_heads", [((1, 4096, 4096, 4, 128), None), ((1, 1000, 1537, 8, 128), 2)],
-                         ids=["d128", "ragged_gqa"])
-def test_bwd_gpu_k_registers(shape, kv_heads, causal):
-  """The d128 two kernels with the dK/dV kernel's K in registers
-  (k_registers; sm_90a shows no A operand overwritten in its loop, the
-  miscompilation kv_registers met at head_dim 64), both masks."""
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(128), k_registers=True)
-  _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
 @pytest.mark.gpu

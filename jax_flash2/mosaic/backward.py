@@ -288,14 +288,6 @@ class BackwardConfig:
       for the two kernels: ptxas 13.0 miscompiles their non-causal dK/dV
       loop with it (the loop hands K's registers to P^T; session 10,
       tools/mosaic_cpu_compile.py's A-clobber check), not the fused one.
-    k_registers: the dK/dV kernel's consumers hold their K rows in
-      registers for S^T = K Q^T, loaded once per tile (head_dim 128, where
-      K and V together would not fit beside dK and dV; at 64 see
-      kv_registers). Nsight Compute (session 16): that kernel's shared
-      memory pipe is 63% busy at 4k, the wgmma operand reads of S^T and
-      dP^T (both operands in shared memory) being half of it; K from
-      registers halves S^T's. sm_90a: 48 B of spills without a mask, 228-236
-      B causal; no A operand overwritten in the loop.
     q_registers: the dQ kernel's consumers hold their Q and dO rows in
       registers for S = Q K^T and dP = dO V^T, which then read only K and V
       from shared memory (head_dim 64 and 128: no spills on sm_90a). On in
@@ -352,7 +344,6 @@ class BackwardConfig:
   dq_adder_warp: bool = False
   dq_adder_warps: int = 1
   kv_registers: bool = False
-  k_registers: bool = False
   q_registers: bool = False
   dq_consumers: int = NUM_CONSUMERS
   dkv_poly_columns: int = 0
@@ -360,7 +351,7 @@ class BackwardConfig:
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "balanced", "fused_dq",
-                 "dq_turns", "kv_registers", "k_registers", "q_registers", "dq_adder_warp"):
+                 "dq_turns", "kv_registers", "q_registers", "dq_adder_warp"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers", "dq_adder_warps", "dkv_poly_columns",
@@ -388,8 +379,6 @@ class BackwardConfig:
     if self.kv_registers and not self.fused_dq:
       raise ValueError("BackwardConfig.kv_registers needs fused_dq (ptxas 13.0 miscompiles the dK/dV kernel's "
                        "loop with it)")
-    if self.k_registers and self.kv_registers:
-      raise ValueError("BackwardConfig.k_registers and kv_registers exclude each other (kv_registers holds K too)")
     poly_exp2.check_poly_columns("BackwardConfig.dkv_poly_columns", self.dkv_poly_columns, self.block_q)
     poly_exp2.check_poly_columns("BackwardConfig.dq_poly_columns", self.dq_poly_columns, self.block_kv)
 
@@ -506,8 +495,6 @@ def _check_inputs(q, k, v, do, lse, delta, config: BackwardConfig, kernels: tupl
     raise NotImplementedError(f"the Mosaic GPU backward supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
   if "dkv" in kernels and config.kv_registers and head_dim != 64:
     raise NotImplementedError(f"BackwardConfig.kv_registers needs head_dim 64 (registers), got {head_dim}")
-  if "dkv" in kernels and config.k_registers and head_dim != 128:
-    raise NotImplementedError(f"BackwardConfig.k_registers needs head_dim 128, got {head_dim}")
   if "dq" in kernels and config.dq_consumers != NUM_CONSUMERS and head_dim != 64:
     raise NotImplementedError(
         f"BackwardConfig.dq_consumers {config.dq_consumers} needs head_dim 64 (registers), got {head_dim}")
@@ -1001,13 +988,11 @@ def _dkv_kernel(
     k_tile, v_tile = k_smem.at[buffer, wg], v_smem.at[buffer, wg]
     plgpu.barrier_wait(kv_ready.at[buffer * NUM_CONSUMERS + wg])
     # The A operands of S^T and dP^T: K and V from shared memory, or loaded
-    # once per tile into registers (kv_registers, k_registers: K alone; the
-    # interpreter reads them from shared memory either way).
+    # once per tile into registers (kv_registers; the interpreter reads
+    # them from shared memory either way).
     k_a, v_a = k_tile, v_tile
-    if (config.kv_registers or config.k_registers) and not interpret:
-      k_a = plgpu.load(k_tile, layout=plgpu.Layout.WGMMA)
     if config.kv_registers and not interpret:
-      v_a = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
+      k_a, v_a = (plgpu.load(t, layout=plgpu.Layout.WGMMA) for t in (k_tile, v_tile))
     lo, full_lo = _q_block_bounds(k_start, rows, seq_q, seq_k, block_q, causal)
     vec_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
 
