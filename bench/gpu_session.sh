@@ -355,7 +355,7 @@ stage_kreg128() {
   # operand reads of S^T and dP^T): kernel bench both masks, then through
   # the bench CLI beside cuDNN without a mask. Its tests first:
   #   SHARDS=4 SHARD_K=bwd_gpu_k_registers bash bench/gpu_session.sh 0:mosaic_shards wait kreg128
-  # ~3.5 min.
+  # ~3.5 min. k_registers was removed after (18-26% slower); commit 3c68ec1 has it.
   timeout 100 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default k_registers=1 \
     2>&1 | tee "$OUT/kreg128.log"
   timeout 150 python tools/cli_ab.py --bwd two=default --bwd kreg=k_registers=1 -- --seqlens 4096 16384 \
