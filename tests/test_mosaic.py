@@ -1600,3 +1600,38 @@ def test_interpreter_three_consumers(shape, causal, kv_heads, config):
 def test_gpu_three_consumers(shape, kv_heads, persistent, causal):
   config = MosaicConfig(block_q=192, block_kv=128, stages=4, softmax_overlap=True, persistent=persistent, consumers=3)
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
+
+
+def test_cli_ab_sets_the_configs_flash_attention_takes(monkeypatch):
+  """tools/cli_ab.py: inside a variant's context the API's config choices
+  come back with the variant's fields set (None, where the Mosaic kernels
+  do not serve, stays None), and only there; the backward's measurement
+  switches, which would act outside that context, are refused."""
+  import pathlib
+
+  from jax_flash2 import api
+  from jax_flash2.bench import impls as impls_lib
+
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
+  tool = _load_tool("cli_ab")
+  default_fwd, default_bwd = mosaic.default_config(64), mosaic_bwd.default_backward_config(64)
+  monkeypatch.setattr(api, "_mosaic_config", lambda problem, q: default_fwd if problem else None)
+  monkeypatch.setattr(api, "_mosaic_backward_config", lambda problem, q: default_bwd)
+  context = tool._patched("consumers=3+block_q=192", "kernels=2")
+  with context():
+    fwd = api._mosaic_config("problem", None)
+    assert (fwd.consumers, fwd.block_q, fwd.stages) == (3, 192, default_fwd.stages)
+    assert api._mosaic_config(None, None) is None
+    assert api._mosaic_backward_config("problem", None) == default_bwd.unfused()
+  assert api._mosaic_config("problem", None) is default_fwd
+  with tool._patched(None, None)():
+    assert api._mosaic_config("problem", None) is default_fwd
+  with pytest.raises(SystemExit, match="measurement switches"):
+    tool._patched(None, "fused_dq=1+adders=2")
+  assert tool._specs(["two=default", "three=consumers=3+block_q=192"], "--fwd") == {
+      "two": "default", "three": "consumers=3+block_q=192"}
+  with pytest.raises(SystemExit, match="NAME=SPEC"):
+    tool._specs(["three"], "--fwd")
+  monkeypatch.setattr(impls_lib, "REGISTRY", dict(impls_lib.REGISTRY))
+  assert tool._register("three", "consumers=3+block_q=192", None) == "flash2:three"
+  assert impls_lib.get("flash2:three").supports is impls_lib.get("flash2-mosaic").supports
