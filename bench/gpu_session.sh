@@ -68,6 +68,7 @@
 #             bwd_ab128 (the d128 backward: dK/dV softmax_overlap, dQ on 128-row K/V blocks; ~3 min),
 #             cli_ab128 (the d128 backward: dK/dV softmax_overlap and the fused kernel through the bench CLI; ~4 min),
 #             overlap128 (the d128 dK/dV softmax_overlap, kernel bench, two runs; ~4 min),
+#             early_vectors (the backward's lse and delta loaded before the wgmma wait: A/B d64, d128; ~4 min),
 #             kreg128 (the d128 dK/dV kernel with K in registers: kernel bench, then the CLI; ~3.5 min),
 #             ncu128 (Nsight Compute's counters: d128 forward+backward, ours and cuDNN; ~7 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
@@ -350,6 +351,19 @@ stage_ncu128() {
     "$OUT/ncu128_details.txt" | head -60
   local size; size=$(stat -c %s "$OUT/ncu128.ncu-rep" 2>/dev/null || echo 0)
   ((size > 12000000)) && rm -f "$OUT/ncu128.ncu-rep"  # the device returns files of 16 MiB at most
+}
+
+stage_early_vectors() {
+  # lse and delta loaded before the wait for S^T and dP^T in the dK/dV
+  # kernel and the fused one (BackwardConfig.early_vectors; session 16's
+  # Nsight Compute: ~7% of the d128 dK/dV consumers' time waits on those
+  # loads; sm_90a: d128 8 B spilled without a mask, 200-260 B causal against
+  # 76-148; d64 fused as before). Kernel bench, d64 and d128, both masks.
+  # Its tests first:
+  #   SHARDS=8 SHARD_K=bwd_gpu_early_vectors bash bench/gpu_session.sh 0:mosaic_shards wait early_vectors
+  # ~4 min.
+  timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants default \
+    early_vectors=1 2>&1 | tee "$OUT/early_vectors.log"
 }
 
 stage_early_q() {

@@ -857,6 +857,8 @@ def test_bwd_config():
       (dict(kv_registers=1), "kv_registers must be a bool"),
       (dict(kv_registers=True), "kv_registers needs fused_dq"),
       (dict(dq_consumers=3.0), "dq_consumers must be an int"),
+      (dict(early_vectors=1), "early_vectors must be a bool"),
+      (dict(early_vectors=True, softmax_overlap=True), "early_vectors is for the step without softmax_overlap"),
       (dict(dkv_poly_columns=72), "dkv_poly_columns must be a multiple of 8 between 0 and 64"),
       (dict(block_kv=128, dq_poly_columns=4), "dq_poly_columns must be a multiple of 8 between 0 and 128"),
       (dict(dq_poly_columns=True), "dq_poly_columns must be an int"),
@@ -1033,10 +1035,15 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
         # dq's, with rows that see no key (lse = -inf: P must be 0, not NaN).
         ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True,
                                                                      dkv_poly_columns=24, dq_poly_columns=64)),
+        # lse and delta loaded before the wait for S^T and dP^T, with rows
+        # that see no key and a drain of the other consumer's blocks.
+        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, early_vectors=True)),
+        ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, early_vectors=True)),
     ],
     ids=["full_seq_q_lt_seq_k", "causal_gqa_drain", "causal_seq_q_lt_seq_k", "causal_seq_q_gt_seq_k",
          "overlap_causal_gqa_drain", "overlap_ragged", "overlap_causal_seq_q_gt_seq_k", "dq_overlap_ragged_gqa",
-         "dq_overlap_causal_seq_q_gt_seq_k", "poly_exp2_causal_ragged_gqa"],
+         "dq_overlap_causal_seq_q_gt_seq_k", "poly_exp2_causal_ragged_gqa", "early_vectors_causal_gqa_drain",
+         "early_vectors_causal_seq_q_gt_seq_k"],
 )
 def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
@@ -1120,6 +1127,32 @@ def test_bwd_interpreter_fused_dq(request, shape, dtype, causal, kv_heads):
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config,
                                interpret=plgpu.InterpretGPUParams(detect_races=True))
   assert not gpu_callbacks.get_races().races_found
+
+
+@pytest.mark.parametrize(
+    "shape, causal",
+    [((1, 256, 256, 1, 128), False), ((1, 384, 384, 2, 64), True)],
+    ids=["d128", "d64_causal"],
+)
+def test_bwd_interpreter_fused_dq_early_vectors(shape, causal):
+  """The fused kernel (the d64 default's) with lse and delta loaded before
+  the wait for S^T and dP^T: exact, and no race under the race detector."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), stages=2, early_vectors=True)
+  _check_bwd_against_reference(*shape, jnp.bfloat16, causal, config=config,
+                               interpret=plgpu.InterpretGPUParams(detect_races=True))
+  assert not gpu_callbacks.get_races().races_found
+
+
+def test_bwd_early_vectors_lowers_for_cuda():
+  """early_vectors changes the dK/dV kernel it is given (d128, the two
+  kernels; d64, the fused one) and lowers for CUDA."""
+  for head_dim in (64, 128):
+    structs = _bwd_structs(1, 512, 512, 2, head_dim)
+    lower = lambda config: _kernels_text(lambda *a: mosaic_bwd.dkv(*a, causal=True, config=config), *structs)
+    config = mosaic_bwd.default_backward_config(head_dim)
+    assert lower(config) != lower(dataclasses.replace(config, early_vectors=True))
 
 
 def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None, kv_heads=1):
@@ -1420,6 +1453,22 @@ def test_bwd_gpu_fused_dq_heads_across_rounds(causal):
   assert schedule.num_ctas == 132 and not mosaic_bwd._heads_alike(schedule)
   # (Session 14 ran this with one adder warp, before the default took two.)
   _check_fused_bwd_on_gpu((1, 6144, 6144, 11, 64), None, causal, mosaic_bwd.default_backward_config(64))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape, kv_heads",
+    [((2, 4096, 4096, 4, 64), None), ((1, 4096, 4096, 4, 128), None), ((1, 1000, 1537, 8, 128), 2),
+     ((1, 1537, 1000, 4, 64), None)],
+    ids=["d64", "d128", "ragged_gqa", "ragged_seq_q_gt_seq_k"],
+)
+def test_bwd_gpu_early_vectors(shape, kv_heads, causal):
+  """early_vectors on the defaults (d128: the two kernels; d64: the fused
+  kernel with its adder warps and K, V in registers), both masks."""
+  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), early_vectors=True)
+  _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
 @pytest.mark.gpu

@@ -288,6 +288,13 @@ class BackwardConfig:
       for the two kernels: ptxas 13.0 miscompiles their non-causal dK/dV
       loop with it (the loop hands K's registers to P^T; session 10,
       tools/mosaic_cpu_compile.py's A-clobber check), not the fused one.
+    early_vectors: the dK/dV kernel (and the fused one) loads each Q
+      block's lse and delta from shared memory between issuing S^T, dP^T
+      and waiting for them, not after: Nsight Compute (session 16, d128)
+      found ~7% of its consumers' time in the multiply of lse waiting for
+      those loads. Their 32 registers (head_dim 128: 16 columns each) are
+      then live across the wait. Not in the softmax_overlap step. Written
+      after the session's last device call: not yet timed, off.
     q_registers: the dQ kernel's consumers hold their Q and dO rows in
       registers for S = Q K^T and dP = dO V^T, which then read only K and V
       from shared memory (head_dim 64 and 128: no spills on sm_90a). On in
@@ -344,6 +351,7 @@ class BackwardConfig:
   dq_adder_warp: bool = False
   dq_adder_warps: int = 1
   kv_registers: bool = False
+  early_vectors: bool = False
   q_registers: bool = False
   dq_consumers: int = NUM_CONSUMERS
   dkv_poly_columns: int = 0
@@ -351,7 +359,7 @@ class BackwardConfig:
 
   def __post_init__(self):
     for name in ("softmax_overlap", "dq_softmax_overlap", "dq_persistent", "dkv_persistent", "balanced", "fused_dq",
-                 "dq_turns", "kv_registers", "q_registers", "dq_adder_warp"):
+                 "dq_turns", "kv_registers", "early_vectors", "q_registers", "dq_adder_warp"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"BackwardConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("block_q", "block_kv", "stages", "dq_consumers", "dq_adder_warps", "dkv_poly_columns",
@@ -370,6 +378,8 @@ class BackwardConfig:
       raise ValueError(f"BackwardConfig.fused_dq needs block_q {WGMMA_M}, got {self.block_q}")
     if self.fused_dq and self.softmax_overlap:
       raise ValueError("BackwardConfig.fused_dq does not take softmax_overlap")
+    if self.early_vectors and self.softmax_overlap:
+      raise ValueError("BackwardConfig.early_vectors is for the step without softmax_overlap")
     if self.dq_adder_warps not in (1, 2):
       raise ValueError(f"BackwardConfig.dq_adder_warps must be 1 or 2, got {self.dq_adder_warps}")
     if self.dq_adder_warps != 1 and not self.dq_adder_warp:
@@ -999,12 +1009,22 @@ def _dkv_kernel(
     def slot_of(g, qb):
       return lax.rem(ring_base + tile.step_of(g, qb), jnp.int32(stages))
 
-    def probs_t(s_t, qb, slot, *, masked: bool):
-      """P^T [keys, queries] from S^T and the lse of the Q block in `slot`."""
+    def load_lse(slot):
       plgpu.barrier_wait(lse_ready.at[slot])
+      return plgpu.load(lse_smem.at[slot], layout=vec_layout)
+
+    def load_delta(slot):
+      plgpu.barrier_wait(delta_ready.at[slot])
+      return plgpu.load(delta_smem.at[slot], layout=vec_layout)
+
+    def probs_t(s_t, qb, slot, *, masked: bool, lse=None):
+      """P^T [keys, queries] from S^T and the lse of the Q block in `slot`
+      (loaded here unless given)."""
       if not _experiment().elementwise:
+        if lse is None:
+          plgpu.barrier_wait(lse_ready.at[slot])
         return s_t
-      lse = plgpu.load(lse_smem.at[slot], layout=vec_layout) * LOG2_E
+      lse = (load_lse(slot) if lse is None else lse) * LOG2_E
       p_t = poly_exp2.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), config.dkv_poly_columns)
       if masked:
         key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -1014,12 +1034,14 @@ def _dkv_kernel(
         p_t = jnp.where(visible(query, key, seq_q=seq_q, seq_k=seq_k, causal=causal), p_t, 0.0)
       return p_t
 
-    def grad_scores_t(p_t, dp_t, slot):
-      """dS^T = P^T * (dP^T - delta), delta of the Q block in `slot`."""
-      plgpu.barrier_wait(delta_ready.at[slot])
+    def grad_scores_t(p_t, dp_t, slot, *, delta=None):
+      """dS^T = P^T * (dP^T - delta), delta of the Q block in `slot`
+      (loaded here unless given)."""
       if not _experiment().elementwise:
+        if delta is None:
+          plgpu.barrier_wait(delta_ready.at[slot])
         return dp_t
-      delta = plgpu.load(delta_smem.at[slot], layout=vec_layout)
+      delta = load_delta(slot) if delta is None else delta
       return p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
 
     def wait_q_block(qb, g):
@@ -1054,14 +1076,17 @@ def _dkv_kernel(
 
       def scores(s_ref, dp_ref):
         issue_scores(s_ref, dp_ref, q_tile, do_tile)
-        return s_ref[...], dp_ref[...]  # waits for both
+        # early_vectors: lse and delta load while the tensor cores work, so
+        # that the shared-memory loads' latency is off the softmax's path.
+        vectors = (load_lse(slot), load_delta(slot)) if config.early_vectors else (None, None)
+        return s_ref[...], dp_ref[...], vectors  # waits for both products
 
       score_acc = plgpu.ACC((rows, block_q), jnp.float32)
       with jax.named_scope("scores"):
-        s_t, dp_t = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
+        s_t, dp_t, (lse, delta) = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
       with jax.named_scope("softmax"):
-        p_t = probs_t(s_t, qb, slot, masked=masked)
-        ds_t = grad_scores_t(p_t, dp_t, slot).astype(dtype)
+        p_t = probs_t(s_t, qb, slot, masked=masked, lse=lse)
+        ds_t = grad_scores_t(p_t, dp_t, slot, delta=delta).astype(dtype)
       if fused:
         # Both consumers' dS^T rows make the dS of dQ = dS K.
         buf = lax.rem(ring_step, jnp.int32(2))
