@@ -1455,18 +1455,23 @@ def test_bwd_gpu_fused_dq_heads_across_rounds(causal):
   _check_fused_bwd_on_gpu((1, 6144, 6144, 11, 64), None, causal, mosaic_bwd.default_backward_config(64))
 
 
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
+# The step options of the dK/dV kernel, on the GPU: both masks, d64 and
+# d128, ragged grouped-query and seq_q > seq_k.
+_gpu_step_cases = pytest.mark.parametrize(
     "shape, kv_heads",
     [((2, 4096, 4096, 4, 64), None), ((1, 4096, 4096, 4, 128), None), ((1, 1000, 1537, 8, 128), 2),
      ((1, 1537, 1000, 4, 64), None)],
     ids=["d64", "d128", "ragged_gqa", "ragged_seq_q_gt_seq_k"],
 )
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@_gpu_step_cases
 def test_bwd_gpu_early_vectors(shape, kv_heads, causal):
   """early_vectors on the defaults (d128: the two kernels; d64: the fused
-  kernel with its adder warps and K, V in registers), both masks."""
+  kernel with its adder warps and K, V in registers)."""
   config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), early_vectors=True)
   _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
@@ -1474,15 +1479,10 @@ def test_bwd_gpu_early_vectors(shape, kv_heads, causal):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "shape, kv_heads",
-    [((2, 4096, 4096, 4, 64), None), ((1, 4096, 4096, 4, 128), None), ((1, 1000, 1537, 8, 128), 2),
-     ((1, 1537, 1000, 4, 64), None)],
-    ids=["d64", "d128", "ragged_gqa", "ragged_seq_q_gt_seq_k"],
-)
+@_gpu_step_cases
 def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal):
   """softmax_overlap on the defaults' two kernels (persistent, the dQ
-  kernel's overlap and registers), both masks."""
+  kernel's overlap and registers)."""
   config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]).unfused(), softmax_overlap=True)
   _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
