@@ -69,7 +69,6 @@
 #             cli_ab128 (the d128 backward: dK/dV softmax_overlap and the fused kernel through the bench CLI; ~4 min),
 #             overlap128 (the d128 dK/dV softmax_overlap, kernel bench, two runs; ~4 min),
 #             early_vectors (the backward's lse and delta loaded before the wgmma wait: A/B d64, d128; ~4 min),
-#             kreg128 (the d128 dK/dV kernel with K in registers: kernel bench, then the CLI; ~3.5 min),
 #             ncu128 (Nsight Compute's counters: d128 forward+backward, ours and cuDNN; ~7 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),

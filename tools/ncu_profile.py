@@ -9,8 +9,10 @@ Every implementation is compiled and run once first, outside the range
 (cuProfilerStart / cuProfilerStop through the CUDA driver), so that ncu,
 started with --profile-from-start off, sees one forward+backward of each and
 nothing of the compilation. `--bwd NAME=SPEC` / `--fwd NAME=SPEC` name
-Mosaic config variants as tools/cli_ab.py does; cuDNN runs last unless
---no-cudnn. Bench convention: 16384 tokens per batch, hidden 2048, bf16.
+Mosaic config variants as tools/cli_ab.py does (none: flash2-mosaic's
+defaults); cuDNN runs last unless --no-cudnn. Each is built as
+tools/kernel_anatomy.py builds the bench CLI's problem (16384 tokens per
+batch, hidden 2048, bf16).
 """
 
 from __future__ import annotations
@@ -20,12 +22,9 @@ import ctypes
 import sys
 
 import jax
-import jax.numpy as jnp
-
-from jax_flash2 import flash_attention
-from jax_flash2.bench import timing
 
 import cli_ab  # tools/
+import kernel_anatomy  # tools/
 
 
 class _ProfilerRange:
@@ -58,31 +57,16 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--bwd", action="append", default=[], metavar="NAME=SPEC")
   parser.add_argument("--no-cudnn", action="store_true")
   args = parser.parse_args(argv)
-  batch, heads = 16384 // args.seq, 2048 // args.head_dim
-  shape = (batch, args.seq, heads, args.head_dim)
-  keys = jax.random.split(jax.random.PRNGKey(0), 4)
-  q, k, v, dout = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key in keys)
-
   fwd, bwd = cli_ab._specs(args.fwd, "--fwd"), cli_ab._specs(args.bwd, "--bwd")
-  fns = {}
-  for name in dict.fromkeys([*fwd, *bwd]) or ["default"]:
-    context = cli_ab._patched(fwd.get(name), bwd.get(name))
-
-    def attn(q, k, v, context=context):
-      with context():
-        return flash_attention(q, k, v, causal=args.causal, backend="mosaic")
-
-    fns[name] = attn
-  if not args.no_cudnn:
-    fns["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=args.causal,
-                                                                implementation="cudnn")
-  compiled = {name: jax.jit(timing.fwd_bwd_fn(fn)).lower(q, k, v, dout).compile() for name, fn in fns.items()}
-  for name, fn in compiled.items():  # first runs (module loads, cuDNN plans) outside the range
-    jax.block_until_ready(fn(q, k, v, dout))
+  names = [cli_ab._register(name, fwd.get(name), bwd.get(name)) for name in dict.fromkeys([*fwd, *bwd])]
+  names = (names or ["flash2-mosaic"]) + ([] if args.no_cudnn else ["cudnn"])
+  steps = {name: kernel_anatomy.fwd_bwd_step(name, args.seq, args.head_dim, args.causal) for name in names}
+  for step, step_args in steps.values():  # compilation, module loads, cuDNN plans: outside the range
+    jax.block_until_ready(step(*step_args))
   with _ProfilerRange():
-    for name, fn in compiled.items():
+    for name, (step, step_args) in steps.items():
       print(f"profiling {name}", flush=True)
-      jax.block_until_ready(fn(q, k, v, dout))
+      jax.block_until_ready(step(*step_args))
   return 0
 
 
