@@ -69,6 +69,7 @@
 #             cli_ab128 (the d128 backward: dK/dV softmax_overlap and the fused kernel through the bench CLI; ~4 min),
 #             overlap128 (the d128 dK/dV softmax_overlap, kernel bench, two runs; ~4 min),
 #             early_vectors (the backward's lse and delta loaded before the wgmma wait: A/B d64, d128; ~4 min),
+#             cli_ev128 (the same at d128 through the bench CLI, both masks, cuDNN beside; ~3 min),
 #             ncu128 (Nsight Compute's counters: d128 forward+backward, ours and cuDNN; ~7 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
@@ -363,6 +364,14 @@ stage_early_vectors() {
   # ~4 min.
   timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants default \
     early_vectors=1 2>&1 | tee "$OUT/early_vectors.log"
+}
+
+stage_cli_ev128() {
+  # The d128 forward+backward through the bench CLI, both masks: the
+  # default against early_vectors, cuDNN in the same run. ~3 min.
+  timeout 190 python tools/cli_ab.py --bwd two=default --bwd ev=early_vectors=1 -- \
+    --seqlens 4096 16384 --head-dims 128 --causal false true --modes fwd+bwd --no-check --no-progress \
+    --out "$OUT/cli_ev128" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
 }
 
 stage_early_q() {
