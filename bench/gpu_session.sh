@@ -71,6 +71,7 @@
 #             early_vectors (the backward's lse and delta loaded before the wgmma wait: A/B d64, d128; ~4 min),
 #             cli_ev128 (the same at d128 through the bench CLI, both masks, cuDNN beside; ~3 min),
 #             ncu128 (Nsight Compute's counters: d128 forward+backward, ours and cuDNN; ~7 min),
+#             ncu_cudnn128 (the same for cuDNN's kernels alone; ~3 min), cli_ev64 (early_vectors at d64 through the CLI; ~3 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -330,27 +331,41 @@ stage_bwd_ab128() {
     softmax_overlap=1 block_kv=128+dq_persistent=0+q_registers=0 2>&1 | tee "$OUT/bwd_ab128.log"
 }
 
-stage_ncu128() {
-  # Nsight Compute's counters (full set, clocks left alone) for one d128
-  # forward+backward at 4k without a mask of each: our default (forward,
-  # dK/dV and dQ kernels) and cuDNN (fprop, bprop); tools/ncu_profile.py.
-  # What bounds each kernel: tensor pipe, shared memory, stalls, per SASS
-  # instruction in the source page. (Session 16 added the fused backward,
-  # whose profiling failed and ended the process before cuDNN's turn; it
-  # is left out.) ~7 min: give it a call of its own.
-  local ncu
+ncu_profile() {  # ncu_profile NAME KERNEL-REGEX LIMIT [tools/ncu_profile.py ARGS]
+  # Nsight Compute's counters (full set, clocks left alone) for the kernels
+  # matching KERNEL-REGEX in one forward+backward of each implementation
+  # (tools/ncu_profile.py); the details, raw and per-SASS-instruction
+  # (source) pages into $OUT/NAME_*.
+  local name=$1 kernels=$2 limit=$3 ncu
+  shift 3
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   echo "ncu: $ncu"; [[ -n $ncu ]] || return
-  PYTHONUNBUFFERED=1 timeout 480 "$ncu" --clock-control none --profile-from-start off --set full \
-    -k "regex:flash2_(fwd|bwd_d)|sdpa" -f -o "$OUT/ncu128" python tools/ncu_profile.py --seq 4096 --head-dim 128 \
-    --bwd two=default 2>&1 | grep -v "^==PROF==" | tail -15
-  "$ncu" --import "$OUT/ncu128.ncu-rep" --page details >"$OUT/ncu128_details.txt" 2>&1
-  "$ncu" --import "$OUT/ncu128.ncu-rep" --page raw --csv >"$OUT/ncu128_raw.csv" 2>&1
-  "$ncu" --import "$OUT/ncu128.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu128_source.csv" 2>&1
-  grep -E "^  [a-z_]|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput" \
-    "$OUT/ncu128_details.txt" | head -60
-  local size; size=$(stat -c %s "$OUT/ncu128.ncu-rep" 2>/dev/null || echo 0)
-  ((size > 12000000)) && rm -f "$OUT/ncu128.ncu-rep"  # the device returns files of 16 MiB at most
+  PYTHONUNBUFFERED=1 timeout "$limit" "$ncu" --clock-control none --profile-from-start off --set full \
+    -k "regex:$kernels" -f -o "$OUT/$name" python tools/ncu_profile.py "$@" 2>&1 | grep -v "^==PROF==" | tail -15
+  "$ncu" --import "$OUT/$name.ncu-rep" --page details >"$OUT/${name}_details.txt" 2>&1
+  "$ncu" --import "$OUT/$name.ncu-rep" --page raw --csv >"$OUT/${name}_raw.csv" 2>&1
+  "$ncu" --import "$OUT/$name.ncu-rep" --page source --print-source sass --csv >"$OUT/${name}_source.csv" 2>&1
+  grep -E "^  [a-z_]|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Block Size|Dynamic Shared|Theoretical Occ" \
+    "$OUT/${name}_details.txt" | head -60
+  local size; size=$(stat -c %s "$OUT/$name.ncu-rep" 2>/dev/null || echo 0)
+  ((size > 12000000)) && rm -f "$OUT/$name.ncu-rep"  # the device returns files of 16 MiB at most
+}
+
+stage_ncu128() {
+  # Our default's d128 kernels (forward, dK/dV, dQ) and cuDNN's (fprop,
+  # bprop) at 4k without a mask. What bounds each kernel: tensor pipe,
+  # shared memory, stalls, per SASS instruction in the source page.
+  # (Session 16 added the fused backward, whose profiling failed and ended
+  # the process before cuDNN's turn; it is left out.) ~7 min: give it a
+  # call of its own.
+  ncu_profile ncu128 "flash2_(fwd|bwd_d)|sdpa|prop" 480 --seq 4096 --head-dim 128 --bwd two=default
+}
+
+stage_ncu_cudnn128() {
+  # cuDNN's kernels alone (ours run unprofiled), d128 4k without a mask:
+  # how its bprop (64x64x128 tiles, dQ summed in float32) feeds the tensor
+  # pipe, its registers, CTAs per SM and reduce traffic. ~3 min.
+  ncu_profile ncu_cudnn128 "prop|dot_do_o|convert_dq" 240 --seq 4096 --head-dim 128
 }
 
 stage_early_vectors() {
@@ -372,6 +387,15 @@ stage_cli_ev128() {
   timeout 190 python tools/cli_ab.py --bwd two=default --bwd ev=early_vectors=1 -- \
     --seqlens 4096 16384 --head-dims 128 --causal false true --modes fwd+bwd --no-check --no-progress \
     --out "$OUT/cli_ev128" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
+}
+
+stage_cli_ev64() {
+  # The d64 forward+backward through the bench CLI, both masks, 2k-16k: the
+  # default (the fused kernel) against early_vectors (kernel bench: 1-2%
+  # faster causal), cuDNN in the same run. ~3 min.
+  timeout 200 python tools/cli_ab.py --bwd base=default --bwd ev=early_vectors=1 -- \
+    --seqlens 2048 4096 8192 16384 --head-dims 64 --causal false true --modes fwd+bwd --no-check --no-progress \
+    --out "$OUT/cli_ev64" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
 }
 
 stage_early_q() {
