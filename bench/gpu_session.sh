@@ -71,7 +71,9 @@
 #             early_vectors (the backward's lse and delta loaded before the wgmma wait: A/B d64, d128; ~4 min),
 #             cli_ev128 (the same at d128 through the bench CLI, both masks, cuDNN beside; ~3 min),
 #             ncu128 (Nsight Compute's counters: d128 forward+backward, ours and cuDNN; ~7 min),
-#             ncu_cudnn128 (the same for cuDNN's kernels alone; ~3 min), cli_ev64 (early_vectors at d64 through the CLI; ~3 min),
+#             ncu_cudnn128 (the same for cuDNN's kernels alone; ~3 min),
+#             determinism (run-to-run bits of cuDNN and ours; cuDNN's deterministic backward through the CLI; ~4 min),
+#             cli_ev64 (early_vectors at d64 through the CLI; ~3 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
 #             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
@@ -396,6 +398,24 @@ stage_cli_ev64() {
   timeout 200 python tools/cli_ab.py --bwd base=default --bwd ev=early_vectors=1 -- \
     --seqlens 2048 4096 8192 16384 --head-dims 64 --causal false true --modes fwd+bwd --no-check --no-progress \
     --out "$OUT/cli_ev64" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
+}
+
+stage_determinism() {
+  # Run-to-run bits of cuDNN's forward+backward and ours (d128 4k, both
+  # masks), by default and with XLA's --xla_gpu_deterministic_ops (which
+  # asks cuDNN for its deterministic backward; tools/determinism_check.py),
+  # then the bench CLI at d128 fwd+bwd under that flag: cuDNN at the same
+  # guarantee as ours. ~4 min.
+  local det=--xla_gpu_deterministic_ops=true
+  for flags in "" "$det"; do
+    for causal in "" --causal; do
+      XLA_FLAGS="$flags" timeout 100 python tools/determinism_check.py --impls cudnn flash2 --seq 4096 --head-dim 128 \
+        --runs 10 $causal 2>&1 | grep -v "^WARNING\|^$" | tee -a "$OUT/determinism.log"
+    done
+  done
+  XLA_FLAGS="$det" timeout 150 $BENCH --seqlens 2048 4096 8192 16384 --head-dims 128 --causal false true \
+    --modes fwd+bwd --impls flash2 cudnn --no-check --no-progress --out "$OUT/bench_d128_deterministic" 2>&1 \
+    | grep -E "^ +[0-9]+ |== |rror"
 }
 
 stage_early_q() {

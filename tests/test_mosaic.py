@@ -868,7 +868,7 @@ def test_bwd_config():
   # The d64 default fuses dQ; unfused() takes it and what needs it out.
   unfused = mosaic_bwd.default_backward_config(64).unfused()
   assert not (unfused.fused_dq or unfused.dq_adder_warp or unfused.kv_registers) and unfused.dq_adder_warps == 1
-  assert dataclasses.replace(unfused, softmax_overlap=True).softmax_overlap
+  assert dataclasses.replace(unfused, softmax_overlap=True, early_vectors=False).softmax_overlap
   assert mosaic_bwd.default_backward_config(128).unfused() == mosaic_bwd.default_backward_config(128)
   # A persistent dQ kernel keeps two sets of Q, dO, lse and delta rows.
   plain, persistent = BackwardConfig(64, 64, 2), BackwardConfig(64, 64, 2, dq_persistent=True)
@@ -1151,7 +1151,7 @@ def test_bwd_early_vectors_lowers_for_cuda():
   for head_dim in (64, 128):
     structs = _bwd_structs(1, 512, 512, 2, head_dim)
     lower = lambda config: _kernels_text(lambda *a: mosaic_bwd.dkv(*a, causal=True, config=config), *structs)
-    config = mosaic_bwd.default_backward_config(head_dim)
+    config = dataclasses.replace(mosaic_bwd.default_backward_config(head_dim), early_vectors=False)
     assert lower(config) != lower(dataclasses.replace(config, early_vectors=True))
 
 
@@ -1483,7 +1483,8 @@ def test_bwd_gpu_early_vectors(shape, kv_heads, causal):
 def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal):
   """softmax_overlap on the defaults' two kernels (persistent, the dQ
   kernel's overlap and registers)."""
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]).unfused(), softmax_overlap=True)
+  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]).unfused(), softmax_overlap=True,
+                               early_vectors=False)
   _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 

@@ -450,12 +450,14 @@ def default_backward_config(head_dim: int) -> BackwardConfig:
   `fused_backward_config`), with its additions in warps of their own, one
   per consumer, and K and V in registers: 2-4.5% faster than the two
   kernels at 4k-16k, both masks, with one adder warp (session 12), 7-15%
-  faster again with two (session 14). The dQ kernel's fields stay for `dq`
-  called alone."""
+  faster again with two (session 14). It loads each Q block's lse and delta
+  while S^T and dP^T are on the tensor cores (early_vectors: 1-2% faster
+  causal, even without a mask, session 17; at head_dim 128 even, with more
+  spills). The dQ kernel's fields stay for `dq` called alone."""
   if head_dim <= 64:
     return BackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
                           dkv_persistent=True, q_registers=True, fused_dq=True, dq_adder_warp=True,
-                          dq_adder_warps=2, kv_registers=True)
+                          dq_adder_warps=2, kv_registers=True, early_vectors=True)
   if head_dim in WIDE_HEAD_DIMS:
     # backward_wide.py: 64-row blocks, room for two ring slots; persistent dQ
     # CTAs (2-17% faster; persistent dK/dV CTAs spill and lose up to 11%).
