@@ -73,6 +73,7 @@
 #             ncu128 (Nsight Compute's counters: d128 forward+backward, ours and cuDNN; ~7 min),
 #             ncu_cudnn128 (the same for cuDNN's kernels alone; ~3 min),
 #             determinism (run-to-run bits of cuDNN and ours; cuDNN's deterministic backward through the CLI; ~4 min),
+#             bench_det (the CLI's fwd+bwd, d128 and d64: flash2, cudnn, cudnn-deterministic; ~5 min),
 #             cli_ev64 (early_vectors at d64 through the CLI; ~3 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
@@ -416,6 +417,20 @@ stage_determinism() {
   XLA_FLAGS="$det" timeout 150 $BENCH --seqlens 2048 4096 8192 16384 --head-dims 128 --causal false true \
     --modes fwd+bwd --impls flash2 cudnn --no-check --no-progress --out "$OUT/bench_d128_deterministic" 2>&1 \
     | grep -E "^ +[0-9]+ |== |rror"
+}
+
+stage_bench_det() {
+  # The bench CLI's forward+backward at d128 and d64 against cuDNN and
+  # cuDNN's deterministic backward (impl cudnn-deterministic: compiled with
+  # xla_gpu_deterministic_ops), both masks; first the run-to-run bits of
+  # that implementation (tools/determinism_check.py). ~5 min.
+  timeout 80 python tools/determinism_check.py --impls cudnn-deterministic --seq 4096 --head-dim 128 --runs 10 \
+    2>&1 | grep -v "^WARNING\|^$" | tee "$OUT/determinism_impl.log"
+  local d
+  for d in 128 64; do
+    timeout 200 $BENCH --seqlens 2048 4096 8192 16384 --head-dims $d --causal false true --modes fwd+bwd \
+      --impls flash2 cudnn cudnn-deterministic --no-check --out "$OUT/bench_det_d$d" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
+  done
 }
 
 stage_early_q() {

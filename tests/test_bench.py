@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -576,3 +577,39 @@ def test_time_fn_ms_times_a_jitted_function():
   x = jnp.ones((64, 64), jnp.float32)
   ms = timing.time_fn_ms(lambda x: x @ x, x, warmup=1, iters=3, calls_per_round=2)
   assert isinstance(ms, float) and ms > 0
+
+
+def test_cudnn_deterministic_is_cudnn_compiled_for_determinism():
+  """The deterministic yardstick is cuDNN's own attention, with the XLA
+  option that picks its deterministic backward, and the same limits."""
+  det, plain = impls.get("cudnn-deterministic"), impls.get("cudnn")
+  assert dict(det.compiler_options) == {"xla_gpu_deterministic_ops": True} and plain.compiler_options is None
+  gpu = impls.Options(platform="gpu")
+  for shape in (_shape(), _shape(dtype="float32"), _shape(window_left=128, window_right=16)):
+    assert det.supports(shape, gpu) == plain.supports(shape, gpu)
+  assert "cudnn-deterministic" not in impls.DEFAULT_IMPLS
+
+
+def test_compiler_options_reach_every_executable(tmp_path, capsys):
+  """An implementation's compiler_options go to XLA in the timed cells, the
+  accuracy check and the memory probe: an option XLA does not know fails
+  each of them, the same implementation without it runs."""
+  xla = impls.get("xla")
+  for name, options in (("xla-bad-option", {"xla_gpu_no_such_option": True}),
+                        ("xla-deterministic", {"xla_gpu_deterministic_ops": True})):
+    impls.register(dataclasses.replace(xla, name=name, compiler_options=options))
+  try:
+    argv = ["--seqlens", "32", "--causal", "false", "--modes", "fwd", "fwd+bwd", "--impls", "xla-deterministic",
+            "xla-bad-option", "--iters", "1", "--warmup", "0", "--memory", "--no-progress", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+  finally:
+    for name in ("xla-bad-option", "xla-deterministic"):
+      impls.REGISTRY.pop(name)
+  doc = json.loads((tmp_path / "results.json").read_text())
+  statuses = {(r["impl"], r["mode"]): r["status"] for r in doc["cells"]}
+  assert statuses == {("xla-deterministic", "fwd"): "ok", ("xla-deterministic", "fwd+bwd"): "ok",
+                      ("xla-bad-option", "fwd"): "error", ("xla-bad-option", "fwd+bwd"): "error"}, statuses
+  assert all("xla_gpu_no_such_option" in r["error"] for r in doc["cells"] if r["impl"] == "xla-bad-option")
+  assert {r["impl"]: r["status"] for r in doc["checks"]} == {"xla-deterministic": "ok", "xla-bad-option": "error"}
+  probe = {r["impl"]: r["status"] for r in doc["memory_probe"]}
+  assert probe["xla-deterministic"] == "ok" and probe["xla-bad-option"] != "ok", probe

@@ -37,9 +37,12 @@ def fwd_bwd_step(impl: str, seq: int, head_dim: int, causal: bool):
   sweep = SweepConfig(seqlens=(seq,), head_dims=(head_dim,), causal=(causal,), dtypes=("bfloat16",),
                       modes=("fwd+bwd",), impls=(impl,))
   shape = sweep.shape("bfloat16", head_dim, causal, seq)
-  attn = impls.get(impl).factory(shape, impls.Options(platform=jax.default_backend()))
+  entry = impls.get(impl)
+  attn = entry.factory(shape, impls.Options(platform=jax.default_backend()))
   x = timing.make_inputs(shape, seed=0)
-  return jax.jit(timing.fwd_bwd_fn(attn)), (x.q, x.k, x.v, x.dout)
+  args = (x.q, x.k, x.v, x.dout)
+  step = jax.jit(timing.fwd_bwd_fn(attn)).lower(*args).compile(compiler_options=entry.compiler_options)
+  return step, args
 
 
 def gpu_kernel_times(trace_dir: pathlib.Path) -> dict[str, list[float]]:

@@ -15,7 +15,8 @@ no input and XLA folds them to constants.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,10 @@ class Impl:
   description: str
   factory: Callable[[Shape, Options], AttentionFn]
   supports: Callable[[Shape, Options], str | None]
+  # XLA options every executable of this implementation is compiled with
+  # (`jax.stages.Lowered.compile(compiler_options=...)`), e.g. one that asks
+  # cuDNN for its deterministic backward; None: XLA's defaults.
+  compiler_options: Mapping[str, Any] | None = None
 
 
 REGISTRY: dict[str, Impl] = {}
@@ -224,6 +229,22 @@ register(
         description='jax.nn.dot_product_attention(implementation="cudnn")',
         factory=_dpa_factory("cudnn"),
         supports=_cudnn_supports,
+    )
+)
+# cuDNN's default backward sums dQ across K/V tiles with reduce-adds in
+# whatever order they land, so dQ differs in its last bits from run to run
+# (tools/determinism_check.py; bench/NOTES.md, session 17). XLA's
+# xla_gpu_deterministic_ops asks cuDNN for its deterministic backward instead
+# (dQ from a matmul kernel of its own): the yardstick at the guarantee
+# jax_flash2's gradients give, bit-identical runs.
+register(
+    Impl(
+        name="cudnn-deterministic",
+        description='jax.nn.dot_product_attention(implementation="cudnn") compiled with '
+        "xla_gpu_deterministic_ops: cuDNN's deterministic backward",
+        factory=_dpa_factory("cudnn"),
+        supports=_cudnn_supports,
+        compiler_options={"xla_gpu_deterministic_ops": True},
     )
 )
 register(

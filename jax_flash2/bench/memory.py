@@ -71,7 +71,7 @@ def _probe_step(impl: impls_lib.Impl, shape: Shape, opts: impls_lib.Options, see
   prepared = None
   try:
     inputs = timing.make_inputs(shape, seed)
-    prepared = timing.prepare(impl.factory(shape, opts), "fwd+bwd", [inputs])
+    prepared = timing.prepare(impl.factory(shape, opts), "fwd+bwd", [inputs], compiler_options=impl.compiler_options)
     del inputs
     before = timing.device_peak_bytes()
     times = timing.time_calls(prepared, warmup=0, iters=1, calls_per_round=1)

@@ -32,7 +32,7 @@ def run_check(
   compiled = None
   try:
     attn = impl.factory(cshape, opts)
-    prepared = timing.prepare(attn, "fwd+bwd", [x])
+    prepared = timing.prepare(attn, "fwd+bwd", [x], compiler_options=impl.compiler_options)
     compiled = prepared.compiled
     got = prepared(0)
     want = check_lib.reference_fwd_bwd_jit(
@@ -91,7 +91,7 @@ def run_cell(
   prepared = None
   try:
     attn = impl.factory(shape, opts)
-    prepared = timing.prepare(attn, mode, inputs, compiled)
+    prepared = timing.prepare(attn, mode, inputs, compiled, impl.compiler_options)
     peak_before = timing.device_peak_bytes()
     times = timing.time_calls(prepared, cfg.warmup, cfg.iters)
     peak_after = timing.device_peak_bytes()

@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -76,8 +77,10 @@ class Prepared:
     return self.compiled(*self.args[i % len(self.args)])
 
 
-def prepare(attn: AttentionFn, mode: str, inputs: list[Inputs], compiled: Any = None) -> Prepared:
-  """Compiles `mode` of `attn` and lays out its arguments.
+def prepare(attn: AttentionFn, mode: str, inputs: list[Inputs], compiled: Any = None,
+            compiler_options: Mapping[str, Any] | None = None) -> Prepared:
+  """Compiles `mode` of `attn` (with XLA's `compiler_options`, if any) and
+  lays out its arguments.
 
   fwd: attn(q, k, v). bwd: the pullback of ``jax.vjp(attn, q, k, v)``, built
   once here (the forward runs here, outside any timed region) and applied to
@@ -98,7 +101,7 @@ def prepare(attn: AttentionFn, mode: str, inputs: list[Inputs], compiled: Any = 
   else:
     raise ValueError(f"unknown mode {mode!r}")
   if compiled is None:
-    compiled = jax.jit(fn).lower(*args[0]).compile()
+    compiled = jax.jit(fn).lower(*args[0]).compile(compiler_options=compiler_options)
   return Prepared(compiled=compiled, args=args)
 
 
