@@ -1,19 +1,19 @@
 """Whether an attention implementation's forward+backward gives the same bits on every run.
 
-  PYTHONPATH=. python tools/determinism_check.py --impls cudnn flash2-mosaic --seq 4096 --head-dim 128
-  XLA_FLAGS=--xla_gpu_deterministic_ops=true PYTHONPATH=. python tools/determinism_check.py ...
+  PYTHONPATH=. python tools/determinism_check.py --impls cudnn cudnn-deterministic flash2 --seq 4096 --head-dim 128
 
 Runs each implementation's jitted forward+backward (as the bench CLI builds
 it: tools/kernel_anatomy.fwd_bwd_step) RUNS times on the same inputs and
 compares out, dq, dk and dv with the first run's bits: per output, how many
 runs differed and the largest absolute difference. What it is for: cuDNN's
 backward sums dQ across K/V tiles with reduce-adds whose order is left to
-the hardware, where jax_flash2's default backward (a dK/dV kernel and a dQ
-kernel, no atomics) promises the same bits; with XLA's
---xla_gpu_deterministic_ops, XLA asks cuDNN for its deterministic backward,
-whose speed is then the yardstick at equal guarantees. The kernels each run
-launched are listed from a profiler trace, so which backward cuDNN chose
-shows.
+the hardware, where jax_flash2's backward (no atomics, or additions in a
+fixed order) promises the same bits; compiled with XLA's
+xla_gpu_deterministic_ops (the bench implementation cudnn-deterministic, or
+XLA_FLAGS=--xla_gpu_deterministic_ops=true for the whole process) cuDNN
+runs its deterministic backward, whose speed is then the yardstick at equal
+guarantees. The kernels each run launched are listed from a profiler
+trace, so which backward cuDNN chose shows.
 """
 
 from __future__ import annotations
