@@ -376,11 +376,11 @@ stage_early_vectors() {
   # kernel and the fused one (BackwardConfig.early_vectors; session 16's
   # Nsight Compute: ~7% of the d128 dK/dV consumers' time waits on those
   # loads; sm_90a: d128 8 B spilled without a mask, 200-260 B causal against
-  # 76-148; d64 fused as before). Kernel bench, d64 and d128, both masks.
-  # Its tests first:
+  # 76-148; d64 fused as before). Kernel bench, d64 and d128, both masks,
+  # off against on (on in the d64 default since session 17). Its tests first:
   #   SHARDS=8 SHARD_K=bwd_gpu_early_vectors bash bench/gpu_session.sh 0:mosaic_shards wait early_vectors
   # ~4 min.
-  timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants default \
+  timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants early_vectors=0 \
     early_vectors=1 2>&1 | tee "$OUT/early_vectors.log"
 }
 
@@ -394,9 +394,10 @@ stage_cli_ev128() {
 
 stage_cli_ev64() {
   # The d64 forward+backward through the bench CLI, both masks, 2k-16k: the
-  # default (the fused kernel) against early_vectors (kernel bench: 1-2%
-  # faster causal), cuDNN in the same run. ~3 min.
-  timeout 200 python tools/cli_ab.py --bwd base=default --bwd ev=early_vectors=1 -- \
+  # fused kernel without early_vectors against with it (kernel bench: 1-2%
+  # faster causal; on in the default since session 17), cuDNN in the same
+  # run. ~3 min.
+  timeout 200 python tools/cli_ab.py --bwd off=early_vectors=0 --bwd ev=early_vectors=1 -- \
     --seqlens 2048 4096 8192 16384 --head-dims 64 --causal false true --modes fwd+bwd --no-check --no-progress \
     --out "$OUT/cli_ev64" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
 }

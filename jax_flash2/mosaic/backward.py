@@ -293,8 +293,10 @@ class BackwardConfig:
       and waiting for them, not after: Nsight Compute (session 16, d128)
       found ~7% of its consumers' time in the multiply of lse waiting for
       those loads. Their 32 registers (head_dim 128: 16 columns each) are
-      then live across the wait. Not in the softmax_overlap step. Written
-      after the session's last device call: not yet timed, off.
+      then live across the wait. Not in the softmax_overlap step. On in the
+      head_dim-64 default (the fused kernel 1-2% faster causal, even without
+      a mask); off at 128, where the two kernels ran even with it and spill
+      more causal (session 17).
     q_registers: the dQ kernel's consumers hold their Q and dO rows in
       registers for S = Q K^T and dP = dO V^T, which then read only K and V
       from shared memory (head_dim 64 and 128: no spills on sm_90a). On in
