@@ -17,6 +17,7 @@
 #
 # Stages (time on one H200):
 #   Tests:    all_tests (the GPU suite but Mosaic and sharding, ~7 min),
+#             suite_shards (the whole GPU suite but sharding, in parallel processes),
 #             mosaic_tests (the Mosaic kernels alone, ~5 min), mosaic_shards (the
 #             same and head_dim 256 in parallel processes, in a stream), mosaic_api
 #             (backend mosaic/auto at the Triton path's bar, ~12 min; split in
@@ -152,30 +153,50 @@ stage_mosaic_tests() {
   timeout 400 python -m pytest -m gpu -q --maxfail=5 -rfE -p no:cacheprovider --durations=5 tests/test_mosaic.py 2>&1 | tee "$OUT/mosaic_tests.log" | tail -30
 }
 
-stage_mosaic_shards() {
-  # Every Mosaic GPU test (both files) in SHARDS parallel pytest processes on
-  # this stream's GPU: a test's ~11 s is mostly compilation, on the CPU, so
-  # four shards take about a quarter of mosaic_tests' time. SHARD_K narrows
-  # the selection (default: all but the three-consumer tests, which
-  # d64_consumers3 runs). Run it in a stream (N:mosaic_shards), where memory
-  # is allocated on demand.
-  # SHARD_IDS: a file of test ids to run instead (e.g. those a cut-off run
-  # left).
-  local n=${SHARDS:-4} i ids
+run_shards() {  # run_shards NAME -k-EXPRESSION PYTEST-ARGS...
+  # The GPU tests PYTEST-ARGS collect, in SHARDS parallel pytest processes
+  # (default 4): a test's ~11 s is mostly compilation, on the CPU, so four
+  # shards take about a quarter of one process's time. The shards take the
+  # visible GPUs in turn, each allocating memory on demand so that shards
+  # sharing a GPU fit. SHARD_IDS: a file of test ids to run instead (e.g.
+  # those a cut-off run left). Each shard stops at SHARD_LIMIT seconds (330).
+  local name=$1 k=$2 n=${SHARDS:-4} i ids gpus
+  shift 2
   if [[ -n ${SHARD_IDS:-} ]]; then
-    grep "::" "$SHARD_IDS" >"$OUT/shard_ids.txt"
+    grep "::" "$SHARD_IDS" >"$OUT/${name}_ids.txt"
   else
-    python -m pytest -m gpu --collect-only -q -p no:cacheprovider tests/test_mosaic.py tests/test_mosaic_wide.py \
-      -k "${SHARD_K:-not three_consumers}" | grep "::" >"$OUT/shard_ids.txt"
+    python -m pytest -m gpu --collect-only -q -p no:cacheprovider -k "$k" "$@" | grep "::" >"$OUT/${name}_ids.txt"
   fi
-  echo "$(wc -l <"$OUT/shard_ids.txt") tests in $n shards"
+  if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+    IFS=, read -ra gpus <<<"$CUDA_VISIBLE_DEVICES"
+  else
+    mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader)
+  fi
+  echo "$(wc -l <"$OUT/${name}_ids.txt") tests in $n shards on GPUs ${gpus[*]}"
   for ((i = 0; i < n; i++)); do
-    mapfile -t ids < <(awk -v n="$n" -v i="$i" 'NR % n == i' "$OUT/shard_ids.txt")
-    timeout "${SHARD_LIMIT:-330}" python -m pytest -m gpu -q -rfE -p no:cacheprovider "${ids[@]}" \
-      >"$OUT/mosaic_shard_$i.log" 2>&1 &
+    mapfile -t ids < <(awk -v n="$n" -v i="$i" 'NR % n == i' "$OUT/${name}_ids.txt")
+    ((${#ids[@]})) || continue  # no ids would run the whole directory
+    CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]} XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      timeout "${SHARD_LIMIT:-330}" python -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=3 "${ids[@]}" \
+      >"$OUT/${name}_shard_$i.log" 2>&1 &
   done
   wait
-  grep -hE "FAILED|ERROR" "$OUT"/mosaic_shard_*.log; tail -qn 1 "$OUT"/mosaic_shard_*.log
+  grep -hE "FAILED|ERROR" "$OUT"/"${name}"_shard_*.log; tail -qn 1 "$OUT"/"${name}"_shard_*.log
+}
+
+stage_mosaic_shards() {
+  # Every Mosaic GPU test (both files) in shards (run_shards). SHARD_K narrows
+  # the selection (default: all but the three-consumer tests, which
+  # d64_consumers3 runs). Run it in a stream (N:mosaic_shards) to keep it to
+  # one GPU.
+  run_shards mosaic "${SHARD_K:-not three_consumers}" tests/test_mosaic.py tests/test_mosaic_wide.py
+}
+
+stage_suite_shards() {
+  # The whole GPU suite but the sharding tests (which want every GPU in one
+  # process: stage sharding) in shards over every visible GPU. ~300 tests;
+  # SHARDS=16 on two H200s.
+  run_shards suite "${SHARD_K:-}" tests --deselect tests/test_sharding.py
 }
 
 mosaic_api() {  # mosaic_api NAME -k-EXPRESSION

@@ -206,7 +206,8 @@ class MosaicConfig:
       then reads only K from shared memory (a third of the bytes at block_kv
       128; bench/NOTES.md, session 8's model). Costs D / 4 registers per
       thread per 64 rows. The interpreter reads Q from shared memory either
-      way. Not yet timed on a GPU, hence off.
+      way. Off: on the H200 no faster without a mask and 1-4% slower causal
+      at head_dim 64, 2-3% slower causal at 128 (sessions 9, 13).
     poly_columns: the last `poly_columns` columns of each S tile take their
       exponentials as a polynomial on the FP32 units instead of the SFU's
       ex2 (FlashAttention-4's trick; `poly_exp2.py`). A multiple of 8 up to
