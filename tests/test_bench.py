@@ -615,16 +615,13 @@ def test_compiler_options_reach_every_executable(tmp_path, capsys):
   assert probe["xla-deterministic"] == "ok" and probe["xla-bad-option"] != "ok", probe
 
 
-def test_determinism_check_counts_the_runs_whose_bits_differ(monkeypatch):
+def test_determinism_check_counts_the_runs_whose_bits_differ(load_tool):
   """tools/determinism_check.py: a function that returns the same bits on
   every call shows no difference; one whose dq drifts shows it on every
   rerun, with the largest difference, and leaves the other outputs clean."""
-  import importlib
   import itertools
-  import pathlib
 
-  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
-  tool = importlib.import_module("determinism_check")
+  tool = load_tool("determinism_check")
   x = jnp.arange(8, dtype=jnp.float32)
   clean = {name: (0, 0.0) for name in tool.OUTPUTS}
   assert tool.compare_runs(lambda x: (x, 2 * x, 3 * x, 4 * x), (x,), runs=3) == clean

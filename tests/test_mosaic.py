@@ -1496,17 +1496,6 @@ def test_profiling_sets_the_kernels_compiler_params(tmp_path):
   assert mosaic.compiler_params().profile_space == 0
 
 
-def _load_tool(name: str):
-  import importlib.util
-  import pathlib
-
-  path = pathlib.Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(name, path)
-  tool = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(tool)
-  return tool
-
-
 def _sass(*instructions: str) -> str:
   """SASS text in nvdisasm's layout from instructions and '.L_x_N:' labels."""
   lines, address = [], 0
@@ -1519,13 +1508,13 @@ def _sass(*instructions: str) -> str:
   return "\n".join(lines)
 
 
-def test_wgmma_operand_clobber_check():
+def test_wgmma_operand_clobber_check(load_tool):
   """tools/mosaic_cpu_compile.py's check of the SASS: a loop whose HGMMA
   reads registers carried into it (K in registers) and that hands them to a
   temporary read in the same iteration (ptxas 13.0 with kv_registers) is
   reported; a value carried on purpose (P into the next step's P V), a loop
   that leaves them alone, and a barrier's slow path after EXIT are not."""
-  check = _load_tool("mosaic_cpu_compile").wgmma_operand_clobbers
+  check = load_tool("mosaic_cpu_compile").wgmma_operand_clobbers
   clobbered = _sass("LDSM.16.M88.4 R160, [R4]", ".L_x_1:", "HGMMA.64x64x16.F32.BF16 R56, R160, gdesc[UR4], R56",
                     "F2FP.BF16.F32.PACK_AB R160, R13, R12", "HGMMA.64x64x16.F32.BF16 R120, R160, gdesc[UR8], R120",
                     "@P0 BRA `(.L_x_1)", "EXIT")
@@ -1543,11 +1532,11 @@ def test_wgmma_operand_clobber_check():
   assert check(carried) == check(untouched) == check(slow_path) == []
 
 
-def test_profile_summary_of_a_trace():
+def test_profile_summary_of_a_trace(load_tool):
   """tools/mosaic_profile.py's summary of a Mosaic GPU profiler trace: per
   warpgroup role (tid = 1 + warpgroup + 3 * CTA), the mean time per CTA in
   each region, nested regions counted in both, shares of the span."""
-  tool = _load_tool("mosaic_profile")
+  tool = load_tool("mosaic_profile")
   events = []
   for cta, scale in ((0, 1.0), (1, 3.0)):
     for warpgroup in range(3):
@@ -1564,7 +1553,7 @@ def test_profile_summary_of_a_trace():
   assert "scores" in tool.format_summary(summary)
 
 
-def test_kernel_anatomy_reads_gpu_kernels_from_a_trace(tmp_path):
+def test_kernel_anatomy_reads_gpu_kernels_from_a_trace(tmp_path, load_tool):
   """tools/kernel_anatomy.py's reading of a profiler trace: the durations of
   the complete events on a GPU device's timelines, by kernel name; host
   events and metadata left out, the newest trace taken."""
@@ -1572,7 +1561,7 @@ def test_kernel_anatomy_reads_gpu_kernels_from_a_trace(tmp_path):
   import json
   import os
 
-  tool = _load_tool("kernel_anatomy")
+  tool = load_tool("kernel_anatomy")
   events = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
             dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU")),
             dict(ph="X", name="bprop", pid=1, tid=7, ts=0, dur=30.0),
@@ -1652,18 +1641,15 @@ def test_gpu_three_consumers(shape, kv_heads, persistent, causal):
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
-def test_cli_ab_sets_the_configs_flash_attention_takes(monkeypatch):
+def test_cli_ab_sets_the_configs_flash_attention_takes(monkeypatch, load_tool):
   """tools/cli_ab.py: inside a variant's context the API's config choices
   come back with the variant's fields set (None, where the Mosaic kernels
   do not serve, stays None), and only there; the backward's measurement
   switches, which would act outside that context, are refused."""
-  import pathlib
-
   from jax_flash2 import api
   from jax_flash2.bench import impls as impls_lib
 
-  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
-  tool = _load_tool("cli_ab")
+  tool = load_tool("cli_ab")
   default_fwd, default_bwd = mosaic.default_config(64), mosaic_bwd.default_backward_config(64)
   monkeypatch.setattr(api, "_mosaic_config", lambda problem, q: default_fwd if problem else None)
   monkeypatch.setattr(api, "_mosaic_backward_config", lambda problem, q: default_bwd)
