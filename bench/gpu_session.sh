@@ -93,6 +93,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 BENCH="python -m jax_flash2.bench --no-progress --iters 10 --warmup 2"
 
+cli_rows() {  # the bench CLI's output filtered to its table rows, section headers and errors
+  grep -E "^ +[0-9]+ |== |rror"
+}
+
 stage_new() {
   timeout 280 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests \
     -k "dropout or bias or check_vma or shard_map" 2>&1 | tee "$OUT/new_tests.log"
@@ -319,7 +323,7 @@ stage_cli_ab64() {
       [[ $name == three ]] && args+=(--fwd three=$three --fwd three_q=$three+early_q=1)
     done
     timeout 120 python tools/cli_ab.py "${args[@]}" -- --seqlens 4096 --head-dims 64 --causal true --modes fwd \
-      --iters 30 --no-check --no-progress --out "$OUT/cli_ab64_${order// /_}" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
+      --iters 30 --no-check --no-progress --out "$OUT/cli_ab64_${order// /_}" 2>&1 | cli_rows
   done
 }
 
@@ -332,7 +336,7 @@ stage_cli_ab128() {
   local fused=fused_dq=1+dq_adder_warp=1+dq_adder_warps=2+dkv_persistent=0+stages=2
   timeout 260 python tools/cli_ab.py --bwd two=default --bwd overlap=softmax_overlap=1 --bwd fused=$fused -- \
     --seqlens 4096 16384 --head-dims 128 --causal false --modes fwd+bwd --no-check --no-progress \
-    --out "$OUT/cli_ab128" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
+    --out "$OUT/cli_ab128" 2>&1 | cli_rows
 }
 
 stage_overlap128() {
@@ -410,7 +414,7 @@ stage_cli_ev128() {
   # default against early_vectors, cuDNN in the same run. ~3 min.
   timeout 190 python tools/cli_ab.py --bwd two=default --bwd ev=early_vectors=1 -- \
     --seqlens 4096 16384 --head-dims 128 --causal false true --modes fwd+bwd --no-check --no-progress \
-    --out "$OUT/cli_ev128" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
+    --out "$OUT/cli_ev128" 2>&1 | cli_rows
 }
 
 stage_cli_ev64() {
@@ -420,7 +424,7 @@ stage_cli_ev64() {
   # run. ~3 min.
   timeout 200 python tools/cli_ab.py --bwd off=early_vectors=0 --bwd ev=early_vectors=1 -- \
     --seqlens 2048 4096 8192 16384 --head-dims 64 --causal false true --modes fwd+bwd --no-check --no-progress \
-    --out "$OUT/cli_ev64" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
+    --out "$OUT/cli_ev64" 2>&1 | cli_rows
 }
 
 stage_determinism() {
@@ -438,7 +442,7 @@ stage_determinism() {
   done
   XLA_FLAGS="$det" timeout 150 $BENCH --seqlens 2048 4096 8192 16384 --head-dims 128 --causal false true \
     --modes fwd+bwd --impls flash2 cudnn --no-check --no-progress --out "$OUT/bench_d128_deterministic" 2>&1 \
-    | grep -E "^ +[0-9]+ |== |rror"
+    | cli_rows
 }
 
 stage_bench_det() {
@@ -451,7 +455,7 @@ stage_bench_det() {
   local d
   for d in 128 64; do
     timeout 200 $BENCH --seqlens 2048 4096 8192 16384 --head-dims $d --causal false true --modes fwd+bwd \
-      --impls flash2 cudnn cudnn-deterministic --no-check --out "$OUT/bench_det_d$d" 2>&1 | grep -E "^ +[0-9]+ |== |rror"
+      --impls flash2 cudnn cudnn-deterministic --no-check --out "$OUT/bench_det_d$d" 2>&1 | cli_rows
   done
 }
 
