@@ -1,13 +1,11 @@
-"""Block-size configurations for the Pallas kernels and their selection.
+"""The kernels' configurations: frozen, validated on construction.
 
-A `KernelConfig` describes one kernel launch: the tile of queries and keys a
-program works on, and the Triton launch parameters. `BlockSizes` bundles one
-config per kernel (forward, backward dK/dV, backward dQ). Both are frozen and
-validated on construction, so a bad value fails where it is written rather
-than deep inside a compile.
-
-Defaults come from `default_block_sizes`, a table measured on the H200
-(bench/NOTES.md records the sweeps). An explicit `block_sizes=` always wins.
+`KernelConfig` is one Triton-lowering kernel's tile and launch parameters,
+and `BlockSizes` one per kernel of that family (forward, dK/dV, dQ).
+`MosaicForwardConfig` and `MosaicBackwardConfig` tile the Mosaic GPU
+(Hopper) kernels, and `MosaicConfig` holds one of each. A bad value fails
+where it is written rather than deep inside a compile. The measured defaults
+are in jax_flash2.defaults; an explicit config always wins.
 """
 
 from __future__ import annotations
@@ -93,78 +91,131 @@ class BlockSizes:
 
 
 
-# Measured on the H200 (bf16, batch x seq = 16k tokens, seq 8k) by
-# bench/tune.py; bench/NOTES.md has the sweeps. Keyed by (padded head_dim,
-# causal); values are (fwd, dkv, dq). At head_dim 256 the causal dq kernel
-# takes the non-causal sweep's best (its own sweep did not finish).
-_H200_TABLE: dict[tuple[int, bool], tuple[KernelConfig, KernelConfig, KernelConfig]] = {
-    (64, False): (KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 2), KernelConfig(64, 64, 4, 2)),
-    (64, True): (KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 2), KernelConfig(64, 128, 4, 3)),
-    (128, False): (KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 64, 8, 3)),
-    (128, True): (KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 2), KernelConfig(64, 128, 4, 3)),
-    (256, False): (KernelConfig(64, 64, 4, 3), KernelConfig(64, 64, 8, 2), KernelConfig(128, 32, 8, 3)),
-    (256, True): (KernelConfig(64, 64, 4, 3), KernelConfig(64, 64, 8, 2), KernelConfig(128, 32, 8, 3)),
-}
+
+def _check_fields(owner: str, config, bools: tuple[str, ...], ints: tuple[str, ...]) -> None:
+  for name in bools:
+    if not isinstance(getattr(config, name), bool):
+      raise TypeError(f"{owner}.{name} must be a bool, got {getattr(config, name)!r}")
+  for name in ints:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool):
+      raise TypeError(f"{owner}.{name} must be an int, got {value!r}")
 
 
-def padded_head_dim(head_dim: int) -> int:
-  """The power of two the kernels tile head_dim to (Triton blocks need one)."""
-  return max(_MIN_BLOCK, 1 << (head_dim - 1).bit_length())
-
-
-# A bias streams one more tile per step through shared memory beside K and V.
-# With three pipeline stages that overflows an SM's 227 KiB at head_dim 256
-# (the H200 refused 240 KiB, session 4), so biased problems run at most two.
-BIAS_MAX_STAGES = 2
-
-
-def default_block_sizes(head_dim: int, causal: bool, *, has_bias: bool = False) -> BlockSizes:
-  """The measured default for a head_dim (8..256), mask and whether a bias is
-  read (which caps the pipeline depth: BIAS_MAX_STAGES)."""
-  # Head dims under 64 pad to 16 or 32 and run best with the head_dim-64 tiles.
-  configs = _H200_TABLE[max(64, padded_head_dim(head_dim)), bool(causal)]
-  if has_bias:
-    configs = [dataclasses.replace(c, num_stages=min(c.num_stages, BIAS_MAX_STAGES)) for c in configs]
-  fwd, dkv, dq = configs
-  return BlockSizes(fwd=fwd, dkv=dkv, dq=dq)
+# wgmma works on 64 rows per warpgroup instruction: the Mosaic kernels' row unit.
+_WGMMA_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class HopperChoice:
-  """Which passes backend="auto" runs with the Mosaic GPU (Hopper) kernels
-  instead of the Triton-lowering ones, where the Mosaic kernels serve the
-  problem at all."""
+class MosaicForwardConfig:
+  """Tiling of the Mosaic GPU (Hopper) forward kernel.
 
-  forward: bool
-  backward: bool
+  Attributes:
+    block_q: query rows per CTA, split evenly between the consumer
+      warpgroups (64 or 128 rows each).
+    block_kv: key/value rows per ring slot (64, 128 or 256).
+    stages: ring slots of K and V in shared memory (2 to 8).
+    softmax_overlap: each consumer issues Q K^T of a block and P V of the
+      one before together and computes its softmax while the tensor cores
+      run that P V (FlashAttention-3's intra-warpgroup overlap).
+    persistent: one CTA per SM, each taking tiles in turn, so that a tile's
+      first loads and last stores overlap its neighbours' work (a second Q
+      buffer in shared memory).
+    balanced: with persistent, causal tiles come from a table built on the
+      host that evens out the CTAs' work.
+    consumers: consumer warpgroups per CTA, 2 or 3 (240 or 160 registers
+      each).
+  """
+
+  block_q: int = 128
+  block_kv: int = 128
+  stages: int = 2
+  softmax_overlap: bool = False
+  persistent: bool = False
+  balanced: bool = False
+  consumers: int = 2
+
+  def __post_init__(self):
+    _check_fields("MosaicForwardConfig", self, ("softmax_overlap", "persistent", "balanced"),
+                  ("block_q", "block_kv", "stages", "consumers"))
+    if self.consumers not in (2, 3):
+      raise ValueError(f"MosaicForwardConfig.consumers must be 2 or 3, got {self.consumers}")
+    rows = self.consumers * _WGMMA_ROWS
+    if self.block_q not in (rows, 2 * rows):
+      raise ValueError(
+          f"MosaicForwardConfig.block_q must be {rows} or {2 * rows} (64 or 128 rows for each of the "
+          f"{self.consumers} consumer warpgroups), got {self.block_q}"
+      )
+    if self.block_kv not in (64, 128, 256):
+      raise ValueError(f"MosaicForwardConfig.block_kv must be 64, 128 or 256, got {self.block_kv}")
+    if not 2 <= self.stages <= 8:
+      raise ValueError(f"MosaicForwardConfig.stages must be between 2 and 8, got {self.stages}")
+    if self.balanced and not self.persistent:
+      raise ValueError("MosaicForwardConfig.balanced needs persistent=True (it deals tiles to persistent CTAs)")
+
+  @property
+  def rows_per_consumer(self) -> int:
+    return self.block_q // self.consumers
 
 
-# Measured on the H200 (bf16, 16k tokens, hidden 2048, seq 2k-16k; bench/NOTES.md,
-# sessions 3 and 4): the Mosaic forward, with the softmax overlapped with P V,
-# is 2-7% faster than the Triton one at head_dim 64 without a mask, 6-34%
-# elsewhere; the Mosaic backward is 7-16% faster at head_dim 64 and 11% at 128
-# (2k). At head_dim 256 (session 7, 2k and 8k) the Mosaic forward is 1.5-1.7x
-# the Triton one and the Mosaic backward (backward_wide.py) 1.15-1.34x.
-_HOPPER_TABLE: dict[tuple[int, bool], HopperChoice] = {
-    (64, False): HopperChoice(forward=True, backward=True),
-    (64, True): HopperChoice(forward=True, backward=True),
-    (128, False): HopperChoice(forward=True, backward=True),
-    (128, True): HopperChoice(forward=True, backward=True),
-    (256, False): HopperChoice(forward=True, backward=True),
-    (256, True): HopperChoice(forward=True, backward=True),
-}
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardConfig:
+  """Tiling of the Mosaic GPU (Hopper) backward kernels.
+
+  The dK/dV kernel owns 128 key rows per CTA (64 per consumer warpgroup)
+  and streams Q blocks; the dQ kernel owns 128 query rows and streams K/V
+  blocks; the fused kernel is the dK/dV kernel adding dQ too.
+
+  Attributes:
+    block_q: query rows per ring slot of the dK/dV kernel (64 or 128).
+    block_kv: key/value rows per ring slot of the dQ kernel (64 or 128).
+    stages: ring slots (2 to 8).
+    dq_softmax_overlap: the dQ kernel computes P while dP = dO V^T is on
+      the tensor cores.
+    dq_persistent: the dQ kernel runs one CTA per SM over many tiles.
+    dkv_persistent: the dK/dV kernel does (the fused kernel's CTAs are
+      persistent anyway; for it this says whether they keep a second set
+      of K and V tiles).
+    fused_dq: one kernel: the dK/dV kernel also adds each K/V tile's dS K
+      into a float32 dQ, in an order fixed per Q block (deterministic), so
+      that S and dP are computed once rather than twice. Needs block_q 64
+      and every CTA resident at once (one per SM).
+    early_vectors: the dK/dV kernel loads each Q block's lse and delta
+      while S^T and dP^T are on the tensor cores rather than after.
+  """
+
+  block_q: int = 64
+  block_kv: int = 64
+  stages: int = 2
+  dq_softmax_overlap: bool = False
+  dq_persistent: bool = False
+  dkv_persistent: bool = False
+  fused_dq: bool = False
+  early_vectors: bool = False
+
+  def __post_init__(self):
+    _check_fields("MosaicBackwardConfig", self,
+                  ("dq_softmax_overlap", "dq_persistent", "dkv_persistent", "fused_dq", "early_vectors"),
+                  ("block_q", "block_kv", "stages"))
+    for name in ("block_q", "block_kv"):
+      if getattr(self, name) not in (64, 128):
+        raise ValueError(f"MosaicBackwardConfig.{name} must be 64 or 128, got {getattr(self, name)}")
+    if not 2 <= self.stages <= 8:
+      raise ValueError(f"MosaicBackwardConfig.stages must be between 2 and 8, got {self.stages}")
+    if self.fused_dq and self.block_q != _WGMMA_ROWS:
+      raise ValueError(f"MosaicBackwardConfig.fused_dq needs block_q {_WGMMA_ROWS}, got {self.block_q}")
 
 
-# Ragged lengths reach the Mosaic kernels padded to whole 128-row blocks (a
-# copy of q, k, v and of the outputs, O(tokens)), which the longer loops pay
-# for. Measured on the H200 (bench CLI, 16k tokens, session 5): at 4000 the
-# Mosaic kernels beat the Triton ones in 7 of 8 passes (head_dim 64/128,
-# forward and forward+backward, both masks: +1% to +36%; the d64 non-causal
-# forward -2%); at 1000 the Triton forward wins by 12-35% and forward+backward
-# splits within 5%. "auto" takes them when both lengths are at least this.
-HOPPER_RAGGED_MIN_SEQ = 4000
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """The Mosaic GPU kernels' tilings: `forward` for the forward pass,
+  `backward` for the backward; None takes the measured default."""
 
+  forward: MosaicForwardConfig | None = None
+  backward: MosaicBackwardConfig | None = None
 
-def hopper_choice(head_dim: int, causal: bool) -> HopperChoice:
-  """Where backend="auto" uses the Mosaic GPU kernels on a Hopper GPU."""
-  return _HOPPER_TABLE.get((head_dim, bool(causal)), HopperChoice(forward=False, backward=False))
+  def __post_init__(self):
+    for name, kind in (("forward", MosaicForwardConfig), ("backward", MosaicBackwardConfig)):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, kind):
+        raise TypeError(f"MosaicConfig.{name} must be a {kind.__name__} or None, got {type(value).__name__}")

@@ -1,8 +1,8 @@
 """Times Mosaic config variants through the bench CLI, cuDNN in the same run.
 
-  PYTHONPATH=. python tools/cli_ab.py --fwd two=default --fwd three=consumers=3+block_q=192 -- \\
+  PYTHONPATH=. python lab/tools/cli_ab.py --fwd two=default --fwd three=consumers=3+block_q=192 -- \\
       --seqlens 4k --head-dims 64 --causal true --modes fwd --out /tmp/ab
-  PYTHONPATH=. python tools/cli_ab.py --bwd two=default \\
+  PYTHONPATH=. python lab/tools/cli_ab.py --bwd two=default \\
       --bwd fused=fused_dq=1+dq_adder_warp=1+dq_adder_warps=2 -- --head-dims 128 --modes fwd+bwd
 
 tools/mosaic_bench.py and tools/mosaic_bwd_bench.py time one kernel on one

@@ -1,6 +1,6 @@
 """Whether an attention implementation's forward+backward gives the same bits on every run.
 
-  PYTHONPATH=. python tools/determinism_check.py --impls cudnn cudnn-deterministic flash2 --seq 4096 --head-dim 128
+  PYTHONPATH=. python lab/tools/determinism_check.py --impls cudnn cudnn-deterministic flash2 --seq 4096 --head-dim 128
 
 Runs each implementation's jitted forward+backward (as the bench CLI builds
 it: tools/kernel_anatomy.fwd_bwd_step) RUNS times on the same inputs and

@@ -1,6 +1,6 @@
 """Which GPU kernels an attention implementation's forward+backward runs, and how long each takes.
 
-  PYTHONPATH=. python tools/kernel_anatomy.py --impls cudnn flash2-mosaic --seq 4096 16384 --head-dim 128
+  PYTHONPATH=. python lab/tools/kernel_anatomy.py --impls cudnn flash2-mosaic --seq 4096 16384 --head-dim 128
 
 Traces an implementation's forward+backward as the bench CLI builds and runs
 it (jax_flash2.bench: SweepConfig.shape, impls, timing.fwd_bwd_fn; 16k tokens, hidden 2048,

@@ -1,9 +1,9 @@
 """Times the Mosaic GPU forward against the Triton-lowering forward on a Hopper GPU.
 
-  PYTHONPATH=. python tools/mosaic_bench.py                  # d64 and d128, 1k..16k, causal and not
-  PYTHONPATH=. python tools/mosaic_bench.py --seq 8192 --head-dim 128 --stages 2 --block-kv 128
-  PYTHONPATH=. python tools/mosaic_bench.py --variants softmax_overlap=0 default   # MosaicConfig options A/B
-  PYTHONPATH=. python tools/mosaic_bench.py --no-triton --variants default persistent=1 pingpong=1 persistent=1+pingpong=1
+  PYTHONPATH=. python lab/tools/mosaic_bench.py                  # d64 and d128, 1k..16k, causal and not
+  PYTHONPATH=. python lab/tools/mosaic_bench.py --seq 8192 --head-dim 128 --stages 2 --block-kv 128
+  PYTHONPATH=. python lab/tools/mosaic_bench.py --variants softmax_overlap=0 default   # MosaicConfig options A/B
+  PYTHONPATH=. python lab/tools/mosaic_bench.py --no-triton --variants default persistent=1 pingpong=1 persistent=1+pingpong=1
 
 Same convention as the bench: 16384 tokens per batch (batch = 16384 // seq),
 hidden 2048 (heads = 2048 // head_dim), bf16, TFLOP/s = 4 B H S^2 D / time

@@ -1,11 +1,11 @@
 """Times the Mosaic GPU backward kernels (dkv, dq) against the Triton-lowering backward on a Hopper GPU.
 
-  PYTHONPATH=. python tools/mosaic_bwd_bench.py                      # d64 and d128, 1k..16k, causal and not
-  PYTHONPATH=. python tools/mosaic_bwd_bench.py --seq 8192 --head-dim 128 --block-q 64 --stages 3
-  PYTHONPATH=. python tools/mosaic_bwd_bench.py --variants kernels=2 kernels=2+softmax_overlap=1   # a row each
-  PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default stages=2+dq_persistent=1
-  PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 256 --seq 2048 8192      # backward_wide.py's kernels
-  PYTHONPATH=. python tools/mosaic_bwd_bench.py --head-dim 128 --variants default fused_dq=1+dkv_persistent=0 \
+  PYTHONPATH=. python lab/tools/mosaic_bwd_bench.py                      # d64 and d128, 1k..16k, causal and not
+  PYTHONPATH=. python lab/tools/mosaic_bwd_bench.py --seq 8192 --head-dim 128 --block-q 64 --stages 3
+  PYTHONPATH=. python lab/tools/mosaic_bwd_bench.py --variants kernels=2 kernels=2+softmax_overlap=1   # a row each
+  PYTHONPATH=. python lab/tools/mosaic_bwd_bench.py --head-dim 128 --variants default stages=2+dq_persistent=1
+  PYTHONPATH=. python lab/tools/mosaic_bwd_bench.py --head-dim 256 --seq 2048 8192      # backward_wide.py's kernels
+  PYTHONPATH=. python lab/tools/mosaic_bwd_bench.py --head-dim 128 --variants default fused_dq=1+dkv_persistent=0 \
       fused_dq=1+dkv_persistent=0+adders=2   # the fused kernel with half its reduce-adds (wrong dQ: speed only)
   ... fused_dq=1+adders=2+alternate=1   # each tile adds at every other step (a cluster pair's share; speed only)
   ... fused_dq=1+dkv_persistent=0+unordered=1   # no adder waits for its rank (nondeterministic: speed only)

@@ -3,7 +3,7 @@
 The backward counterpart of tools/mosaic_cpu_compile.py (same setup, same
 /tmp venv with the CUDA plugin and ptxas; see its docstring):
 
-  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_bwd_cpu_compile.py [--dump DIR] [--only d256] \
+  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/mosaic_bwd_cpu_compile.py [--dump DIR] [--only d256] \
       [--set stages=3] [--variant fused_dq=1+dkv_persistent=0+staging=0] [--variant kernels=2+softmax_overlap=1]
 
 Prints, per kernel and case, ptxas's registers and spills and what the SASS
@@ -17,8 +17,8 @@ import pathlib
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "lab" / "tools"))
 
 import mosaic_cpu_compile as fwd_tool  # noqa: E402
 

@@ -14,7 +14,7 @@ project does not install. Set up once, in a venv of its own:
   /tmp/cudavenv/bin/pip install jax==0.11.2 jaxlib==0.11.2 jax-cuda13-plugin==0.11.2 \\
       jax-cuda13-pjrt==0.11.2 "nvidia-cuda-nvcc>=13.0,<13.1" "nvidia-nvvm>=13.0,<13.1" \\
       nvidia-cuda-nvdisasm==13.2.86   # nvdisasm is optional (SASS)
-  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python tools/mosaic_cpu_compile.py [--dump DIR] [--set q_registers=1]
+  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/mosaic_cpu_compile.py [--dump DIR] [--set q_registers=1]
 
 A case that fails to compile prints the compiler's error on stderr.
 """
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # (batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, config or None)
 CASES = [
@@ -61,7 +61,7 @@ def _load_fake_driver(build_dir: str) -> None:
   # into the process is the one it gets.
   lib = os.path.join(build_dir, "libcuda.so.1")
   subprocess.run(
-      ["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib, str(ROOT / "tools" / "fakecuda.c")],
+      ["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib, str(ROOT / "lab" / "tools" / "fakecuda.c")],
       check=True,
   )
   ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)

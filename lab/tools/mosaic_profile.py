@@ -1,8 +1,8 @@
 """Where the Mosaic kernels' warpgroups spend their time, from Mosaic GPU's profiler.
 
-  PYTHONPATH=. python tools/mosaic_profile.py --seq 2048 --head-dim 128 [--causal] \\
+  PYTHONPATH=. python lab/tools/mosaic_profile.py --seq 2048 --head-dim 128 [--causal] \\
       [--variants default fused_dq=1+dkv_persistent=0+unordered=1+adders=0] [--batch 1 --heads 8] [--keep DIR]
-  PYTHONPATH=. python tools/mosaic_profile.py --kernel forward --head-dim 64 --seq 8192 --heads 4
+  PYTHONPATH=. python lab/tools/mosaic_profile.py --kernel forward --head-dim 64 --seq 8192 --heads 4
 
 Runs `backward` (or `forward`) once per variant (a BackwardConfig, or a
 MosaicConfig) with the kernels compiled under

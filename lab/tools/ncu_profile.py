@@ -1,7 +1,7 @@
 """Runs forward+backward once per implementation inside a profiler range, for Nsight Compute.
 
   ncu --clock-control none --profile-from-start off --set full -k regex:'flash2_(fwd|bwd_d)|sdpa' \\
-      -o prof python tools/ncu_profile.py --seq 4096 --head-dim 128 \\
+      -o prof python lab/tools/ncu_profile.py --seq 4096 --head-dim 128 \\
       --bwd two=default --bwd fused=fused_dq=1+dq_adder_warp=1+dq_adder_warps=2+dkv_persistent=0+stages=2
   ncu --import prof.ncu-rep --page details
 

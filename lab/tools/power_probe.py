@@ -1,8 +1,8 @@
 """Runs one backward kernel for a few seconds per variant, for a clock and power log taken beside it.
 
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.limit --format=csv -lms 100 > smi.csv &
-  PYTHONPATH=. python tools/power_probe.py --kernel dkv --variants default elementwise=0 --seconds 4
-  PYTHONPATH=. python tools/power_probe.py --kernel cudnn flash2-mosaic   # forward+backward of each, side by side
+  PYTHONPATH=. python lab/tools/power_probe.py --kernel dkv --variants default elementwise=0 --seconds 4
+  PYTHONPATH=. python lab/tools/power_probe.py --kernel cudnn flash2-mosaic   # forward+backward of each, side by side
 
 Prints, per variant, the wall-clock window (time.time(), to match the log's
 timestamps) in which the kernel ran back to back, and its mean time per

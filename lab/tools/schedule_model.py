@@ -1,7 +1,7 @@
 """How evenly the persistent CTAs of the causal Mosaic forward share their work.
 
-  PYTHONPATH=. python tools/schedule_model.py            # the bench shapes, head_dim 64 and 128
-  PYTHONPATH=. python tools/schedule_model.py --ctas 114  # an H100 PCIe's SMs
+  PYTHONPATH=. python lab/tools/schedule_model.py            # the bench shapes, head_dim 64 and 128
+  PYTHONPATH=. python lab/tools/schedule_model.py --ctas 114  # an H100 PCIe's SMs
 
 For each bench shape (16384 tokens, hidden 2048) the work of a CTA is the
 ring steps of its tiles plus one step a tile (`forward._TILE_OVERHEAD_STEPS`);

@@ -16,8 +16,8 @@ memory (ld.shared.v4) and add it with vector reductions
 pieces (session 13); `--ctas` runs fewer CTAs than SMs, to tell the
 engine's own rate from the machine's.
 
-  python tools/tma_reduce_bench.py            # on a Hopper GPU
-  python tools/tma_reduce_bench.py --ctas 1 16 132 --red 1 4
+  python lab/tools/tma_reduce_bench.py            # on a Hopper GPU
+  python lab/tools/tma_reduce_bench.py --ctas 1 16 132 --red 1 4
 """
 
 from __future__ import annotations

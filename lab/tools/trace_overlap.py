@@ -1,6 +1,6 @@
 """How the two consumer warpgroups of a Mosaic kernel overlap, from its profiler traces.
 
-  python tools/trace_overlap.py TRACE.json [TRACE.json ...] [--busy scores grads] [--warpgroups 3]
+  python lab/tools/trace_overlap.py TRACE.json [TRACE.json ...] [--busy scores grads] [--warpgroups 3]
 
 Reads traces written by tools/mosaic_profile.py (--keep) and prints, per
 trace, averaged over CTAs from the first event of either consumer to the last:

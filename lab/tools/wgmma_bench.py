@@ -11,8 +11,8 @@ accumulator; K = 128, eight k16 steps a product) and waiting once per
 tile in shared memory for all warpgroups. TFLOP/s over all SMs; the H200's
 dense bf16 peak is ~990 by the datasheet.
 
-  python tools/wgmma_bench.py                 # on a Hopper GPU
-  python tools/wgmma_bench.py --n 64 128 --warpgroups 3
+  python lab/tools/wgmma_bench.py                 # on a Hopper GPU
+  python lab/tools/wgmma_bench.py --n 64 128 --warpgroups 3
 
 (Three warpgroups at N = 256 with A in registers spill: 170 registers a
 thread without setmaxnreg.)

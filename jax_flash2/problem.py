@@ -1,0 +1,99 @@
+"""The static description of one attention call, and its optional arrays.
+
+`Problem` is what every backend decides on and every kernel is specialised
+for: hashable, so that jit caches on it. `Operands` carries the arrays that
+only some calls have, by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+
+from jax_flash2.mask import Mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Static facts of one attention call.
+
+  Attributes:
+    mask: which (query, key) pairs are visible (band, dense mask, segment ids).
+    head_dim: q's and k's last axis.
+    softmax_scale: multiplies q.k before the softmax.
+    dtype: q's dtype name ("bfloat16", "float16" or "float32").
+    group: query heads per K/V head (1 for multi-head attention).
+    softcap: scores become softcap * tanh(scores / softcap), or None.
+    has_alibi: ALiBi slopes ([batch or 1, heads] float32) add
+      -slope * |i + seq_k - seq_q - j| to the scores.
+    dropout_rate: dropout on the probabilities (0.0: none), drawn by
+      jax_flash2.dropout's hash from an int32 [2] seed.
+    dropout_broadcast: one dropout mask shared by every batch and head.
+    has_bias: an additive bias ([batch or 1, heads or 1, seq_q, seq_k]) on
+      the scores, after softcap and ALiBi.
+  """
+
+  mask: Mask
+  head_dim: int
+  softmax_scale: float
+  dtype: str
+  group: int = 1
+  softcap: float | None = None
+  has_alibi: bool = False
+  dropout_rate: float = 0.0
+  dropout_broadcast: bool = False
+  has_bias: bool = False
+
+  @property
+  def seq_q(self) -> int:
+    return self.mask.seq_q
+
+  @property
+  def seq_k(self) -> int:
+    return self.mask.seq_k
+
+  @property
+  def causal(self) -> bool:
+    """The band stops each query at its level key (with or without a window)."""
+    return self.mask.right == 0
+
+  @property
+  def head_dim_padded(self) -> int:
+    """The power of two (at least 16) that tile-based kernels pad head_dim to."""
+    return max(16, 1 << (self.head_dim - 1).bit_length())
+
+  @property
+  def has_dropout(self) -> bool:
+    return self.dropout_rate > 0.0
+
+  @property
+  def modifies_scores(self) -> bool:
+    """Whether anything but the scale changes the scores before the softmax."""
+    return self.softcap is not None or self.has_alibi or self.has_bias
+
+  @property
+  def is_plain(self) -> bool:
+    """Full or causal attention and nothing else: no window, dense mask,
+    segment ids, softcap, ALiBi, dropout or bias."""
+    band = self.mask.is_full or self.mask.is_causal
+    return band and not (self.modifies_scores or self.has_dropout)
+
+
+class Operands(NamedTuple):
+  """The optional input arrays of one call, None where the call has none.
+
+  mask: int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
+  q_segment_ids, kv_segment_ids: int32 [batch, seq_q] and [batch, seq_k].
+  alibi_slopes: float32 [batch or 1, heads].
+  dropout_seed: int32 [2] (jax_flash2.dropout.seed_words).
+  bias: float [batch or 1, heads or 1, seq_q, seq_k], added to the scores.
+  """
+
+  mask: jax.Array | None = None
+  q_segment_ids: jax.Array | None = None
+  kv_segment_ids: jax.Array | None = None
+  alibi_slopes: jax.Array | None = None
+  dropout_seed: jax.Array | None = None
+  bias: jax.Array | None = None
