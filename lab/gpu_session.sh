@@ -2,8 +2,8 @@
 # GPU work as stages, batched into few device calls (each call has 10 minutes;
 # a session 30). Run from the repository root on the GPU machine:
 #
-#   bash bench/gpu_session.sh STAGE [STAGE ...]
-#   bash bench/gpu_session.sh 0:mosaic_tests 1:train_1k 2:bench128 3:mosaic_api all:sharding
+#   bash lab/gpu_session.sh STAGE [STAGE ...]
+#   bash lab/gpu_session.sh 0:mosaic_tests 1:train_1k 2:bench128 3:mosaic_api all:sharding
 #
 # A plain STAGE runs in the foreground with every GPU visible; N:STAGE+STAGE
 # runs those stages one after another in the background on GPU N alone (log:
@@ -65,7 +65,7 @@
 #             balanced (the causal forward's tiles from a balanced table against pairs; early_q again; ~3 min),
 #             balanced_bwd (the same for the d128 backward's two kernels; three d64 consumers causal 2k-4k; ~4 min),
 #             three4k (the d64 causal forward at 4k, two consumers against three, kernel bench; ~1 min),
-#             cli_ab64 (the same through the bench CLI, tools/cli_ab.py, both orders, early_q beside; ~3 min),
+#             cli_ab64 (the same through the bench CLI, lab/tools/cli_ab.py, both orders, early_q beside; ~3 min),
 #             bwd_ab128 (the d128 backward: dK/dV softmax_overlap, dQ on 128-row K/V blocks; ~3 min),
 #             cli_ab128 (the d128 backward: dK/dV softmax_overlap and the fused kernel through the bench CLI; ~4 min),
 #             overlap128 (the d128 dK/dV softmax_overlap, kernel bench, two runs; ~4 min),
@@ -78,7 +78,7 @@
 #             cli_ev64 (early_vectors at d64 through the CLI; ~3 min),
 #             gpt_flash (the example GPT, 1000 steps, seed 0, flash only, ~1 min),
 #             fused64_default (that kernel, the d64 default, against the two kernels at 2k/8k, then bench64; ~6 min),
-#             wgmma (tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
+#             wgmma (lab/tools/wgmma_bench.py: A from shared memory or registers, ~1 min),
 #             fused_unordered (the fused kernel without its order of additions, speed only, ~2 min), bwd_overlap (the
 #             backward's: tests, then off/on; ~6 min), bench128 / bench64 (auto, Triton, cuDNN; ~4 / ~3 min), mosaic (the
 #             Mosaic tests and kernel benches), features (window, segments vs
@@ -107,8 +107,8 @@ stage_mosaic() {
   # backward run apart so that one's hang leaves the other's result.
   timeout 150 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py -k "not bwd" 2>&1 | tee "$OUT/mosaic_tests.log" | tail -60
   timeout 120 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py -k bwd 2>&1 | tee "$OUT/mosaic_bwd_tests.log" | tail -60
-  timeout 90 python tools/mosaic_bench.py --seq 2048 8192 16384 --head-dim 64 128 2>&1 | tee "$OUT/mosaic_bench.log"
-  timeout 90 python tools/mosaic_bwd_bench.py --seq 2048 8192 16384 --head-dim 64 128 2>&1 | tee "$OUT/mosaic_bwd_bench.log"
+  timeout 90 python lab/tools/mosaic_bench.py --seq 2048 8192 16384 --head-dim 64 128 2>&1 | tee "$OUT/mosaic_bench.log"
+  timeout 90 python lab/tools/mosaic_bwd_bench.py --seq 2048 8192 16384 --head-dim 64 128 2>&1 | tee "$OUT/mosaic_bwd_bench.log"
   # The same through the bench CLI, against cuDNN (forward: Mosaic; backward: Triton).
   timeout 110 $BENCH --seqlens 2048 8192 16384 --head-dims 64 128 --modes fwd fwd+bwd \
     --impls flash2-mosaic flash2-triton cudnn --out "$OUT/mosaic_cli" 2>&1 | tail -50
@@ -124,12 +124,12 @@ stage_features() {
 
 stage_tune() {
   # Forward only: the issue-2 gaps are fwd 459 vs 470 (non-causal) and 407 vs 420 (causal) at 8k.
-  timeout 240 python bench/tune.py --head-dim 128 --seq 8192 --kernels fwd --out "$OUT" 2>&1 | tee "$OUT/tune_fwd.log" | grep -E "BEST|cudnn"
+  timeout 240 python lab/tools/tune.py --head-dim 128 --seq 8192 --kernels fwd --out "$OUT" 2>&1 | tee "$OUT/tune_fwd.log" | grep -E "BEST|cudnn"
 }
 
 stage_tune256() {
   # head_dim 256 has never been swept: its tiles were sized to fit, not measured.
-  timeout 240 python bench/tune.py --head-dim 256 --seq 8192 --out "$OUT" 2>&1 | tee "$OUT/tune_d256.log" | grep -E "BEST|cudnn"
+  timeout 240 python lab/tools/tune.py --head-dim 256 --seq 8192 --out "$OUT" 2>&1 | tee "$OUT/tune_d256.log" | grep -E "BEST|cudnn"
 }
 
 stage_sharding() {
@@ -255,9 +255,9 @@ stage_bench64() {
 stage_adder_warps() {
   # The d64 fused backward with two warps adding dQ (dq_adder_warps=2, one
   # per consumer's pieces) against one. Its tests first:
-  #   SHARDS=2 SHARD_K=two_adder_warps bash bench/gpu_session.sh 0:mosaic_shards wait adder_warps
+  #   SHARDS=2 SHARD_K=two_adder_warps bash lab/gpu_session.sh 0:mosaic_shards wait adder_warps
   # ~3 min.
-  timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default dq_adder_warps=2 \
+  timeout 200 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default dq_adder_warps=2 \
     2>&1 | tee "$OUT/adder_warps.log"
 }
 
@@ -266,10 +266,10 @@ stage_adder_warps128() {
   # the columns (session 15: level with the two kernels without a mask,
   # 12-19% behind causal), against one and the two kernels (the d128 default); and taking turns at
   # whole-width pieces (dq_turns). Its tests first:
-  #   SHARDS=4 SHARD_K="two_adder_warps and d128" bash bench/gpu_session.sh 0:mosaic_shards wait adder_warps128
+  #   SHARDS=4 SHARD_K="two_adder_warps and d128" bash lab/gpu_session.sh 0:mosaic_shards wait adder_warps128
   # ~5 min.
   local f=fused_dq=1+dq_adder_warp=1+dkv_persistent=0+stages=2
-  timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default $f \
+  timeout 230 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default $f \
     $f+dq_adder_warps=2 $f+dq_adder_warps=2+dq_turns=1 2>&1 | tee "$OUT/adder_warps128.log"
 }
 
@@ -279,11 +279,11 @@ stage_balanced() {
   # schedule, each twice (the rounds' spread); then early_q again at d128,
   # whose first run (session 15, call 1) was 2-7% faster at 2k, 8k and 16k
   # but 5% slower at 4k. Its tests first:
-  #   SHARDS=4 SHARD_K=gpu_balanced bash bench/gpu_session.sh 0:mosaic_shards wait balanced
+  #   SHARDS=4 SHARD_K=gpu_balanced bash lab/gpu_session.sh 0:mosaic_shards wait balanced
   # ~3 min.
-  timeout 150 python tools/mosaic_bench.py --no-triton --per-length --causal yes --seq 2048 4096 8192 16384 \
+  timeout 150 python lab/tools/mosaic_bench.py --no-triton --per-length --causal yes --seq 2048 4096 8192 16384 \
     --head-dim 64 128 --variants default balanced=0 default balanced=0 2>&1 | tee "$OUT/balanced.log"
-  timeout 120 python tools/mosaic_bench.py --no-triton --per-length --seq 2048 4096 8192 16384 --head-dim 128 \
+  timeout 120 python lab/tools/mosaic_bench.py --no-triton --per-length --seq 2048 4096 8192 16384 --head-dim 128 \
     --variants default early_q=1 default early_q=1 2>&1 | tee "$OUT/early_q128.log"
 }
 
@@ -294,11 +294,11 @@ stage_balanced_bwd() {
   # forward at 2k-4k, which lost to two with paired tiles (sessions 8, 13)
   # but whose 22 and 11 Q blocks a head paired unevenly. Its tests first:
   #   SHARDS=6 SHARD_K="bwd_gpu_persistent and causal or bwd_gpu_matches_reference and causal-128" \
-  #     bash bench/gpu_session.sh 0:mosaic_shards wait balanced_bwd
+  #     bash lab/gpu_session.sh 0:mosaic_shards wait balanced_bwd
   # ~4 min.
-  timeout 220 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --causal yes \
+  timeout 220 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --causal yes \
     --variants default balanced=0 default balanced=0 2>&1 | tee "$OUT/balanced_bwd.log"
-  timeout 90 python tools/mosaic_bench.py --no-triton --per-length --causal yes --seq 2048 4096 --head-dim 64 \
+  timeout 90 python lab/tools/mosaic_bench.py --no-triton --per-length --causal yes --seq 2048 4096 --head-dim 64 \
     --variants default block_q=192+consumers=3 default block_q=192+consumers=3 2>&1 | tee "$OUT/three_causal.log"
 }
 
@@ -306,13 +306,13 @@ stage_three4k() {
   # The d64 causal forward at 4k, two consumers (the default) against three,
   # in the kernel bench and then through the bench CLI's timing in the same
   # run (session 15: the two tools disagreed across runs). ~1.5 min.
-  timeout 60 python tools/mosaic_bench.py --no-triton --per-length --causal yes --seq 4096 --head-dim 64 \
+  timeout 60 python lab/tools/mosaic_bench.py --no-triton --per-length --causal yes --seq 4096 --head-dim 64 \
     --variants default block_q=192+consumers=3 2>&1 | tee "$OUT/three4k.log"
 }
 
 stage_cli_ab64() {
   # The d64 causal forward at 4k through the bench CLI's own timing
-  # (tools/cli_ab.py), cuDNN in the same run: two consumers (the default)
+  # (lab/tools/cli_ab.py), cuDNN in the same run: two consumers (the default)
   # against three, with and without early_q, in both orders (session 15:
   # the kernel bench and the CLI disagreed by 3-5%). ~3 min.
   local three=block_q=192+consumers=3
@@ -322,7 +322,7 @@ stage_cli_ab64() {
       [[ $name == two ]] && args+=(--fwd two=default --fwd two_q=early_q=1)
       [[ $name == three ]] && args+=(--fwd three=$three --fwd three_q=$three+early_q=1)
     done
-    timeout 120 python tools/cli_ab.py "${args[@]}" -- --seqlens 4096 --head-dims 64 --causal true --modes fwd \
+    timeout 120 python lab/tools/cli_ab.py "${args[@]}" -- --seqlens 4096 --head-dims 64 --causal true --modes fwd \
       --iters 30 --no-check --no-progress --out "$OUT/cli_ab64_${order// /_}" 2>&1 | cli_rows
   done
 }
@@ -334,7 +334,7 @@ stage_cli_ab128() {
   # the fused kernel with two adder warps (session 15, kernel bench:
   # level), cuDNN in the same run. ~4 min.
   local fused=fused_dq=1+dq_adder_warp=1+dq_adder_warps=2+dkv_persistent=0+stages=2
-  timeout 260 python tools/cli_ab.py --bwd two=default --bwd overlap=softmax_overlap=1 --bwd fused=$fused -- \
+  timeout 260 python lab/tools/cli_ab.py --bwd two=default --bwd overlap=softmax_overlap=1 --bwd fused=$fused -- \
     --seqlens 4096 16384 --head-dims 128 --causal false --modes fwd+bwd --no-check --no-progress \
     --out "$OUT/cli_ab128" 2>&1 | cli_rows
 }
@@ -344,7 +344,7 @@ stage_overlap128() {
   # bench, 4k-16k, both masks, two runs (the tool keeps one row per variant
   # name). ~4 min.
   for run in 1 2; do
-    timeout 120 python tools/mosaic_bwd_bench.py --seq 4096 8192 16384 --head-dim 128 --variants default \
+    timeout 120 python lab/tools/mosaic_bwd_bench.py --seq 4096 8192 16384 --head-dim 128 --variants default \
       softmax_overlap=1 2>&1 | tee "$OUT/overlap128_$run.log"
   done
 }
@@ -355,21 +355,21 @@ stage_bwd_ab128() {
   # CTAs) and the dQ kernel on 128-row K/V blocks (S = 64 x 128 per
   # consumer, Q and dO from shared memory, not persistent: no spills on
   # sm_90a without a mask, 36-60 B causal). ~3 min.
-  timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
+  timeout 200 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
     softmax_overlap=1 block_kv=128+dq_persistent=0+q_registers=0 2>&1 | tee "$OUT/bwd_ab128.log"
 }
 
-ncu_profile() {  # ncu_profile NAME KERNEL-REGEX LIMIT [tools/ncu_profile.py ARGS]
+ncu_profile() {  # ncu_profile NAME KERNEL-REGEX LIMIT [lab/tools/ncu_profile.py ARGS]
   # Nsight Compute's counters (full set, clocks left alone) for the kernels
   # matching KERNEL-REGEX in one forward+backward of each implementation
-  # (tools/ncu_profile.py); the details, raw and per-SASS-instruction
+  # (lab/tools/ncu_profile.py); the details, raw and per-SASS-instruction
   # (source) pages into $OUT/NAME_*.
   local name=$1 kernels=$2 limit=$3 ncu
   shift 3
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   echo "ncu: $ncu"; [[ -n $ncu ]] || return
   PYTHONUNBUFFERED=1 timeout "$limit" "$ncu" --clock-control none --profile-from-start off --set full \
-    -k "regex:$kernels" -f -o "$OUT/$name" python tools/ncu_profile.py "$@" 2>&1 | grep -v "^==PROF==" | tail -15
+    -k "regex:$kernels" -f -o "$OUT/$name" python lab/tools/ncu_profile.py "$@" 2>&1 | grep -v "^==PROF==" | tail -15
   "$ncu" --import "$OUT/$name.ncu-rep" --page details >"$OUT/${name}_details.txt" 2>&1
   "$ncu" --import "$OUT/$name.ncu-rep" --page raw --csv >"$OUT/${name}_raw.csv" 2>&1
   "$ncu" --import "$OUT/$name.ncu-rep" --page source --print-source sass --csv >"$OUT/${name}_source.csv" 2>&1
@@ -403,16 +403,16 @@ stage_early_vectors() {
   # loads; sm_90a: d128 8 B spilled without a mask, 200-260 B causal against
   # 76-148; d64 fused as before). Kernel bench, d64 and d128, both masks,
   # off against on (on in the d64 default since session 17). Its tests first:
-  #   SHARDS=8 SHARD_K=bwd_gpu_early_vectors bash bench/gpu_session.sh 0:mosaic_shards wait early_vectors
+  #   SHARDS=8 SHARD_K=bwd_gpu_early_vectors bash lab/gpu_session.sh 0:mosaic_shards wait early_vectors
   # ~4 min.
-  timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants early_vectors=0 \
+  timeout 230 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants early_vectors=0 \
     early_vectors=1 2>&1 | tee "$OUT/early_vectors.log"
 }
 
 stage_cli_ev128() {
   # The d128 forward+backward through the bench CLI, both masks: the
   # default against early_vectors, cuDNN in the same run. ~3 min.
-  timeout 190 python tools/cli_ab.py --bwd two=default --bwd ev=early_vectors=1 -- \
+  timeout 190 python lab/tools/cli_ab.py --bwd two=default --bwd ev=early_vectors=1 -- \
     --seqlens 4096 16384 --head-dims 128 --causal false true --modes fwd+bwd --no-check --no-progress \
     --out "$OUT/cli_ev128" 2>&1 | cli_rows
 }
@@ -422,7 +422,7 @@ stage_cli_ev64() {
   # fused kernel without early_vectors against with it (kernel bench: 1-2%
   # faster causal; on in the default since session 17), cuDNN in the same
   # run. ~3 min.
-  timeout 200 python tools/cli_ab.py --bwd off=early_vectors=0 --bwd ev=early_vectors=1 -- \
+  timeout 200 python lab/tools/cli_ab.py --bwd off=early_vectors=0 --bwd ev=early_vectors=1 -- \
     --seqlens 2048 4096 8192 16384 --head-dims 64 --causal false true --modes fwd+bwd --no-check --no-progress \
     --out "$OUT/cli_ev64" 2>&1 | cli_rows
 }
@@ -430,13 +430,13 @@ stage_cli_ev64() {
 stage_determinism() {
   # Run-to-run bits of cuDNN's forward+backward and ours (d128 4k, both
   # masks), by default and with XLA's --xla_gpu_deterministic_ops (which
-  # asks cuDNN for its deterministic backward; tools/determinism_check.py),
+  # asks cuDNN for its deterministic backward; lab/tools/determinism_check.py),
   # then the bench CLI at d128 fwd+bwd under that flag: cuDNN at the same
   # guarantee as ours. ~4 min.
   local det=--xla_gpu_deterministic_ops=true
   for flags in "" "$det"; do
     for causal in "" --causal; do
-      XLA_FLAGS="$flags" timeout 100 python tools/determinism_check.py --impls cudnn flash2 --seq 4096 --head-dim 128 \
+      XLA_FLAGS="$flags" timeout 100 python lab/tools/determinism_check.py --impls cudnn flash2 --seq 4096 --head-dim 128 \
         --runs 10 $causal 2>&1 | grep -v "^WARNING\|^$" | tee -a "$OUT/determinism.log"
     done
   done
@@ -449,8 +449,8 @@ stage_bench_det() {
   # The bench CLI's forward+backward at d128 and d64 against cuDNN and
   # cuDNN's deterministic backward (impl cudnn-deterministic: compiled with
   # xla_gpu_deterministic_ops), both masks; first the run-to-run bits of
-  # that implementation (tools/determinism_check.py). ~5 min.
-  timeout 80 python tools/determinism_check.py --impls cudnn-deterministic --seq 4096 --head-dim 128 --runs 10 \
+  # that implementation (lab/tools/determinism_check.py). ~5 min.
+  timeout 80 python lab/tools/determinism_check.py --impls cudnn-deterministic --seq 4096 --head-dim 128 --runs 10 \
     2>&1 | grep -v "^WARNING\|^$" | tee "$OUT/determinism_impl.log"
   local d
   for d in 128 64; do
@@ -464,9 +464,9 @@ stage_early_q() {
   # start (MosaicConfig.early_q; session 15: within noise), against the
   # default, from the API's per-length defaults: d64
   # (causal 4k-8k at 0.96-0.97x cuDNN) and d128. Its tests first:
-  #   SHARDS=4 SHARD_K=gpu_early_q bash bench/gpu_session.sh 0:mosaic_shards wait early_q
+  #   SHARDS=4 SHARD_K=gpu_early_q bash lab/gpu_session.sh 0:mosaic_shards wait early_q
   # ~4 min.
-  timeout 230 python tools/mosaic_bench.py --no-triton --per-length --seq 2048 4096 8192 16384 --head-dim 64 128 \
+  timeout 230 python lab/tools/mosaic_bench.py --no-triton --per-length --seq 2048 4096 8192 16384 --head-dim 64 128 \
     --variants default early_q=1 2>&1 | tee "$OUT/early_q.log"
 }
 
@@ -487,7 +487,7 @@ stage_gqa_vs_mha() {
 
 stage_overlap_ab() {
   # MosaicConfig.softmax_overlap off and on, in one run, with the Triton forward.
-  timeout 200 python tools/mosaic_bench.py --variants softmax_overlap=0 default --seq 2048 8192 16384 \
+  timeout 200 python lab/tools/mosaic_bench.py --variants softmax_overlap=0 default --seq 2048 8192 16384 \
     --head-dim 64 128 2>&1 | tee "$OUT/overlap_ab.log"
 }
 
@@ -497,7 +497,7 @@ stage_persistent() {
   # where a tile's start and end weigh).
   timeout 200 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py \
     -k "gpu_persistent or gpu_pingpong" 2>&1 | tee "$OUT/persistent_tests.log" | tail -20
-  timeout 280 python tools/mosaic_bench.py --no-triton --seq 2048 4096 8192 16384 --head-dim 64 128 \
+  timeout 280 python lab/tools/mosaic_bench.py --no-triton --seq 2048 4096 8192 16384 --head-dim 64 128 \
     --variants default persistent=1 pingpong=1 persistent=1+pingpong=1 2>&1 | tee "$OUT/persistent_ab.log"
 }
 
@@ -506,7 +506,7 @@ stage_bwd_overlap() {
   # then off/on in one run against the Triton backward.
   timeout 200 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py \
     -k bwd_gpu_softmax_overlap 2>&1 | tee "$OUT/bwd_overlap_tests.log" | tail -20
-  timeout 300 python tools/mosaic_bwd_bench.py --variants kernels=2 kernels=2+softmax_overlap=1 --seq 2048 8192 16384 \
+  timeout 300 python lab/tools/mosaic_bwd_bench.py --variants kernels=2 kernels=2+softmax_overlap=1 --seq 2048 8192 16384 \
     --head-dim 64 128 2>&1 | tee "$OUT/bwd_overlap_ab.log"
 }
 
@@ -540,7 +540,7 @@ stage_d256_persistent() {
   # their GPU tests, then the A/B per kernel (dkv ms, dq ms). ~2 min.
   timeout 90 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic_wide.py -k persistent 2>&1 \
     | tee "$OUT/d256_persistent_tests.log" | tail -5
-  timeout 100 python tools/mosaic_bwd_bench.py --seq 2048 8192 --head-dim 256 --variants default dq_persistent=1 \
+  timeout 100 python lab/tools/mosaic_bwd_bench.py --seq 2048 8192 --head-dim 256 --variants default dq_persistent=1 \
     dq_persistent=1+dkv_persistent=1 2>&1 | tee "$OUT/d256_persistent_ab.log"
 }
 
@@ -551,7 +551,7 @@ stage_d256_bwd() {
   # pass through the bench CLI against cuDNN ("auto" stays on Triton at d256
   # until this says otherwise). ~5 min.
   stage_d256_bwd_tests
-  timeout 120 python tools/mosaic_bwd_bench.py --seq 2048 8192 --head-dim 256 2>&1 | tee "$OUT/d256_bwd_bench.log"
+  timeout 120 python lab/tools/mosaic_bwd_bench.py --seq 2048 8192 --head-dim 256 2>&1 | tee "$OUT/d256_bwd_bench.log"
   timeout 120 $BENCH --seqlens 2048 8192 --head-dims 256 --modes bwd --impls flash2-mosaic flash2-triton cudnn \
     --out "$OUT/d256_bwd_cli" 2>&1 | grep -v "^$" | tail -30
 }
@@ -568,7 +568,7 @@ stage_verify_fwd() {
 stage_persistent_causal() {
   # The causal persistent schedule (tiles in pairs of equal work) against the
   # one-CTA-per-tile grid, kernel alone.
-  timeout 150 python tools/mosaic_bench.py --no-triton --causal yes --seq 2048 4096 8192 16384 --head-dim 64 128 \
+  timeout 150 python lab/tools/mosaic_bench.py --no-triton --causal yes --seq 2048 4096 8192 16384 --head-dim 64 128 \
     --variants persistent=0 default 2>&1 | tee "$OUT/persistent_causal_ab.log"
 }
 
@@ -578,10 +578,10 @@ stage_bwd_persistent() {
   # (stages 3 -> 2), so stages=2 alone is timed beside them.
   timeout 200 python -m pytest -m gpu -q --maxfail=3 -rfE -p no:cacheprovider tests/test_mosaic.py \
     -k bwd_gpu_persistent 2>&1 | tee "$OUT/bwd_persistent_tests.log" | tail -20
-  timeout 200 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+  timeout 200 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
     stages=2 stages=2+dq_persistent=1 stages=2+dkv_persistent=1 stages=2+dq_persistent=1+dkv_persistent=1 2>&1 \
     | tee "$OUT/bwd_persistent_ab.log"
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
     dq_persistent=1 dkv_persistent=1 dq_persistent=1+dkv_persistent=1 2>&1 | tail -n +3 | tee -a "$OUT/bwd_persistent_ab.log"
 }
 
@@ -594,7 +594,7 @@ stage_fused() {
     -k bwd_gpu_fused 2>&1 | tee "$OUT/fused_tests.log" | tail -20
   [ "${PIPESTATUS[0]}" = 124 ] && { echo "fused tests timed out (a deadlock?): no timing"; return; }
   # The fused kernel keeps one set of K/V tiles at d128 (shared memory), two at d64.
-  timeout 220 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+  timeout 220 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
     fused_dq=1+dkv_persistent=0 2>&1 | tee "$OUT/fused_ab.log"
 }
 
@@ -606,7 +606,7 @@ stage_bwd_stages3() {
   # three slots, non-causal). ~3 min.
   timeout 60 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k d128_three_slots 2>&1 \
     | tee "$OUT/bwd_stages3_tests.log" | tail -3
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
     stages=3 2>&1 | tee "$OUT/bwd_stages3_ab.log"
 }
 
@@ -616,7 +616,7 @@ stage_fused_traffic() {
   # experiment; dQ comes out wrong, the max rel diff column says so): decides
   # whether two CTAs summing their pieces before one reduce-add (a cluster)
   # is worth building. ~2 min.
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
     fused_dq=1+dkv_persistent=0 fused_dq=1+dkv_persistent=0+adders=2 fused_dq=1+dkv_persistent=0+adders=0 2>&1 \
     | tee "$OUT/fused_traffic.log"
 }
@@ -626,7 +626,7 @@ stage_fused_unordered() {
   # 8, call 1): is it their order? The same without the waits for it
   # (dq_addition_experiment(ordered=False): nondeterministic dQ, speed only),
   # with and without the reduce-adds. ~2 min.
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default \
     fused_dq=1+dkv_persistent=0 fused_dq=1+dkv_persistent=0+unordered=1 \
     fused_dq=1+dkv_persistent=0+unordered=1+adders=0 2>&1 | tee "$OUT/fused_unordered.log"
 }
@@ -634,20 +634,20 @@ stage_fused_unordered() {
 stage_d64_consumers3_unpadded() {
   # Three consumers at 4k (the threshold) and at 8k-16k without the padding
   # copy to multiples of 192 (whole 64-row tiles go unpadded since session 8).
-  timeout 150 python tools/mosaic_bench.py --no-triton --seq 4096 8192 16384 --head-dim 64 --variants default \
+  timeout 150 python lab/tools/mosaic_bench.py --no-triton --seq 4096 8192 16384 --head-dim 64 --variants default \
     consumers=3+block_q=192 2>&1 | tee "$OUT/d64_consumers3_unpadded.log"
 }
 
 stage_fused64() {
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
     fused_dq=1 2>&1 | tee "$OUT/fused64_ab.log"
 }
 
 stage_profile_bwd() {
-  # Mosaic's profiler on the backward kernels (tools/mosaic_profile.py): time
+  # Mosaic's profiler on the backward kernels (lab/tools/mosaic_profile.py): time
   # per named region and warpgroup, the two kernels against the fused one.
   for causal in "" "--causal"; do
-    timeout 120 python tools/mosaic_profile.py --seq 2048 --head-dim 128 $causal \
+    timeout 120 python lab/tools/mosaic_profile.py --seq 2048 --head-dim 128 $causal \
       --variants default fused_dq=1+dkv_persistent=0 2>&1 | tee -a "$OUT/profile_bwd.log"
   done
 }
@@ -656,14 +656,14 @@ stage_profile_fused_bare() {
   # Where the fused kernel with no dQ traffic and no order (unordered=1+adders=0:
   # wrong dQ) loses 26% to the two kernels at 4k while winning 9% at 16k
   # (session 8, call 2). ~1.5 min.
-  timeout 120 python tools/mosaic_profile.py --seq 4096 --head-dim 128 --batch 1 --heads 8 \
+  timeout 120 python lab/tools/mosaic_profile.py --seq 4096 --head-dim 128 --batch 1 --heads 8 \
     --variants default fused_dq=1+dkv_persistent=0+unordered=1+adders=0 2>&1 | tee "$OUT/profile_fused_bare.log"
 }
 
 stage_profile_fwd64() {
   # The d64 forward (0.95-0.97x cuDNN at 8k-16k): where its warpgroups wait.
   for causal in "" "--causal"; do
-    timeout 90 python tools/mosaic_profile.py --kernel forward --seq 8192 --head-dim 64 --heads 4 $causal \
+    timeout 90 python lab/tools/mosaic_profile.py --kernel forward --seq 8192 --head-dim 64 --heads 4 $causal \
       2>&1 | tee -a "$OUT/profile_fwd64.log"
   done
 }
@@ -676,9 +676,9 @@ stage_bwd_tests() {
 
 stage_bwd_persistent_rest() {
   # The rows bwd_persistent's time limit cut (session 6): 8k causal, 16k.
-  timeout 100 python tools/mosaic_bwd_bench.py --seq 16384 --head-dim 128 --variants default \
+  timeout 100 python lab/tools/mosaic_bwd_bench.py --seq 16384 --head-dim 128 --variants default \
     stages=2+dq_persistent=1+dkv_persistent=1 2>&1 | tee "$OUT/bwd_persistent_rest.log"
-  timeout 100 python tools/mosaic_bwd_bench.py --seq 8192 16384 --head-dim 64 --variants default \
+  timeout 100 python lab/tools/mosaic_bwd_bench.py --seq 8192 16384 --head-dim 64 --variants default \
     dq_persistent=1+dkv_persistent=1 2>&1 | tail -n +3 | tee -a "$OUT/bwd_persistent_rest.log"
 }
 
@@ -689,7 +689,7 @@ stage_d64_consumers3() {
   # 216 B). ~3 min.
   timeout 120 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k three_consumers 2>&1 \
     | tee "$OUT/d64_consumers3_tests.log" | tail -5
-  timeout 150 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 64 --variants default \
+  timeout 150 python lab/tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 64 --variants default \
     consumers=3+block_q=192 consumers=3+block_q=192+block_kv=64 2>&1 | tee "$OUT/d64_consumers3_ab.log"
 }
 
@@ -699,7 +699,7 @@ stage_d64_dq_consumers3() {
   # tests, then the A/B (dq ms). ~3 min.
   timeout 120 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k three_dq_consumers 2>&1 \
     | tee "$OUT/d64_dq_consumers3_tests.log" | tail -5
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants \
     dq_consumers=2+block_kv=128 dq_consumers=3+block_kv=64 2>&1 | tee "$OUT/d64_dq_consumers3_ab.log"
 }
 
@@ -708,7 +708,7 @@ dq_overlap() {  # dq_overlap HEAD_DIM
   # BackwardConfig.softmax_overlap in both kernels (dK/dV lost 1-11%, dQ
   # gained up to 11%); the dq ms column of softmax_overlap=1 is the dQ
   # kernel's part. ~2 min.
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim "$1" --variants kernels=2 \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim "$1" --variants kernels=2 \
     kernels=2+softmax_overlap=1 2>&1 | tee "$OUT/dq_overlap$1.log"
 }
 stage_dq_overlap64() { dq_overlap 64; }
@@ -718,17 +718,17 @@ stage_registers64() {
   # The dQ kernel's score products with Q and dO in registers
   # (BackwardConfig.q_registers, the default since session 9; kv_registers,
   # the dK/dV kernel's, was removed: ptxas 13.0 miscompiles it without a
-  # causal mask, bench/NOTES.md session 10). GPU
+  # causal mask, lab/NOTES.md session 10). GPU
   # tests, then the A/B at d64 (dkv ms, dq ms). ~3 min.
   timeout 150 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k "registers" 2>&1 \
     | tee "$OUT/registers_tests.log" | tail -5
-  timeout 200 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
+  timeout 200 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
     q_registers=0 2>&1 | tee "$OUT/registers64_ab.log"
 }
 
 stage_registers128() {
   # The same at d128, where only the dQ kernel's fit (no spills). ~2 min.
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
     q_registers=0 2>&1 | tee "$OUT/registers128_ab.log"
 }
 
@@ -738,9 +738,9 @@ stage_fwd_registers() {
   # consumers run (d64 up to 4k, d128). ~3 min.
   timeout 100 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py -k "q_registers and not bwd" \
     2>&1 | tee "$OUT/fwd_registers_tests.log" | tail -5
-  timeout 80 python tools/mosaic_bench.py --no-triton --seq 2048 4096 --head-dim 64 --variants default \
+  timeout 80 python lab/tools/mosaic_bench.py --no-triton --seq 2048 4096 --head-dim 64 --variants default \
     q_registers=1 2>&1 | tee "$OUT/fwd_registers_ab.log"
-  timeout 100 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 128 --variants default \
+  timeout 100 python lab/tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 128 --variants default \
     q_registers=1 2>&1 | tee -a "$OUT/fwd_registers_ab.log"
 }
 
@@ -748,13 +748,13 @@ stage_registers_ab() {
   # registers64, registers128 and fwd_registers without their tests (run
   # them first as N:mosaic_shards with SHARD_K=registers, in parallel): the
   # A/B of every operand held in registers, in one stream. ~6 min.
-  timeout 170 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
+  timeout 170 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 64 --variants default \
     q_registers=0 2>&1 | tee "$OUT/registers64_ab.log"
-  timeout 120 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+  timeout 120 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
     q_registers=0 2>&1 | tee "$OUT/registers128_ab.log"
-  timeout 70 python tools/mosaic_bench.py --no-triton --seq 2048 4096 --head-dim 64 --variants default \
+  timeout 70 python lab/tools/mosaic_bench.py --no-triton --seq 2048 4096 --head-dim 64 --variants default \
     q_registers=1 2>&1 | tee "$OUT/fwd_registers_ab.log"
-  timeout 80 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 128 --variants default \
+  timeout 80 python lab/tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 128 --variants default \
     q_registers=1 2>&1 | tee -a "$OUT/fwd_registers_ab.log"
 }
 
@@ -764,11 +764,11 @@ stage_poly_ab() {
   # poly_exp2.py): the d64 forward, where the SFU's ex2 takes as long as the
   # matmuls, then the d64 backward and the d128 forward. Tests first as
   # N:mosaic_shards with SHARD_K=poly. ~5 min.
-  timeout 170 python tools/mosaic_bench.py --no-triton --seq 2048 4096 16384 --head-dim 64 --variants default \
+  timeout 170 python lab/tools/mosaic_bench.py --no-triton --seq 2048 4096 16384 --head-dim 64 --variants default \
     poly_columns=16 poly_columns=32 poly_columns=48 2>&1 | tee "$OUT/poly64_fwd_ab.log"
-  timeout 110 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default \
+  timeout 110 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default \
     dq_poly_columns=16 dkv_poly_columns=16 2>&1 | tee "$OUT/poly64_bwd_ab.log"
-  timeout 60 python tools/mosaic_bench.py --no-triton --seq 4096 16384 --head-dim 128 --variants default \
+  timeout 60 python lab/tools/mosaic_bench.py --no-triton --seq 4096 16384 --head-dim 128 --variants default \
     poly_columns=32 2>&1 | tee "$OUT/poly128_fwd_ab.log"
 }
 
@@ -778,7 +778,7 @@ stage_dkv_ring128() {
   # consumers waited 10-13% for the ring (session 8), and at 4 slots it
   # compiles without spills (session 9). Read the dkv column: the dQ kernel
   # is made plain too, to fit 4 slots. ~2 min.
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 4096 16384 --head-dim 128 --variants default \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 16384 --head-dim 128 --variants default \
     stages=3+dkv_persistent=0+dq_persistent=0 stages=4+dkv_persistent=0+dq_persistent=0 2>&1 \
     | tee "$OUT/dkv_ring128.log"
 }
@@ -786,14 +786,14 @@ stage_dkv_ring128() {
 stage_dkv_trace128() {
   # Mosaic's profiler on the d128 backward at 4k (defaults), traces kept:
   # whether the two dK/dV consumers run their softmaxes at the same time
-  # (tensor cores idle) or under each other's matmuls (tools/trace_overlap.py
+  # (tensor cores idle) or under each other's matmuls (lab/tools/trace_overlap.py
   # reads the traces). Also the dK/dV kernel's softmax_overlap with today's
   # other defaults (lost 1-11% in session 5). ~3 min.
   for causal in "" "--causal"; do
-    timeout 100 python tools/mosaic_profile.py --seq 4096 --head-dim 128 --batch 1 --heads 8 $causal \
+    timeout 100 python lab/tools/mosaic_profile.py --seq 4096 --head-dim 128 --batch 1 --heads 8 $causal \
       --variants default --keep "$OUT/traces${causal:+_causal}" 2>&1 | tee -a "$OUT/dkv_trace128.log"
   done
-  timeout 100 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
+  timeout 100 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --variants default \
     softmax_overlap=1 2>&1 | tee -a "$OUT/dkv_trace128.log"
 }
 
@@ -803,7 +803,7 @@ stage_ring3_128() {
   # 160 B; sm_90a now: 12 B non-causal, 68 B causal, as with two). The
   # session-10 traces: the dK/dV consumers wait 12% for Q/dO, the dQ
   # consumers 9-11% for K/V. ~2.5 min.
-  timeout 170 python tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
+  timeout 170 python lab/tools/mosaic_bwd_bench.py --seq 2048 4096 8192 16384 --head-dim 128 --variants default \
     stages=3 2>&1 | tee "$OUT/ring3_128.log"
 }
 
@@ -812,7 +812,7 @@ stage_elementwise_ab() {
   # (elementwise=0: P = S, dS = dP; wrong gradients, speed only): what the
   # exponentials, scaling and conversions cost beyond the matmuls and the
   # ring. ~2.5 min.
-  timeout 170 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants default \
+  timeout 170 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 128 --variants default \
     elementwise=0 2>&1 | tee "$OUT/elementwise_ab.log"
 }
 
@@ -827,25 +827,25 @@ stage_power_probe() {
   # Whether the backward kernels run at a power-limited clock: the SM clock
   # and power draw (nvidia-smi every 100 ms, epoch seconds in the second
   # column) while dK/dV and dQ run back to back with and without their
-  # element-wise work (tools/power_probe.py prints each run's window). ~1.5 min.
+  # element-wise work (lab/tools/power_probe.py prints each run's window). ~1.5 min.
   sample_power power_smi.csv
   local sampler=$!
-  timeout 80 python tools/power_probe.py --kernel dkv --variants default elementwise=0 2>&1 | tee "$OUT/power_probe.log"
-  timeout 60 python tools/power_probe.py --kernel dq --variants default 2>&1 | tee -a "$OUT/power_probe.log"
+  timeout 80 python lab/tools/power_probe.py --kernel dkv --variants default elementwise=0 2>&1 | tee "$OUT/power_probe.log"
+  timeout 60 python lab/tools/power_probe.py --kernel dq --variants default 2>&1 | tee -a "$OUT/power_probe.log"
   kill $sampler
 }
 
 stage_anatomy() {
   # cuDNN's forward+backward beside ours: the kernels each runs and their
-  # times (tools/kernel_anatomy.py, from a profiler trace), then the SM clock
+  # times (lab/tools/kernel_anatomy.py, from a profiler trace), then the SM clock
   # and power while each runs back to back at 8k (as power_probe). ~3 min.
-  timeout 150 python tools/kernel_anatomy.py --impls cudnn flash2-mosaic --seq 4096 16384 --head-dim 128 2>&1 \
+  timeout 150 python lab/tools/kernel_anatomy.py --impls cudnn flash2-mosaic --seq 4096 16384 --head-dim 128 2>&1 \
     | tee "$OUT/anatomy.log"
-  timeout 90 python tools/kernel_anatomy.py --impls cudnn flash2-mosaic --seq 8192 --head-dim 128 --causal 2>&1 \
+  timeout 90 python lab/tools/kernel_anatomy.py --impls cudnn flash2-mosaic --seq 8192 --head-dim 128 --causal 2>&1 \
     | tee -a "$OUT/anatomy.log"
   sample_power anatomy_smi.csv
   local sampler=$!
-  timeout 90 python tools/power_probe.py --kernel cudnn flash2-mosaic --seq 8192 --seconds 5 2>&1 | tee "$OUT/anatomy_power.log"
+  timeout 90 python lab/tools/power_probe.py --kernel cudnn flash2-mosaic --seq 8192 --seconds 5 2>&1 | tee "$OUT/anatomy_power.log"
   kill $sampler
 }
 
@@ -857,9 +857,9 @@ stage_fused_ablation() {
   # only loads), then also without the wait for the other consumer's dS^T
   # (lockstep=0). Speed only: dQ is wrong in all but the first two. ~5 min.
   local f=fused_dq=1+dkv_persistent=0
-  timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
+  timeout 200 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
     $f+unordered=1+adders=0 $f+staging=0 $f+staging=0+lockstep=0 2>&1 | tee "$OUT/fused_ablation128.log"
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default \
     $f+unordered=1+adders=0 $f+staging=0 $f+staging=0+lockstep=0 2>&1 | tee "$OUT/fused_ablation64.log"
 }
 
@@ -867,12 +867,12 @@ stage_adder_warp() {
   # The fused kernel with its additions of dQ in the producer's second warp
   # (dq_adder_warp), so that the loads stop waiting behind them, against the
   # serial producer and the two kernels. Run its GPU tests first:
-  #   SHARDS=8 SHARD_K=adder_warp bash bench/gpu_session.sh 0:mosaic_shards wait adder_warp
+  #   SHARDS=8 SHARD_K=adder_warp bash lab/gpu_session.sh 0:mosaic_shards wait adder_warp
   # ~3.5 min.
   local f=fused_dq=1+dkv_persistent=0
-  timeout 110 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default $f \
+  timeout 110 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default $f \
     $f+dq_adder_warp=1 2>&1 | tee "$OUT/adder_warp64.log"
-  timeout 110 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
+  timeout 110 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
     $f+dq_adder_warp=1 2>&1 | tee "$OUT/adder_warp128.log"
 }
 
@@ -880,7 +880,7 @@ stage_fused64_warp() {
   # The d64 fused kernel as fused_backward_config has it (persistent CTAs
   # with a second set of K/V tiles, 4 ring slots), with and without the
   # adder warp, against the two kernels, both masks. ~3.5 min.
-  timeout 200 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default fused_dq=1 \
+  timeout 200 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default fused_dq=1 \
     fused_dq=1+dq_adder_warp=1 2>&1 | tee "$OUT/fused64.log"
 }
 
@@ -890,7 +890,7 @@ stage_traffic64() {
   # (staging=0): what a cluster pair that halves the traffic could gain.
   # Speed only (dQ wrong but in the first). ~2.5 min.
   local f=fused_dq=1+dq_adder_warp=1
-  timeout 170 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default $f \
+  timeout 170 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default $f \
     $f+adders=2 $f+adders=0 $f+staging=0 2>&1 | tee "$OUT/traffic64.log"
 }
 
@@ -898,10 +898,10 @@ stage_fused64_kv() {
   # The d64 fused kernel (adder warp) with K and V in registers for S^T and
   # dP^T (kv_registers), against it without and the two kernels, both
   # masks. Its GPU tests first:
-  #   SHARDS=4 SHARD_K=fused_dq_kv_registers bash bench/gpu_session.sh 0:mosaic_shards wait fused64_kv
+  #   SHARDS=4 SHARD_K=fused_dq_kv_registers bash lab/gpu_session.sh 0:mosaic_shards wait fused64_kv
   # ~3.5 min.
   local f=fused_dq=1+dq_adder_warp=1
-  timeout 230 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default $f \
+  timeout 230 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --variants default $f \
     $f+kv_registers=1 2>&1 | tee "$OUT/fused64_kv.log"
 }
 
@@ -909,10 +909,10 @@ stage_fused64_default() {
   # The d64 default (the fused kernel, adder warp, K and V in registers)
   # against the two kernels at 2k and 8k, the lengths fused64_kv left out;
   # then the bench CLI at d64 (bench64). Its tests first:
-  #   SHARDS=8 SHARD_IDS=bench/results/session12/call2_test_ids.txt bash bench/gpu_session.sh 0:mosaic_shards \
+  #   SHARDS=8 SHARD_IDS=lab/results/session12/call2_test_ids.txt bash lab/gpu_session.sh 0:mosaic_shards \
   #     wait fused64_default
   # ~6 min.
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 2048 8192 --head-dim 64 --variants default \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 2048 8192 --head-dim 64 --variants default \
     fused_dq=0+dq_adder_warp=0+kv_registers=0 2>&1 | tee "$OUT/fused64_default.log"
   stage_bench64
 }
@@ -924,10 +924,10 @@ stage_pair_share() {
   # (adders=2) and none (adders=0). d64: the default (fused); d128: the
   # fused kernel with its adder warp. Speed only (dQ wrong but in the
   # first two rows of each). ~5 min.
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default \
     adders=2+alternate=1 adders=2 adders=0 2>&1 | tee "$OUT/pair_share64.log"
   local f=fused_dq=1+dkv_persistent=0+dq_adder_warp=1
-  timeout 150 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
+  timeout 150 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 128 --causal no --variants default $f \
     $f+adders=2+alternate=1 $f+adders=0 2>&1 | tee "$OUT/pair_share128.log"
 }
 
@@ -937,7 +937,7 @@ stage_three2k() {
   # 512-2k (kernel alone), then the bench CLI at d64 (bench64). ~6 min.
   timeout 120 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_mosaic.py \
     -k three_consumers_from_2k 2>&1 | tail -3
-  timeout 60 python tools/mosaic_bench.py --no-triton --seq 512 1024 2048 --head-dim 64 --causal no --variants \
+  timeout 60 python lab/tools/mosaic_bench.py --no-triton --seq 512 1024 2048 --head-dim 64 --causal no --variants \
     default consumers=3+block_q=192 2>&1 | tee "$OUT/three2k.log"
   stage_bench64
 }
@@ -948,32 +948,32 @@ stage_fill_rounds() {
   # (whole_heads=1), at lengths where whole heads leave SMs idle (6144:
   # 96 of 132 CTAs; 12288: 96), and at 4k/16k where the two agree. Its
   # tests first:
-  #   SHARDS=3 SHARD_K="heads_across_rounds or fused_dq_kv_registers" bash bench/gpu_session.sh \
+  #   SHARDS=3 SHARD_K="heads_across_rounds or fused_dq_kv_registers" bash lab/gpu_session.sh \
   #     0:mosaic_shards wait fill_rounds
   # ~4 min.
-  timeout 300 python tools/mosaic_bwd_bench.py --seq 6144 12288 --head-dim 64 --variants default whole_heads=1 \
+  timeout 300 python lab/tools/mosaic_bwd_bench.py --seq 6144 12288 --head-dim 64 --variants default whole_heads=1 \
     2>&1 | tee "$OUT/fill_rounds.log"
-  timeout 120 python tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default \
+  timeout 120 python lab/tools/mosaic_bwd_bench.py --seq 4096 16384 --head-dim 64 --causal no --variants default \
     2>&1 | tee -a "$OUT/fill_rounds.log"
 }
 
 stage_gpt_flash() {
   # The example GPT (head_dim 64: the fused backward since session 12), 1000
-  # steps, seed 0, flash only: against examples/results/steps1000. ~1 min.
+  # steps, seed 0, flash only: against lab/results/examples/steps1000. ~1 min.
   train_runs 1000 gpt_flash flash 0
 }
 
 stage_wgmma() {
-  # tools/wgmma_bench.py: wgmma's throughput with A in shared memory or in
+  # lab/tools/wgmma_bench.py: wgmma's throughput with A in shared memory or in
   # registers, N 64-256, one or two warpgroups per SM (tests session 8's
   # shared-memory model of the backward's score products). ~1 min.
-  timeout 120 python tools/wgmma_bench.py 2>&1 | tee "$OUT/wgmma.log"
+  timeout 120 python lab/tools/wgmma_bench.py 2>&1 | tee "$OUT/wgmma.log"
 }
 
 stage_d64_causal4k() {
   # The three-consumer forward, causal at 4k (two consumers by default
   # there) with block_kv 64, which compiles without the 216 B of spills. ~1 min.
-  timeout 90 python tools/mosaic_bench.py --no-triton --seq 4096 8192 --head-dim 64 --causal yes --variants default \
+  timeout 90 python lab/tools/mosaic_bench.py --no-triton --seq 4096 8192 --head-dim 64 --causal yes --variants default \
     consumers=3+block_q=192 consumers=3+block_q=192+block_kv=64 2>&1 | tee "$OUT/d64_causal4k.log"
 }
 
@@ -981,7 +981,7 @@ stage_d64_tiles() {
   # head_dim 64 forward (0.96-0.99x cuDNN at 8k-16k, session 5): 256-row Q
   # tiles over 64-row K/V blocks halve the K/V reads per FLOP and compile
   # without spills (non-causal; 80 B causal).
-  timeout 200 python tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 64 \
+  timeout 200 python lab/tools/mosaic_bench.py --no-triton --seq 2048 8192 16384 --head-dim 64 \
     --variants default block_q=256+block_kv=64+stages=3 block_q=256+block_kv=64+stages=4 2>&1 | tee "$OUT/d64_tiles.log"
 }
 
