@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import pathlib
 import pkgutil
 
 
@@ -198,21 +197,3 @@ def assert_matches_reference(got, want, dout, tol: float = 1e-5) -> None:
     assert x.shape == ref.shape, name
     err = rel_err(x, ref, floor=floor if name.startswith("d") else 0.0)
     assert err < tol, f"{name}: relative error {err:.3g}"
-
-
-TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
-
-
-@pytest.fixture
-def load_tool(monkeypatch):
-  """load_tool(name): tools/NAME.py as a fresh module, with tools/ on
-  sys.path for this test, where the tools import one another."""
-  monkeypatch.syspath_prepend(str(TOOLS))
-
-  def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-  return load

@@ -3,7 +3,7 @@
   PYTHONPATH=. python lab/tools/determinism_check.py --impls cudnn cudnn-deterministic flash2 --seq 4096 --head-dim 128
 
 Runs each implementation's jitted forward+backward (as the bench CLI builds
-it: tools/kernel_anatomy.fwd_bwd_step) RUNS times on the same inputs and
+it: lab/tools/kernel_anatomy.fwd_bwd_step) RUNS times on the same inputs and
 compares out, dq, dk and dv with the first run's bits: per output, how many
 runs differed and the largest absolute difference. What it is for: cuDNN's
 backward sums dQ across K/V tiles with reduce-adds whose order is left to
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernel_anatomy  # tools/
+import kernel_anatomy  # lab/tools/
 
 RUNS = 10
 OUTPUTS = ("out", "dq", "dk", "dv")

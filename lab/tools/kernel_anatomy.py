@@ -9,7 +9,7 @@ bf16) with jax.profiler after a warm-up, reads the trace's GPU kernel events
 kernel name, the launches per call and the mean time per call in
 microseconds, heaviest first. What it is for: whether cuDNN's backward is one
 kernel computing dQ as well (dQ added across K/V tiles, five matmul units per
-block) or several (bench/NOTES.md, session 11). On a machine without a GPU
+block) or several (lab/NOTES.md, session 11). On a machine without a GPU
 it finds no device events and says so.
 """
 

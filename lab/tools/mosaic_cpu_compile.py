@@ -4,8 +4,15 @@ Lowering for CUDA (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`)
 runs only the Python half of Mosaic GPU; the MLIR -> PTX -> ptxas half runs in
 the XLA CUDA plugin when the custom call is compiled. This script calls that
 half directly (MosaicGpuCompile, as Mosaic's torch bridge does) with
-tools/fakecuda.c standing in for the driver, and reports for each case what
+lab/tools/fakecuda.c standing in for the driver, and reports for each case what
 ptxas says (registers, spills) and what the SASS holds (HGMMA, local memory).
+
+Each case is lowered through the public API, as an H200 would run it
+(lab/tools/kernel_fingerprint.py's view of the device): jax.jit of
+flash_attention(q, k, v, causal=..., return_lse=True, backend="mosaic",
+mosaic_config=MosaicConfig(forward=...)) from ShapeDtypeStructs, the
+forward config the measured default for the case (jax_flash2.defaults) or
+the case's (block_q, block_kv, stages), with --set's fields on top.
 
 Not part of the test suite: it needs the CUDA plugin and ptxas, which the
 project does not install. Set up once, in a venv of its own:
@@ -14,7 +21,7 @@ project does not install. Set up once, in a venv of its own:
   /tmp/cudavenv/bin/pip install jax==0.11.2 jaxlib==0.11.2 jax-cuda13-plugin==0.11.2 \\
       jax-cuda13-pjrt==0.11.2 "nvidia-cuda-nvcc>=13.0,<13.1" "nvidia-nvvm>=13.0,<13.1" \\
       nvidia-cuda-nvdisasm==13.2.86   # nvdisasm is optional (SASS)
-  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/mosaic_cpu_compile.py [--dump DIR] [--set q_registers=1]
+  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/mosaic_cpu_compile.py [--dump DIR] [--set stages=3]
 
 A case that fails to compile prints the compiler's error on stderr.
 """
@@ -93,7 +100,7 @@ def wgmma_operand_clobbers(sass: str) -> list[str]:
   purpose, as the forward's P into the next step's P V, is written last and
   read only by the next iteration, and is not reported.)
   ptxas 13.0 does this to the dK/dV kernel with K and V in registers
-  (session 9's wrong gradients; bench/NOTES.md, session 10). A static check
+  (session 9's wrong gradients; lab/NOTES.md, session 10). A static check
   of the SASS's innermost loops; one line per clobbered register."""
   instructions, labels, pending = [], {}, []
   for line in sass.splitlines():
@@ -144,11 +151,11 @@ def wgmma_operand_clobbers(sass: str) -> list[str]:
 
 def with_fields(config, settings: list[str]):
   """config with the fields of `settings` ("FIELD=VALUE", ints; bools as
-  0/1) set together, since the config's checks relate them: the benches'
-  variant parser (tools/mosaic_bench.py), imported once jax may be."""
-  import mosaic_bench
+  0/1) set together, since the config's checks relate them: the variant
+  syntax of lab/tools/cli_ab.py, imported once jax may be."""
+  import cli_ab
 
-  return mosaic_bench._variant(config, "+".join(settings) or "default")
+  return cli_ab._variant(config, "+".join(settings) or "default")
 
 
 def _summarise(dump: pathlib.Path) -> str:
@@ -204,29 +211,73 @@ def compile_case(compile_fn, fn, args, dump: pathlib.Path, name: str) -> bool:
   return ok
 
 
+def compile_kernels(compile_fn, fn, args, dump: pathlib.Path, name: str) -> int:
+  """Lowers jax.jit(fn)(*args) for CUDA and compiles every Mosaic kernel in
+  it, each with its dumps in a folder of `dump`, printing a line per
+  kernel; returns how many failed."""
+  import jax
+  from jax.experimental.mosaic.gpu import core as mosaic_core
+
+  mosaic_core.KNOWN_KERNELS.clear()
+  jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  failures = 0
+  for j, module in enumerate(list(mosaic_core.KNOWN_KERNELS.values())):
+    kernel_dump = dump / f"kernel{j}"
+    kernel_dump.mkdir(parents=True, exist_ok=True)
+    os.environ["MOSAIC_GPU_DUMP_TO"] = str(kernel_dump)
+    ok = bool(compile_fn(module, len(module)))
+    failures += not ok
+    print(f"{'ok  ' if ok else 'FAIL'} {name} kernel {j}: {_summarise(kernel_dump)}", flush=True)
+  if not mosaic_core.KNOWN_KERNELS:
+    print(f"FAIL {name}: no Mosaic kernel in the lowering", flush=True)
+    failures += 1
+  return failures
+
+
+def on_hopper() -> None:
+  """Makes jax_flash2 and the Triton lowering see an H200 (compute
+  capability 9.0) on this CPU machine: lab/tools/kernel_fingerprint.py's
+  patch, the one place that knows where jax_flash2 asks for the device."""
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+  import kernel_fingerprint
+
+  kernel_fingerprint._on_hopper()
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dump", default=None, help="keep Mosaic's dumps (PTX, ptxas, SASS) here")
+  parser.add_argument("--only", default="", help="only the cases whose name contains this")
   parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                      help="MosaicConfig fields set in every case (ints; bools as 0/1), e.g. q_registers=1")
+                      help="MosaicForwardConfig fields set in every case (ints; bools as 0/1), e.g. stages=3")
   args = parser.parse_args()
   dump_root = pathlib.Path(args.dump or tempfile.mkdtemp(prefix="mosaic_dump_"))
   compile_fn = setup_compiler()
+  on_hopper()
+  import dataclasses
+
   import jax
 
-  from jax_flash2.mosaic import forward as mosaic
+  from jax_flash2 import defaults, flash_attention
+  from jax_flash2.config import MosaicConfig
 
   failures = 0
   for i, (batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, causal, tiles) in enumerate(CASES):
-    config = mosaic.MosaicConfig(*tiles) if tiles else mosaic.default_config(head_dim)
+    config = defaults.mosaic_forward(head_dim, seq_q=seq_q, causal=causal)
+    if tiles:
+      config = dataclasses.replace(config, block_q=tiles[0], block_kv=tiles[1], stages=tiles[2])
     config = with_fields(config, args.set)
     q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
     name = f"d{head_dim}_{dtype}_{'causal' if causal else 'full'}_{seq_q}x{seq_k}_h{heads}-{kv_heads}"
     if tiles:
       name += "_q{}_kv{}_s{}".format(*tiles)
-    fn = lambda q, k, v, causal=causal, config=config: mosaic.forward(q, k, v, causal=causal, config=config)
-    failures += not compile_case(compile_fn, fn, (q, kv, kv), dump_root / f"{i:02d}_{name}", name)
+    if args.only not in name:
+      continue
+    mosaic_config = MosaicConfig(forward=config)
+    fn = lambda q, k, v, causal=causal, mosaic_config=mosaic_config: flash_attention(
+        q, k, v, causal=causal, return_lse=True, backend="mosaic", mosaic_config=mosaic_config)
+    failures += compile_kernels(compile_fn, fn, (q, kv, kv), dump_root / f"{i:02d}_{name}", name)
   print(f"dumps in {dump_root}")
   return 1 if failures else 0
 

@@ -1,27 +1,34 @@
 """Where the Mosaic kernels' warpgroups spend their time, from Mosaic GPU's profiler.
 
   PYTHONPATH=. python lab/tools/mosaic_profile.py --seq 2048 --head-dim 128 [--causal] \\
-      [--variants default fused_dq=1+dkv_persistent=0+unordered=1+adders=0] [--batch 1 --heads 8] [--keep DIR]
+      [--variants default fused_dq=1+dkv_persistent=0+stages=2] [--batch 1 --heads 8] [--keep DIR]
   PYTHONPATH=. python lab/tools/mosaic_profile.py --kernel forward --head-dim 64 --seq 8192 --heads 4
 
-Runs `backward` (or `forward`) once per variant (a BackwardConfig, or a
-MosaicConfig) with the kernels compiled under
-`forward.profiling`: each kernel writes a Perfetto trace of the named regions
-(jax.named_scope in the kernel bodies) of every warpgroup of every CTA
-(open one in ui.perfetto.dev; --keep keeps them). Prints, per kernel and
-warpgroup role (consumer 0 and 1, producer), the mean time per CTA in each
-region, inclusive of regions inside it, and its share of the warpgroup's
-time from its first event to its last. Profiled kernels run somewhat slower
-(a clock read per region boundary). Each CTA buffers --events events per
-warpgroup in its shared memory (48 bytes an event), which the kernels
-nearly fill: 512 fit beside the d128 kernels, a dozen steps' worth; the
-rest are dropped, so the summary is of each CTA's first steps.
+Runs flash_attention(..., backend="mosaic", mosaic_config=...) once per
+variant (a MosaicBackwardConfig for --kernel backward, which runs jax.vjp:
+the forward and the backward kernels; a MosaicForwardConfig for --kernel
+forward), with every Mosaic GPU kernel traced inside compiled with Mosaic
+GPU's profiler: this tool swaps jax.experimental.pallas.mosaic_gpu's
+CompilerParams for one that adds profile_space / profile_dir while it
+traces (the kernels build theirs at trace time), so the product has no
+profiling switch of its own. Each kernel writes a Perfetto trace of the
+named regions (jax.named_scope in the kernel bodies) of every warpgroup of
+every CTA (open one in ui.perfetto.dev; --keep keeps them). Prints, per
+kernel and warpgroup role (consumer 0 and 1, producer), the mean time per
+CTA in each region, inclusive of regions inside it, and its share of the
+warpgroup's time from its first event to its last. Profiled kernels run
+somewhat slower (a clock read per region boundary). Each CTA buffers
+--events events per warpgroup in its shared memory (48 bytes an event),
+which the kernels nearly fill: 512 fit beside the d128 kernels, a dozen
+steps' worth; the rest are dropped, so the summary is of each CTA's first
+steps. Variants use lab/tools/cli_ab.py's syntax.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import pathlib
 import sys
@@ -77,6 +84,28 @@ def format_summary(summary: dict[str, dict[str, tuple[float, float]]]) -> str:
   return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def profiled(events: int, directory: str):
+  """Mosaic GPU kernels traced inside are compiled with the profiler:
+  jax.experimental.pallas.mosaic_gpu.CompilerParams, which the kernels call
+  at trace time, takes profile_space=events, profile_dir=directory and
+  profile_bounds_check=True (a kernel with more events than room keeps its
+  first ones) on top of whatever the kernel asks for."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  original = plgpu.CompilerParams
+
+  def with_profiler(*args, **kwargs):
+    kwargs.update(profile_space=events, profile_dir=directory, profile_bounds_check=True)
+    return original(*args, **kwargs)
+
+  plgpu.CompilerParams = with_profiler
+  try:
+    yield
+  finally:
+    plgpu.CompilerParams = original
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--kernel", choices=["backward", "forward"], default="backward")
@@ -94,33 +123,34 @@ def main() -> int:
   import jax
   import jax.numpy as jnp
 
-  from jax_flash2 import flash_attention
-  from jax_flash2.mosaic import backward as mosaic_bwd
-  from jax_flash2.mosaic import forward as mosaic_fwd
+  from jax_flash2 import defaults, flash_attention
+  from jax_flash2.config import MosaicConfig
 
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-  import mosaic_bench  # tools/: its variant parser
-  import mosaic_bwd_bench  # and the backward's (with the fused kernel's measurement options)
+  import cli_ab  # lab/tools/: the variant syntax
 
   shape = (args.batch, args.seq, args.heads, args.head_dim)
   q, k, v, do = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.PRNGKey(0), 4))
-  out, lse = flash_attention(q, k, v, causal=args.causal, return_lse=True, backend="triton")
-  delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
   print(jax.devices()[0].device_kind, f"batch {args.batch}, seq {args.seq}, heads {args.heads}, "
         f"head_dim {args.head_dim}, {'causal' if args.causal else 'non-causal'}")
   for spec in args.variants:
     directory = pathlib.Path(args.keep or tempfile.mkdtemp(prefix="mosaic_profile_")) / spec.replace("=", "-")
     directory.mkdir(parents=True, exist_ok=True)
-    with mosaic_fwd.profiling(args.events, str(directory)):
-      if args.kernel == "forward":
-        config = mosaic_bench._variant(mosaic_fwd.default_config(args.head_dim), spec)
-        result = jax.jit(lambda *a: mosaic_fwd.forward(*a, causal=args.causal, config=config))(q, k, v)
-      else:  # `adders=N`, `unordered=1`: dq_addition_experiment (fused_dq; wrong dQ)
-        config, experiment = mosaic_bwd_bench._variant(mosaic_bwd.default_backward_config(args.head_dim), spec)
-        with experiment():
-          result = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=args.causal, config=config))(
-              q, k, v, do, lse, delta)
-      jax.block_until_ready(result)
+    if args.kernel == "forward":
+      config = MosaicConfig(forward=cli_ab._variant(
+          defaults.mosaic_forward(args.head_dim, seq_q=args.seq, causal=args.causal), spec))
+      step = lambda q, k, v, do: flash_attention(q, k, v, causal=args.causal, return_lse=True, backend="mosaic",
+                                                 mosaic_config=config)
+    else:
+      config = MosaicConfig(backward=cli_ab._variant(defaults.mosaic_backward(args.head_dim), spec))
+
+      def step(q, k, v, do, config=config):
+        attn = lambda q, k, v: flash_attention(q, k, v, causal=args.causal, backend="mosaic", mosaic_config=config)
+        _, vjp = jax.vjp(attn, q, k, v)
+        return vjp(do)
+
+    with profiled(args.events, str(directory)):
+      jax.block_until_ready(jax.jit(step)(q, k, v, do))  # traced, compiled and run inside
     jax.effects_barrier()  # the traces are written by host callbacks
     print(f"== {spec}")
     for path in sorted(directory.glob("*-trace.json")):

@@ -2,16 +2,16 @@
 
   ncu --clock-control none --profile-from-start off --set full -k regex:'flash2_(fwd|bwd_d)|sdpa' \\
       -o prof python lab/tools/ncu_profile.py --seq 4096 --head-dim 128 \\
-      --bwd two=default --bwd fused=fused_dq=1+dq_adder_warp=1+dq_adder_warps=2+dkv_persistent=0+stages=2
+      --bwd two=default --bwd fused=fused_dq=1+dkv_persistent=0+stages=2
   ncu --import prof.ncu-rep --page details
 
 Every implementation is compiled and run once first, outside the range
 (cuProfilerStart / cuProfilerStop through the CUDA driver), so that ncu,
 started with --profile-from-start off, sees one forward+backward of each and
 nothing of the compilation. `--bwd NAME=SPEC` / `--fwd NAME=SPEC` name
-Mosaic config variants as tools/cli_ab.py does (none: flash2-mosaic's
+Mosaic config variants as lab/tools/cli_ab.py does (none: flash2-mosaic's
 defaults); cuDNN runs last unless --no-cudnn. Each is built as
-tools/kernel_anatomy.py builds the bench CLI's problem (16384 tokens per
+lab/tools/kernel_anatomy.py builds the bench CLI's problem (16384 tokens per
 batch, hidden 2048, bf16).
 """
 
@@ -23,8 +23,8 @@ import sys
 
 import jax
 
-import cli_ab  # tools/
-import kernel_anatomy  # tools/
+import cli_ab  # lab/tools/
+import kernel_anatomy  # lab/tools/
 
 
 class _ProfilerRange:

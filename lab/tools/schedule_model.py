@@ -7,21 +7,40 @@ For each bench shape (16384 tokens, hidden 2048) the work of a CTA is the
 ring steps of its tiles plus one step a tile (`forward._TILE_OVERHEAD_STEPS`);
 the kernel's time follows its busiest CTA. Printed: that CTA's work over the
 mean, for the heavy-light pairs dealt round-robin (`PersistentSchedule`
-without `work`) and for the balanced table (`MosaicConfig.balanced`). A model
-only: bench/NOTES.md (session 15) has what the kernels measured. CPU only.
+without `work`) and for the balanced table (`MosaicForwardConfig.balanced`). A model
+only: lab/NOTES.md (session 15) has what the kernels measured. CPU only.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import importlib
+
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash2.mosaic import forward as mosaic
+from jax_flash2 import defaults
 
 
-def busiest_over_mean(schedule: mosaic.PersistentSchedule, work: tuple[int, ...]) -> float:
+def _schedule_module():
+  """The Mosaic module that holds PersistentSchedule and q_tile_work (a model
+  of kernel internals, so it follows them: mosaic/common.py, or forward.py
+  before the kernels shared a module)."""
+  for name in ("jax_flash2.mosaic.common", "jax_flash2.mosaic.forward"):
+    try:
+      module = importlib.import_module(name)
+    except ImportError:
+      continue
+    if hasattr(module, "PersistentSchedule"):
+      return module
+  raise SystemExit("schedule_model: no PersistentSchedule in jax_flash2.mosaic")
+
+
+mosaic = _schedule_module()
+
+
+def busiest_over_mean(schedule, work: tuple[int, ...]) -> float:
   """The busiest CTA's work over the mean, tiles costing work[block] + 1."""
   table = jnp.asarray(schedule.table())
   loads = []
@@ -41,7 +60,7 @@ def main() -> None:
   print(f"{'d':>4} {'seq':>6} {'consumers':>9} {'Q blocks':>8} {'paired':>7} {'balanced':>8}")
   for head_dim in args.head_dim:
     for seq in args.seq:
-      config = mosaic.default_config(head_dim, seq_q=seq, causal=True)
+      config = defaults.mosaic_forward(head_dim, seq_q=seq, causal=True)
       batch, heads = max(16384 // seq, 1), 2048 // head_dim
       num_q_blocks = -(-seq // config.block_q)
       work = mosaic.q_tile_work(num_q_blocks, block_q=config.block_q, block_kv=config.block_kv, seq_q=seq,

@@ -3,7 +3,7 @@
 The fused backward (BackwardConfig.fused_dq) adds a 16 KiB float32 piece of dQ
 per consumer and step into global memory with a TMA reduce-add; its producer
 spends most of its time waiting for the TMA engine to have read those pieces
-(bench/NOTES.md, session 7). This measures the rate on its own: one CTA per SM,
+(lab/NOTES.md, session 7). This measures the rate on its own: one CTA per SM,
 each sending `iters` 64 x 64 float32 tiles from shared memory to its own
 region of global memory (as large as the fused kernel's dQ), as plain stores
 and as reduce-adds, waiting for the reads with `depth` copies in flight (the

@@ -2,7 +2,7 @@
 
   python lab/tools/trace_overlap.py TRACE.json [TRACE.json ...] [--busy scores grads] [--warpgroups 3]
 
-Reads traces written by tools/mosaic_profile.py (--keep) and prints, per
+Reads traces written by lab/tools/mosaic_profile.py (--keep) and prints, per
 trace, averaged over CTAs from the first event of either consumer to the last:
   - for each named region, the share of time each consumer spends in it and
     the share both spend in it at once (two consumers in `softmax` at once:
@@ -24,7 +24,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from mosaic_profile import region_intervals  # noqa: E402  (tools/: the same B/E pairing as its summary)
+from mosaic_profile import region_intervals  # noqa: E402  (lab/tools/: the same B/E pairing as its summary)
 
 
 def _union(intervals):

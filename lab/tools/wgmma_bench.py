@@ -1,6 +1,6 @@
 """Throughput of wgmma with its A operand in shared memory or in registers.
 
-bench/NOTES.md (session 8) models the backward kernels' score products
+lab/NOTES.md (session 8) models the backward kernels' score products
 (m64 n64, both operands in shared memory) as reading shared memory as fast
 as the tensor cores consume it: 4 KiB per m64n64k16 step, 32 cycles at 128
 bytes a cycle, against 32 cycles of tensor-core work. This measures it
