@@ -1,9 +1,12 @@
-"""The public entry point: argument checking, canonicalisation, backend choice."""
+"""The public entry points: flash_attention() and plan().
+
+Both check and canonicalise a call once, into a static `Problem` (its
+shapes, mask and options) and, for flash_attention, an `Operands` of its
+optional arrays; backends.choose then decides which backend runs each pass.
+"""
 
 from __future__ import annotations
 
-import enum
-import functools
 import math
 import warnings
 
@@ -11,31 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash2 import dropout, reference
-from jax_flash2.config import (
-    HOPPER_RAGGED_MIN_SEQ,
-    BlockSizes,
-    HopperChoice,
-    default_block_sizes,
-    hopper_choice,
-    padded_head_dim,
-)
-from jax_flash2.mosaic import backward as mosaic_backward
-from jax_flash2.mosaic import forward as mosaic_forward
-from jax_flash2.triton.tiles import Problem
-from jax_flash2.vjp import KernelCall, flash
+from jax_flash2 import backends, dropout, vjp
+from jax_flash2.backends import Backend, Device, Plan
+from jax_flash2.config import BlockSizes, MosaicConfig
+from jax_flash2.mask import Mask
+from jax_flash2.problem import Operands, Problem
 
 SUPPORTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 MAX_HEAD_DIM = 256
-# Compute capability from which the Pallas Triton lowering is supported.
-_MIN_COMPUTE_CAPABILITY = (8, 0)
-
-
-class Backend(enum.Enum):
-  AUTO = "auto"
-  TRITON = "triton"
-  MOSAIC = "mosaic"
-  XLA = "xla"
 
 
 def flash_attention(
@@ -56,9 +42,10 @@ def flash_attention(
     dropout_rng: jax.Array | None = None,
     dropout_broadcast: bool = False,
     return_lse: bool = False,
-    backend: str = "auto",
+    backend: Backend | str = "auto",
     interpret: bool = False,
     block_sizes: BlockSizes | None = None,
+    mosaic_config: MosaicConfig | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Exact softmax attention with FlashAttention-2 kernels.
 
@@ -116,25 +103,103 @@ def flash_attention(
     dropout_broadcast: one dropout mask for every batch element and head
       (Flax's broadcast_dropout=True).
     return_lse: also return the log-sum-exp of each row's scaled scores.
-    backend: "auto" (Pallas kernels on an NVIDIA GPU of compute capability
-      8.0 or newer, else the XLA path with a warning; on Hopper, each pass
-      takes the Mosaic kernel where it measured faster, see
-      config.hopper_choice, and the Triton one where block_sizes is given or
-      a length shorter than config.HOPPER_RAGGED_MIN_SEQ is not a whole
-      number of 128-row blocks),
-      "triton" (the Pallas Triton-lowering kernels), "mosaic" (the Hopper
-      kernels in Pallas Mosaic GPU for both passes; a pass they cannot
-      serve, such as float32 or any of mask,
-      bias, window, softcap, ALiBi, segment ids and dropout, runs the Triton
-      kernel instead) or "xla" (plain XLA; quadratic memory).
+    backend: a `Backend` or its name. "auto": each pass on the first backend
+      that serves it, in measured order: the Mosaic GPU kernels on Hopper
+      (bf16/fp16, head_dim 64/128/256, full or causal attention, GQA; ragged
+      lengths under defaults.HOPPER_RAGGED_MIN_SEQ stay on Triton), the
+      Triton-lowering kernels on NVIDIA GPUs of compute capability >= 8.0,
+      else plain XLA with a warning. "mosaic": the Mosaic kernels where they
+      serve a pass, the Triton ones for the rest. "triton": the Triton
+      kernels. "xla": plain XLA (quadratic memory, any derivative order).
+      `plan()` says what runs and why.
     interpret: run the Pallas kernels in Pallas interpret mode (any platform,
-      slow; for tests).
-    block_sizes: tile sizes and launch parameters; defaults per head_dim.
+      slow; for tests): the Triton kernels, or Mosaic's interpreter with
+      backend="mosaic".
+    block_sizes: the Triton kernels' tiles (BlockSizes); defaults per head_dim.
+    mosaic_config: the Mosaic kernels' tilings (MosaicConfig); defaults per
+      head_dim. A config given for a kernel family that runs neither pass is
+      an error: configs never switch the family.
 
   Returns:
     out: [batch, seq_q, heads, head_dim], q's dtype. With return_lse,
     (out, lse) where lse is float32 [batch, heads, seq_q], natural log.
   """
+  problem = _problem(q, k, v, mask=mask, bias=bias, causal=causal, window_size=window_size, softcap=softcap,
+                     alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                     softmax_scale=softmax_scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                     dropout_broadcast=dropout_broadcast)
+  requested = _check_backend(backend)
+  plan = _plan(problem, requested, Device(backends.default_compute_capability(), _check_flag("interpret", interpret)),
+               block_sizes, mosaic_config)
+  operands = _operands(q, k, mask=mask, bias=bias, alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
+                       kv_segment_ids=kv_segment_ids, dropout_rng=dropout_rng if problem.has_dropout else None)
+  if plan.kernels:
+    out, lse = vjp.flash(q, k, v, operands, backends.Call(problem, plan))
+  else:
+    if requested is Backend.AUTO:
+      warnings.warn(
+          f"jax_flash2: no kernel runs here ({plan.forward.reason}); flash_attention is running the plain XLA "
+          "attention (quadratic memory), not the flash kernel. Pass backend='xla' to silence this.",
+          RuntimeWarning,
+          stacklevel=2,
+      )
+    out, lse = backends.xla_attention(q, k, v, operands, problem)
+  return (out, lse) if _check_flag("return_lse", return_lse) else out
+
+
+def plan(
+    q,
+    k,
+    v,
+    *,
+    compute_capability: tuple[int, int] | None = None,
+    backend: Backend | str = "auto",
+    interpret: bool = False,
+    block_sizes: BlockSizes | None = None,
+    mosaic_config: MosaicConfig | None = None,
+    return_lse: bool = False,
+    **options,
+) -> Plan:
+  """Which backend would run the forward and the backward of
+  flash_attention(q, k, v, **options), with which configs, and why a faster
+  backend does not serve a pass.
+
+  Args:
+    q, k, v, **options: flash_attention's arguments; arrays may be
+      jax.ShapeDtypeStructs (only shapes and dtypes are read).
+    compute_capability: answer for an NVIDIA GPU of this (major, minor),
+      e.g. (9, 0) for an H100/H200, from any machine; None: the default
+      device.
+
+  Returns:
+    A Plan: `plan.forward.backend` and `plan.backward.backend` in {"mosaic",
+    "triton", "xla"}, `.config` the kernels' tiling, `.reason` why a backend
+    ahead in the order does not serve the pass (None when the first does).
+    flash_attention decides through the same function, so this is what runs.
+  """
+  del return_lse  # it does not change what runs
+  if compute_capability is None:
+    compute_capability = backends.default_compute_capability()
+  elif not (isinstance(compute_capability, tuple) and len(compute_capability) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in compute_capability)):
+    raise TypeError(f"compute_capability must be a (major, minor) pair of ints or None, got {compute_capability!r}")
+  problem = _problem(q, k, v, **options)
+  device = Device(compute_capability, _check_flag("interpret", interpret))
+  return _plan(problem, _check_backend(backend), device, block_sizes, mosaic_config)
+
+
+def _plan(problem: Problem, backend: Backend, device: Device, block_sizes, mosaic_config) -> Plan:
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes must be a jax_flash2.BlockSizes or None, got {type(block_sizes).__name__}")
+  if mosaic_config is not None and not isinstance(mosaic_config, MosaicConfig):
+    raise TypeError(f"mosaic_config must be a jax_flash2.MosaicConfig or None, got {type(mosaic_config).__name__}")
+  return backends.choose(problem, device, backend, block_sizes=block_sizes, mosaic_config=mosaic_config)
+
+
+def _problem(q, k, v, *, mask=None, bias=None, causal=False, window_size=None, softcap=None, alibi_slopes=None,
+             q_segment_ids=None, kv_segment_ids=None, softmax_scale=None, dropout_rate=0.0, dropout_rng=None,
+             dropout_broadcast=False) -> Problem:
+  """The static description of a call, every argument checked."""
   _check_arrays(q, k, v)
   head_dim = q.shape[-1]
   softmax_scale = _check_scale(softmax_scale, head_dim)
@@ -143,65 +208,55 @@ def flash_attention(
   left, right = _check_window(window_size)
   if softcap is not None:
     softcap = _check_positive("softcap", softcap)
-  if causal:
-    right = 0 if right is None else min(right, 0)
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes must be a jax_flash2.BlockSizes or None, got {type(block_sizes).__name__}")
-  kind = _resolve_backend(backend, interpret)
   if mask is not None:
-    mask = _canonical_mask(mask, q, k)
+    _check_mask(mask, q, k)
   if bias is not None:
-    bias = _canonical_bias(bias, q, k)
+    _check_bias(bias, q, k)
   if alibi_slopes is not None:
-    alibi_slopes = _canonical_slopes(alibi_slopes, q)
-  q_segment_ids, kv_segment_ids = _check_segments(q_segment_ids, kv_segment_ids, q, k)
-  dropout_rate, dropout_seed = _check_dropout(dropout_rate, dropout_rng)
+    _check_slopes(alibi_slopes, q)
+  segments = _check_segments(q_segment_ids, kv_segment_ids, q, k)
+  dropout_rate = _check_dropout(dropout_rate, dropout_rng)
+  visibility = Mask(q.shape[1], k.shape[1], causal=bool(causal), window_left=left, window_right=right,
+                    dense=mask is not None, segments=segments)
+  return Problem(
+      mask=visibility,
+      head_dim=head_dim,
+      softmax_scale=softmax_scale,
+      dtype=jnp.dtype(q.dtype).name,
+      group=q.shape[2] // k.shape[2],
+      softcap=softcap,
+      has_alibi=alibi_slopes is not None,
+      dropout_rate=dropout_rate,
+      dropout_broadcast=_check_flag("dropout_broadcast", dropout_broadcast) and dropout_rate > 0.0,
+      has_bias=bias is not None,
+  )
 
-  if kind is Backend.XLA:
-    out, lse = reference.attention(
-        q, k, v, mask=mask, window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale,
-        dropout_rate=dropout_rate, dropout_seed=dropout_seed, dropout_broadcast=bool(dropout_broadcast),
-        bias=bias, compute_dtype=jnp.float32,
-    )
-  else:
-    seq_q, seq_k = q.shape[1], k.shape[1]
-    problem = Problem(
-        seq_q=seq_q,
-        seq_k=seq_k,
-        head_dim=head_dim,
-        head_dim_padded=padded_head_dim(head_dim),
-        window_left=left,
-        window_right=right,
-        softmax_scale=softmax_scale,
-        dtype=jnp.dtype(q.dtype).name,
-        has_mask=mask is not None,
-        group=q.shape[2] // k.shape[2],
-        softcap=softcap,
-        has_alibi=alibi_slopes is not None,
-        has_segments=q_segment_ids is not None,
-        dropout_rate=dropout_rate,
-        dropout_broadcast=bool(dropout_broadcast) and dropout_rate > 0.0,
-        has_bias=bias is not None,
-    )
-    blocks = (block_sizes or default_block_sizes(head_dim, causal, has_bias=bias is not None)).fit(seq_q, seq_k)
-    mosaic = mosaic_backward = None
-    if kind is Backend.MOSAIC:
-      if Backend(backend) is not Backend.AUTO:
-        choice = HopperChoice(forward=True, backward=True)
-      elif block_sizes is None and _mosaic_pays_for_padding(q, k):
-        # "auto" on Hopper: the Mosaic kernels where they measured faster.
-        choice = hopper_choice(head_dim, problem.window_right == 0)
-      else:
-        # The caller tuned the Triton kernels' tiles, or a short length is ragged.
-        choice = HopperChoice(forward=False, backward=False)
-      mosaic = _mosaic_config(problem, q) if choice.forward else None
-      mosaic_backward = _mosaic_backward_config(problem, q) if choice.backward else None
-    call = KernelCall(
-        problem=problem, block_sizes=blocks, interpret=bool(interpret), mosaic=mosaic, mosaic_backward=mosaic_backward
-    )
-    out, lse = flash(q, k, v, mask, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seed, bias, call)
-  return (out, lse) if return_lse else out
+
+def _operands(q, k, *, mask, bias, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_rng) -> Operands:
+  """The optional arrays of a checked call, in the forms the kernels read."""
+  return Operands(
+      # int8, not bool: the kernels load it.
+      mask=None if mask is None else (_per_score(mask, _per_score_shape("mask", mask, q, k), q, k) != 0).astype(jnp.int8),
+      q_segment_ids=None if q_segment_ids is None else q_segment_ids.astype(jnp.int32),
+      kv_segment_ids=None if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32),
+      alibi_slopes=None if alibi_slopes is None else jax.lax.stop_gradient(
+          jnp.reshape(alibi_slopes, (-1, q.shape[2])).astype(jnp.float32)),
+      dropout_seed=None if dropout_rng is None else jax.lax.stop_gradient(dropout.seed_words(dropout_rng)),
+      bias=None if bias is None else _per_score(bias, _per_score_shape("bias", bias, q, k), q, k),
+  )
+
+
+def _check_backend(backend) -> Backend:
+  try:
+    return Backend(backend)
+  except ValueError:
+    raise ValueError(f"backend must be one of {[b.value for b in Backend]}, got {backend!r}") from None
+
+
+def _check_flag(name: str, value) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+  return bool(value)
 
 
 def _check_arrays(q, k, v) -> None:
@@ -230,10 +285,9 @@ def _check_arrays(q, k, v) -> None:
     raise ValueError(f"head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim} ({shapes})")
 
 
-def _per_score(name: str, x, q, k) -> jax.Array:
-  """x, broadcastable to [batch, heads, seq_q, seq_k], as [batch or 1, heads
-  or 1, seq_q, seq_k]: the query and key axes materialised (the kernels read
-  tiles of them), batch and heads left broadcast."""
+def _per_score_shape(name: str, x, q, k) -> tuple[int, ...]:
+  """x's shape, broadcastable to [batch, heads, seq_q, seq_k], with leading
+  1s to rank 4."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be an array, got {type(x).__name__}")
   batch, seq_q, heads, _ = q.shape
@@ -247,30 +301,33 @@ def _per_score(name: str, x, q, k) -> jax.Array:
           f"{name} {what} axis is {got}, expected 1 or {want}: {name} {tuple(x.shape)} is not broadcastable "
           f"to [batch, heads, seq_q, seq_k] = {full}"
       )
-  return jnp.broadcast_to(jnp.reshape(x, shape), (shape[0], shape[1], seq_q, k.shape[1]))
+  return shape
 
 
-def _canonical_mask(mask, q, k) -> jax.Array:
-  """The mask as int8 [batch or 1, heads or 1, seq_q, seq_k], 1 = visible.
-  (int8, not bool: the kernels load it.)"""
+def _per_score(x, shape, q, k) -> jax.Array:
+  """x as [batch or 1, heads or 1, seq_q, seq_k]: the query and key axes
+  materialised (the kernels read tiles of them), batch and heads left
+  broadcast. Broadcasting is differentiable: a bias's gradient sums back
+  over the seq axes it had as 1."""
+  return jnp.broadcast_to(jnp.reshape(x, shape), (shape[0], shape[1], q.shape[1], k.shape[1]))
+
+
+def _check_mask(mask, q, k) -> tuple[int, ...]:
   if hasattr(mask, "dtype") and not (jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.number)):
     raise TypeError(f"mask must be boolean or numeric, got dtype {mask.dtype}")
-  return (_per_score("mask", mask, q, k) != 0).astype(jnp.int8)
+  return _per_score_shape("mask", mask, q, k)
 
 
-def _canonical_bias(bias, q, k) -> jax.Array:
-  """The bias as [batch or 1, heads or 1, seq_q, seq_k] in its own float
-  dtype; broadcasting it there is differentiable, so its gradient sums back
-  over seq axes it had as 1."""
+def _check_bias(bias, q, k) -> tuple[int, ...]:
   if hasattr(bias, "dtype") and jnp.dtype(bias.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
     raise TypeError(f"bias has dtype {jnp.dtype(bias.dtype).name}; supported: float16, bfloat16, float32")
-  return _per_score("bias", bias, q, k)
+  return _per_score_shape("bias", bias, q, k)
 
 
-def _check_segments(q_ids, kv_ids, q, k) -> tuple[jax.Array | None, jax.Array | None]:
-  """Segment ids as int32 [batch, seq_q] and [batch, seq_k], or (None, None)."""
+def _check_segments(q_ids, kv_ids, q, k) -> bool:
+  """Whether segment ids are given ([batch, seq_q] and [batch, seq_k] integers)."""
   if q_ids is None and kv_ids is None:
-    return None, None
+    return False
   if q_ids is None or kv_ids is None:
     raise ValueError("q_segment_ids and kv_segment_ids must be given together")
   for name, ids, x in (("q_segment_ids", q_ids, q), ("kv_segment_ids", kv_ids, k)):
@@ -280,12 +337,12 @@ def _check_segments(q_ids, kv_ids, q, k) -> tuple[jax.Array | None, jax.Array | 
       raise ValueError(f"{name} must have shape [batch, seq] = {tuple(x.shape[:2])}, got {tuple(ids.shape)}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
       raise TypeError(f"{name} must be integers, got dtype {ids.dtype}")
-  return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+  return True
 
 
-def _check_dropout(rate, rng) -> tuple[float, jax.Array | None]:
-  """(rate, int32 [2] seed or None): a static rate in [0, 1) and, when it is
-  positive, a PRNG key to draw the mask from."""
+def _check_dropout(rate, rng) -> float:
+  """A static rate in [0, 1) and, when it is positive, a PRNG key to draw
+  the mask from."""
   if isinstance(rate, jax.core.Tracer):
     raise TypeError("dropout_rate must be a static Python float, not a traced value")
   try:
@@ -295,7 +352,7 @@ def _check_dropout(rate, rng) -> tuple[float, jax.Array | None]:
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {rate!r}")
   if rate == 0.0:
-    return 0.0, None
+    return 0.0
   if rng is None:
     raise ValueError(f"dropout_rate={rate} needs dropout_rng, a JAX PRNG key")
   if not hasattr(rng, "dtype") or not (
@@ -305,11 +362,11 @@ def _check_dropout(rate, rng) -> tuple[float, jax.Array | None]:
         f"dropout_rng must be a JAX PRNG key (jax.random.key or jax.random.PRNGKey), got "
         f"{getattr(rng, 'dtype', type(rng).__name__)} {tuple(getattr(rng, 'shape', ()))}"
     )
-  return rate, jax.lax.stop_gradient(dropout.seed_words(rng))
+  return rate
 
 
-def _canonical_slopes(slopes, q) -> jax.Array:
-  """ALiBi slopes as float32 [batch or 1, heads]."""
+def _check_slopes(slopes, q) -> None:
+  """ALiBi slopes: float [heads] or [batch, heads]."""
   if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
     raise TypeError(f"alibi_slopes must be an array, got {type(slopes).__name__}")
   batch, _, heads, _ = q.shape
@@ -320,7 +377,6 @@ def _canonical_slopes(slopes, q) -> jax.Array:
     )
   if not jnp.issubdtype(slopes.dtype, jnp.floating):
     raise TypeError(f"alibi_slopes must be floating point, got dtype {slopes.dtype}")
-  return jax.lax.stop_gradient(jnp.reshape(slopes, (-1, heads)).astype(jnp.float32))
 
 
 def _check_window(window_size) -> tuple[int | None, int | None]:
@@ -351,87 +407,3 @@ def _check_positive(name: str, value) -> float:
   if not (math.isfinite(number) and number > 0):
     raise ValueError(f"{name} must be a finite positive number, got {value!r}")
   return number
-
-
-def _mosaic_config(problem: Problem, q) -> mosaic_forward.MosaicConfig | None:
-  """The Mosaic forward's tiling when it serves this problem, else None (the
-  Triton forward runs): bf16/fp16, head_dim 64/128/256, full or causal
-  attention and no other option. Any lengths: ragged ones are padded to
-  whole blocks inside."""
-  serves = (problem.head_dim in mosaic_forward.SUPPORTED_HEAD_DIMS
-            and jnp.dtype(q.dtype) in mosaic_forward.SUPPORTED_DTYPES)
-  if not (serves and _plain(problem)):
-    return None
-  return mosaic_forward.default_config(problem.head_dim, seq_q=problem.seq_q, causal=problem.window_right == 0)
-
-
-def _mosaic_backward_config(problem: Problem, q) -> mosaic_backward.BackwardConfig | None:
-  """The Mosaic backward's tiling when it serves this problem, else None (the
-  Triton backward runs): bf16/fp16, head_dim 64/128/256 (256: backward_wide.py),
-  full or causal attention and no other option. Any lengths, as in the forward."""
-  serves = (problem.head_dim in mosaic_backward.SUPPORTED_HEAD_DIMS
-            and jnp.dtype(q.dtype) in mosaic_forward.SUPPORTED_DTYPES)
-  return mosaic_backward.default_backward_config(problem.head_dim) if serves and _plain(problem) else None
-
-
-def _mosaic_pays_for_padding(q, k) -> bool:
-  """Whether "auto" may take the Mosaic kernels at these lengths: whole
-  128-row blocks, or sequences long enough to pay for padding to them
-  (config.HOPPER_RAGGED_MIN_SEQ, measured)."""
-  whole = q.shape[1] % mosaic_backward.OUTER_ROWS == 0 and k.shape[1] % mosaic_backward.OUTER_ROWS == 0
-  return whole or min(q.shape[1], k.shape[1]) >= HOPPER_RAGGED_MIN_SEQ
-
-
-def _plain(problem: Problem) -> bool:
-  """Full or causal attention with no option the Mosaic kernels lack."""
-  extras = (problem.has_mask or problem.has_segments or problem.has_alibi or problem.has_bias
-            or problem.has_dropout or problem.softcap is not None)
-  return problem.window_left is None and problem.window_right in (None, 0) and not extras
-
-
-def _resolve_backend(backend: str, interpret: bool) -> Backend:
-  try:
-    kind = Backend(backend)
-  except ValueError:
-    raise ValueError(f"backend must be one of {[b.value for b in Backend]}, got {backend!r}") from None
-  if interpret:
-    if kind is Backend.XLA:
-      raise ValueError("interpret=True runs the Pallas kernels; it cannot be combined with backend='xla'")
-    return Backend.MOSAIC if kind is Backend.MOSAIC else Backend.TRITON
-  if kind is Backend.MOSAIC and (_gpu_capability() or (0, 0))[0] != 9:
-    # wgmma and setmaxnreg are sm_90a instructions: Hopper only.
-    raise ValueError("backend='mosaic' needs a Hopper GPU (compute capability 9.x, e.g. H100/H200); "
-                     "use backend='triton' or 'auto'")
-  if kind is Backend.AUTO:
-    if _has_supported_gpu():
-      # On Hopper, "auto" narrows MOSAIC to where it measured faster.
-      return Backend.MOSAIC if _gpu_capability()[0] == 9 else Backend.TRITON
-    _warn_xla_fallback()
-    return Backend.XLA
-  return kind
-
-
-def _has_supported_gpu() -> bool:
-  capability = _gpu_capability()
-  return capability is not None and capability >= _MIN_COMPUTE_CAPABILITY
-
-
-def _gpu_capability() -> tuple[int, int] | None:
-  """The default device's compute capability when it is an NVIDIA GPU."""
-  device = jax.devices()[0]
-  capability = getattr(device, "compute_capability", None)
-  if device.platform != "gpu" or capability is None:
-    return None
-  major, minor = (int(x) for x in str(capability).split(".")[:2])
-  return major, minor
-
-
-@functools.cache
-def _warn_xla_fallback() -> None:
-  warnings.warn(
-      "jax_flash2: no NVIDIA GPU of compute capability >= 8.0 found; flash_attention is running "
-      "the plain XLA attention (quadratic memory), not the flash kernel. Pass backend='xla' to "
-      "silence this.",
-      RuntimeWarning,
-      stacklevel=3,
-  )

@@ -219,3 +219,4 @@ class MosaicConfig:
       value = getattr(self, name)
       if value is not None and not isinstance(value, kind):
         raise TypeError(f"MosaicConfig.{name} must be a {kind.__name__} or None, got {type(value).__name__}")
+

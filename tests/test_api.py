@@ -12,7 +12,7 @@ import pytest
 
 from conftest import random_inputs, reference_with_grads, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
-from jax_flash2 import api
+from jax_flash2 import backends
 
 SMALL = BlockSizes(fwd=KernelConfig(16, 16), dkv=KernelConfig(16, 16), dq=KernelConfig(16, 16))
 KERNEL = dict(interpret=True, block_sizes=SMALL)
@@ -78,15 +78,18 @@ def test_block_sizes_validates():
 
 
 def test_auto_backend_falls_back_to_xla_with_one_warning(monkeypatch):
-  monkeypatch.setattr(api, "_has_supported_gpu", lambda: False)
-  api._warn_xla_fallback.cache_clear()
+  """Without a GPU, "auto" runs XLA and says so once per call site (Python's
+  default filter), pointing at the caller's line, not at jax_flash2."""
+  monkeypatch.setattr(backends, "default_compute_capability", lambda: None)
   q, k, v = _qkv()
   with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    out = flash_attention(q, k, v)
-    flash_attention(q, k, v)
+    warnings.simplefilter("default")
+    for _ in range(2):
+      out = flash_attention(q, k, v)
   fallback = [w for w in caught if "not the flash kernel" in str(w.message)]
   assert len(fallback) == 1
+  assert fallback[0].filename == __file__
+  assert "Hopper" in str(fallback[0].message) and "Triton" in str(fallback[0].message)
   assert rel_err(out, reference_with_grads(q, k, v, q)[0]) < 1e-5
 
 

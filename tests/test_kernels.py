@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from conftest import assert_matches_reference, flash_with_grads, random_inputs, reference_with_grads, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
-from jax_flash2.config import default_block_sizes
+from jax_flash2 import defaults
 
 # Tiles of 16 make even small sequences span several blocks, ragged tails and
 # diagonal blocks included.
@@ -152,8 +152,8 @@ def test_bias_caps_the_pipeline_depth():
   # head_dim 256's three-stage forward and dQ overflow shared memory once a
   # bias tile streams beside K and V (the H200 refused 240 KiB); the rest of
   # the tiling stays as measured.
-  plain = default_block_sizes(256, False)
-  biased = default_block_sizes(256, False, has_bias=True)
+  plain = defaults.block_sizes(256, False)
+  biased = defaults.block_sizes(256, False, has_bias=True)
   assert (plain.fwd.num_stages, plain.dq.num_stages) == (3, 3)
   for name in ("fwd", "dkv", "dq"):
     a, b = getattr(plain, name), getattr(biased, name)

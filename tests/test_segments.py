@@ -13,7 +13,9 @@ from conftest import assert_matches_reference, flash_with_grads, random_inputs, 
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
 from jax_flash2.triton import backward as triton_backward
 from jax_flash2.triton import forward as triton_forward
-from jax_flash2.triton import tiles
+from jax_flash2 import mask as mask_lib
+from jax_flash2.mask import Mask
+from jax_flash2.problem import Operands, Problem
 
 SMALL = BlockSizes(fwd=KernelConfig(16, 16), dkv=KernelConfig(16, 16), dq=KernelConfig(16, 16))
 MIXED = BlockSizes(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(16, 16))
@@ -98,15 +100,15 @@ def test_vmap_folds_segment_ids_and_alibi_slopes():
 # ------------------------------------------- loop bounds from the segment ids
 #
 # Without a dense mask the kernels walk only the blocks whose segment ids can
-# meet (tiles.segment_block_bounds) and run the blocks inside one segment
+# meet (mask.segment_block_ranges) and run the blocks inside one segment
 # without the element mask. The tests below take blocks of 16 on sequences of
 # several blocks per segment, so that every stretch of the split loop runs.
 
 
 def _bounds(outer_ids, inner_ids, outer_block: int, inner_block: int) -> np.ndarray:
   """[batch, outer blocks, 4] (lo, full_lo, full_hi, hi), as the kernels get them."""
-  ranges = tiles.SegmentRanges(jnp.asarray(outer_ids, jnp.int32), jnp.asarray(inner_ids, jnp.int32))
-  return np.asarray(tiles.segment_block_bounds(ranges.queries(outer_block), ranges.keys(inner_block)))
+  ranges = mask_lib.SegmentRanges(jnp.asarray(outer_ids, jnp.int32), jnp.asarray(inner_ids, jnp.int32))
+  return np.asarray(mask_lib.segment_block_ranges(ranges.queries(outer_block), ranges.keys(inner_block)))
 
 
 def test_segment_block_bounds_by_hand():
@@ -232,19 +234,18 @@ def _kernel_calls(with_mask: bool):
   """Traces the forward, dK/dV and dQ kernels of a causal problem with segment
   ids (and a dense mask): their closed jaxpr."""
   seq, d = 64, 16
-  problem = tiles.Problem(seq_q=seq, seq_k=seq, head_dim=d, head_dim_padded=d, window_left=None,
-                          window_right=0, softmax_scale=0.25, dtype="float32", has_mask=with_mask,
-                          has_segments=True)
+  problem = Problem(mask=Mask(seq, seq, causal=True, dense=with_mask, segments=True), head_dim=d,
+                    softmax_scale=0.25, dtype="float32")
   q = jnp.zeros((1, seq, 2, d), jnp.float32)
   rows = jnp.zeros((1, 2, seq), jnp.float32)
   ids = _packed([[40, 24]])
   mask = jnp.ones((1, 1, seq, seq), jnp.int8) if with_mask else None
-  optional = tiles.OptionalInputs(mask=mask, segments=(ids, ids))
+  operands = Operands(mask=mask, q_segment_ids=ids, kv_segment_ids=ids)
   config = KernelConfig(16, 16)
 
   def kernels(q, k, v, do, lse):
-    out, lse = triton_forward.forward(q, k, v, optional, problem, config, interpret=True)
-    grads = triton_backward.backward(q, k, v, out, lse, do, rows, optional, problem,
+    out, lse = triton_forward.forward(q, k, v, operands, problem, config, interpret=True)
+    grads = triton_backward.backward(q, k, v, out, lse, do, rows, operands, problem,
                                      BlockSizes(config, config, config), interpret=True)
     return out, lse, grads
 
@@ -269,9 +270,8 @@ def test_kernels_with_segments_lower_for_cuda(with_mask):
   H200 target, on any host: scalar loads of the bounds and the min/max on
   them must lower (a jnp.where on such scalars once crashed it)."""
   seq_q, seq_k, d = 200, 136, 64  # ragged ends, seq_q > seq_k
-  problem = tiles.Problem(seq_q=seq_q, seq_k=seq_k, head_dim=d, head_dim_padded=d, window_left=48,
-                          window_right=0, softmax_scale=0.125, dtype="bfloat16", has_mask=with_mask,
-                          has_segments=True, group=2, has_bias=True)
+  problem = Problem(mask=Mask(seq_q, seq_k, causal=True, window_left=48, dense=with_mask, segments=True),
+                    head_dim=d, softmax_scale=0.125, dtype="bfloat16", group=2, has_bias=True)
   q = jax.ShapeDtypeStruct((2, seq_q, 4, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, seq_k, 2, d), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((2, 4, seq_q), jnp.float32)
@@ -281,10 +281,10 @@ def test_kernels_with_segments_lower_for_cuda(with_mask):
   blocks = BlockSizes(fwd=KernelConfig(64, 32), dkv=KernelConfig(32, 64), dq=KernelConfig(64, 64))
 
   def kernels(q, k, v, do, dlse, q_ids, kv_ids, mask, bias):
-    optional = tiles.OptionalInputs(mask=mask, segments=(q_ids, kv_ids), bias=bias)
-    out, lse = triton_forward.forward(q, k, v, optional, problem, blocks.fwd)
-    grads = triton_backward.backward(q, k, v, out, lse, do, dlse, optional, problem, blocks)
-    return out, lse, grads, triton_backward.bias_gradient(q, k, v, out, lse, do, dlse, optional, problem, blocks)
+    operands = Operands(mask=mask, q_segment_ids=q_ids, kv_segment_ids=kv_ids, bias=bias)
+    out, lse = triton_forward.forward(q, k, v, operands, problem, blocks.fwd)
+    grads = triton_backward.backward(q, k, v, out, lse, do, dlse, operands, problem, blocks)
+    return out, lse, grads, triton_backward.bias_gradient(q, k, v, out, lse, do, dlse, operands, problem, blocks)
 
   device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
   with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):

@@ -13,7 +13,9 @@ import pytest
 from conftest import assert_matches_reference, flash_with_grads, random_inputs, reference_with_grads, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
 from jax_flash2.reference import band_visible
-from jax_flash2.triton import tiles
+from jax_flash2.mask import Mask
+from jax_flash2.problem import Problem
+from jax_flash2.triton import common
 
 MIXED = BlockSizes(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(16, 16))
 
@@ -56,8 +58,8 @@ def test_bad_windows(window):
 
 
 def _problem(seq_q, seq_k, left, right):
-  return tiles.Problem(seq_q=seq_q, seq_k=seq_k, head_dim=16, head_dim_padded=16, window_left=left,
-                       window_right=right, softmax_scale=1.0, dtype="float32")
+  return Problem(mask=Mask(seq_q, seq_k, window_left=left, window_right=right), head_dim=16, softmax_scale=1.0,
+                 dtype="float32")
 
 
 def _tiles_seen(visible, block_q, block_k, padded_rows_count: bool):
@@ -90,7 +92,7 @@ def test_block_ranges_are_tight(seqs, left, right):
   as_int = lambda x: int(x)
   any_seen, all_seen = _tiles_seen(band, 8, 8, padded_rows_count=False)
   for qb in range(any_seen.shape[0]):
-    lo, full_lo, full_hi, hi = map(as_int, tiles.kv_block_range(problem, jnp.int32(qb * 8), 8, 8))
+    lo, full_lo, full_hi, hi = map(as_int, common.kv_block_range(problem, jnp.int32(qb * 8), 8, 8))
     seen = np.nonzero(any_seen[qb])[0]
     if len(seen):
       assert (lo, hi) == (seen[0], seen[-1] + 1), qb
@@ -98,7 +100,7 @@ def test_block_ranges_are_tight(seqs, left, right):
     assert full_hi - full_lo == all_seen[qb].sum(), qb  # no visible tile pays for the mask
   any_seen, all_seen = _tiles_seen(band, 8, 8, padded_rows_count=True)
   for kb in range(any_seen.shape[1]):
-    lo, full_lo, full_hi, hi = map(as_int, tiles.q_block_range(problem, jnp.int32(kb * 8), 8, 8))
+    lo, full_lo, full_hi, hi = map(as_int, common.q_block_range(problem, jnp.int32(kb * 8), 8, 8))
     seen = np.nonzero(any_seen[:, kb])[0]
     if len(seen):
       assert (lo, hi) == (seen[0], seen[-1] + 1), kb

@@ -76,9 +76,9 @@ def segment_ids(batch: int, seqlen: int, segments: int) -> jax.Array | None:
 
 
 def _flash2_backends() -> tuple[str, ...]:
-  from jax_flash2 import api
+  from jax_flash2 import Backend
 
-  return tuple(b.value for b in api.Backend)
+  return tuple(b.value for b in Backend)
 
 
 def _flash2_factory(backend: str) -> Callable[[Shape, Options], AttentionFn]:
@@ -108,24 +108,26 @@ def _flash2_supports(backend: str) -> Callable[[Shape, Options], str | None]:
     if opts.platform != "gpu" and not opts.interpret:
       return "needs a GPU (or --interpret)"
     if backend == "mosaic":
-      return _mosaic_serves(shape)
+      return _mosaic_serves(shape, opts)
     return None
 
   return supports
 
 
-def _mosaic_serves(shape: Shape) -> str | None:
+def _mosaic_serves(shape: Shape, opts: Options) -> str | None:
   """Why backend="mosaic" would run the Triton forward for this shape (so the
-  cell would not measure the Mosaic kernel), or None."""
-  from jax_flash2.mosaic import forward as mosaic_forward
+  cell would not measure the Mosaic kernel), or None: jax_flash2.plan's
+  reason, for a Hopper GPU."""
+  from jax_flash2 import plan
 
-  if shape.window is not None or shape.segments > 1:
-    return "the Mosaic forward takes no window or segments"
-  if shape.head_dim not in mosaic_forward.SUPPORTED_HEAD_DIMS:
-    return f"the Mosaic forward takes head_dim {mosaic_forward.SUPPORTED_HEAD_DIMS}"
-  if jnp.dtype(shape.dtype) not in mosaic_forward.SUPPORTED_DTYPES:
-    return "the Mosaic forward takes fp16/bf16"
-  return None
+  q = jax.ShapeDtypeStruct((shape.batch, shape.seqlen, shape.heads, shape.head_dim), shape.dtype)
+  kv = jax.ShapeDtypeStruct((shape.batch, shape.seqlen, shape.kv_heads, shape.head_dim), shape.dtype)
+  ids = None
+  if shape.segments > 1:
+    ids = jax.ShapeDtypeStruct((shape.batch, shape.seqlen), jnp.int32)
+  forward = plan(q, kv, kv, causal=shape.causal, window_size=shape.window, q_segment_ids=ids, kv_segment_ids=ids,
+                 backend="mosaic", interpret=opts.interpret, compute_capability=(9, 0)).forward
+  return None if forward.backend == "mosaic" else forward.reason
 
 
 register(

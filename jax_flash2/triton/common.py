@@ -1,10 +1,13 @@
-"""What the Triton-lowering kernels share: static problem facts, masked tile
-loads, the visibility mask, and the split of a block loop into masked and
-unmasked stretches."""
+"""What the Triton-lowering kernels share: tile loads and stores, BlockSpecs,
+the optional inputs' specs and refs, score modifiers, and the split of a
+block loop into masked and unmasked stretches.
+
+Which pairs are visible and which blocks a program visits come from
+jax_flash2.mask; these helpers apply them inside the kernels.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -17,7 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import ManualAxisType
 
-from jax_flash2 import dropout
+from jax_flash2 import dropout, mask as mask_lib
+from jax_flash2.problem import Operands, Problem
 
 # Scores are kept in the log2 domain inside the kernels: exp2 is a single
 # instruction (ex2.approx) where exp is a multiply plus ex2.
@@ -25,91 +29,37 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class Problem:
-  """Static facts of one attention call, closed over by every kernel."""
+def precision(problem: Problem) -> lax.Precision | None:
+  """float32 inputs get true float32 dots, not Triton's default tf32."""
+  return lax.Precision.HIGHEST if jnp.dtype(problem.dtype) == jnp.float32 else None
 
-  seq_q: int
-  seq_k: int
-  head_dim: int
-  head_dim_padded: int
-  # The visibility band: query i sees key j iff
-  #   i + offset - window_left <= j <= i + offset + window_right,
-  # None leaving that side unbounded. Causal is window_right = 0.
-  window_left: int | None
-  window_right: int | None
-  softmax_scale: float
-  dtype: Any
-  # A dense mask ([batch or 1, heads or 1, seq_q, seq_k] int8, nonzero =
-  # visible) comes with a per-tile summary that lets the loops skip tiles it
-  # hides entirely; every tile it leaves visible runs with the element mask.
-  has_mask: bool = False
-  # Grouped-query attention: query heads per K/V head (1 for plain MHA).
-  group: int = 1
-  # Scores become softcap * tanh(scores / softcap) before the softmax.
-  softcap: float | None = None
-  # ALiBi: scores get -slope * |i + offset - j|, one slope per (batch,) head,
-  # read from a [batch or 1, heads] float32 input.
-  has_alibi: bool = False
-  # Packed sequences: query i sees key j only if their segment ids (int32
-  # [batch, seq_q] and [batch, seq_k]) are equal. Without a dense mask they
-  # narrow each program's loop bounds (see segment_block_bounds); with one,
-  # they join its tile flags.
-  has_segments: bool = False
-  # Dropout on the probabilities, drawn by jax_flash2.dropout's hash from an
-  # int32 [2] seed input; broadcast: one mask shared by every batch and head.
-  dropout_rate: float = 0.0
-  dropout_broadcast: bool = False
-  # An additive bias on the scores, read tile by tile from a [batch or 1,
-  # heads or 1, seq_q, seq_k] input (after softcap and ALiBi, before the
-  # masks); its gradient is dS, written by a kernel of its own.
-  has_bias: bool = False
 
-  @property
-  def has_dropout(self) -> bool:
-    return self.dropout_rate > 0.0
+def head_mask(problem: Problem) -> jax.Array | None:
+  """[head_dim_padded] bool, or None when no padding columns exist."""
+  if problem.head_dim == problem.head_dim_padded:
+    return None
+  return jnp.arange(problem.head_dim_padded, dtype=jnp.int32) < problem.head_dim
 
-  @property
-  def has_tile_flags(self) -> bool:
-    """Whether per-tile flags (from the dense mask, and the segment ids'
-    ranges if there are any) say which tiles can be skipped; then every
-    visited tile takes the element mask. A dense mask need not hide a
-    contiguous run of tiles, so it cannot be turned into loop bounds."""
-    return self.has_mask
 
-  @property
-  def has_segment_bounds(self) -> bool:
-    """Whether segment ids alone narrow the loops, through per-block bounds
-    (segment_block_bounds) instead of per-tile flags and conds."""
-    return self.has_segments and not self.has_mask
+def has_tile_flags(problem: Problem) -> bool:
+  """Whether per-tile flags (from the dense mask, and the segment ids'
+  ranges if there are any) say which tiles can be skipped; then every
+  visited tile takes the element mask. A dense mask need not hide a
+  contiguous run of tiles, so it cannot be turned into loop bounds."""
+  return problem.mask.dense
 
-  @property
-  def modifies_scores(self) -> bool:
-    """Whether scores need their scale applied before the softmax's max."""
-    return self.softcap is not None or self.has_alibi or self.has_bias
 
-  @property
-  def offset(self) -> int:
-    """Bottom-right alignment of the band: query i is level with key i + offset."""
-    return self.seq_k - self.seq_q
-
-  @property
-  def precision(self) -> lax.Precision | None:
-    # float32 inputs get true float32 dots, not Triton's default tf32.
-    return lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None
-
-  def head_mask(self) -> jax.Array | None:
-    """[head_dim_padded] bool, or None when no padding columns exist."""
-    if self.head_dim == self.head_dim_padded:
-      return None
-    return jnp.arange(self.head_dim_padded, dtype=jnp.int32) < self.head_dim
+def has_segment_bounds(problem: Problem) -> bool:
+  """Whether segment ids alone narrow the loops, through per-block bounds
+  (mask.segment_block_ranges) instead of per-tile flags and conds."""
+  return problem.mask.segments and not problem.mask.dense
 
 
 def dot(a: jax.Array, b: jax.Array, problem: Problem, *, trans_a=False, trans_b=False) -> jax.Array:
   """a @ b with float32 accumulation; trans_* contract over the other axis."""
   contract = ((0 if trans_a else 1,), (1 if trans_b else 0,))
   return lax.dot_general(
-      a, b, (contract, ((), ())), precision=problem.precision, preferred_element_type=jnp.float32
+      a, b, (contract, ((), ())), precision=precision(problem), preferred_element_type=jnp.float32
   )
 
 
@@ -128,7 +78,7 @@ def scores_log2(
   else:
     s, dcap = qk * (problem.softmax_scale * LOG2_E), None
   if slope is not None:
-    distance = jnp.abs(q_idx + problem.offset - k_idx).astype(jnp.float32)
+    distance = jnp.abs(q_idx + problem.mask.offset - k_idx).astype(jnp.float32)
     s = s - (slope * LOG2_E) * distance
   if bias is not None:
     s = s + bias * LOG2_E
@@ -186,103 +136,52 @@ def store_tile(ref, value: jax.Array, rows: jax.Array | None, cols: jax.Array | 
 
 
 def visible(problem: Problem, q_idx: jax.Array, k_idx: jax.Array) -> jax.Array:
-  """Which scores of a tile take part, for broadcastable query/key indices.
-
-  Pass q_idx[:, None], k_idx[None, :] for a [q, k] tile, or the transposes for
-  a [k, q] tile. Used only on tiles that cross an edge of the band or a ragged
-  sequence end; every other tile is known to be fully visible and skips this.
-  """
-  mask = (q_idx < problem.seq_q) & (k_idx < problem.seq_k)
-  if problem.window_right is not None:
-    mask &= k_idx <= q_idx + (problem.offset + problem.window_right)
-  if problem.window_left is not None:
-    mask &= k_idx >= q_idx + (problem.offset - problem.window_left)
-  return mask
+  """Which scores of a tile take part, for broadcastable query/key indices
+  (q_idx[:, None], k_idx[None, :] for a [q, k] tile, or the transposes):
+  the band and both sequence ends. Used only on tiles that cross an edge of
+  the band or a ragged end; every other tile is known to be visible whole."""
+  return problem.mask.visible(q_idx, k_idx)
 
 
-def _ordered(lo, full_lo, full_hi, hi):
-  """Clamps block bounds into lo <= full_lo <= full_hi <= hi, static where they are."""
-  if all(isinstance(x, int) for x in (lo, full_lo, full_hi, hi)):
-    return lo, full_lo, full_hi, hi
-  hi = jnp.maximum(hi, lo)
-  full_lo = jnp.clip(full_lo, lo, hi)
-  return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
+def _rows(start, block: int, seq: int):
+  """The rows of the block at `start` that exist: all `block`, or (traced)
+  fewer in a ragged last block, so that its band bounds follow its last real row."""
+  return jnp.minimum(seq - start, block) if seq % block else block
 
 
 def kv_block_range(problem: Problem, q_start, block_q: int, block_k: int):
-  """(lo, full_lo, full_hi, hi) for the K/V-block loop of a Q-outer program.
-
-  K/V blocks outside [lo, hi) hold no key this Q block sees and are skipped;
-  those in [full_lo, full_hi) are seen whole by every row and need no mask.
-  """
-  num_blocks, full_blocks = pl.cdiv(problem.seq_k, block_k), problem.seq_k // block_k
-  off, left, right = problem.offset, problem.window_left, problem.window_right
-  lo = full_lo = 0
-  full_hi, hi = full_blocks, num_blocks
-  # The block's last row that exists (rows past seq_q are never stored).
-  q_last = jnp.minimum(q_start + block_q, problem.seq_q) - 1
-  if right is not None:
-    # The band's right edge: the last row sees keys up to q_last + off +
-    # right, the first row up to q_start + off + right.
-    hi = jnp.minimum(cdiv(jnp.maximum(q_last + 1 + off + right, 0), block_k), num_blocks)
-    full_hi = jnp.minimum(floordiv(jnp.maximum(q_start + 1 + off + right, 0), block_k), full_blocks)
-  if left is not None:
-    # The left edge: the first row sees keys from q_start + off - left, the
-    # last row from q_last + off - left.
-    lo = jnp.minimum(floordiv(jnp.maximum(q_start + off - left, 0), block_k), num_blocks)
-    full_lo = cdiv(jnp.maximum(q_last + off - left, 0), block_k)
-  return _ordered(lo, full_lo, full_hi, hi)
+  """(lo, full_lo, full_hi, hi) for the K/V-block loop of a Q-outer program
+  (mask.Mask.kv_blocks): blocks outside [lo, hi) are skipped, those in
+  [full_lo, full_hi) need no element mask."""
+  rows = _rows(q_start, block_q, problem.seq_q)
+  return problem.mask.kv_blocks(q_start, rows, block_k, mask_lib.LAX)
 
 
 def q_block_range(problem: Problem, k_start, block_q: int, block_k: int):
-  """(lo, full_lo, full_hi, hi) for the Q-block loop of a KV-outer program.
-
-  Q blocks outside [lo, hi) see none of this K/V block and are skipped; those
-  in [full_lo, full_hi) see all of it from every row and need no mask.
-  """
-  num_blocks, full_blocks = pl.cdiv(problem.seq_q, block_q), problem.seq_q // block_q
-  off, left, right = problem.offset, problem.window_left, problem.window_right
-  lo = full_lo = 0
-  full_hi, hi = full_blocks, num_blocks
-  if right is not None:
-    # Row i sees key j only if i >= j - off - right: the block's first key
-    # bounds the first row that sees anything, its last key the first row
-    # that sees everything.
-    lo = jnp.minimum(floordiv(jnp.maximum(k_start - off - right, 0), block_q), num_blocks)
-    full_lo = cdiv(jnp.maximum(k_start + block_k - 1 - off - right, 0), block_q)
-  if left is not None:
-    # Row i sees key j only if i <= j - off + left; j up to the block's last
-    # key that exists.
-    k_last = jnp.minimum(k_start + block_k, problem.seq_k) - 1
-    hi = jnp.minimum(cdiv(jnp.maximum(k_last + 1 - off + left, 0), block_q), num_blocks)
-    full_hi = jnp.minimum(floordiv(jnp.maximum(k_start - off + left + 1, 0), block_q), full_blocks)
+  """(lo, full_lo, full_hi, hi) for the Q-block loop of a K/V-outer program
+  (mask.Mask.q_blocks), with a ragged last K/V block never in the full
+  stretch: its keys past seq_k must be masked against every Q block."""
+  rows = _rows(k_start, block_k, problem.seq_k)
+  lo, full_lo, full_hi, hi = problem.mask.q_blocks(k_start, rows, block_q, mask_lib.LAX)
   if problem.seq_k % block_k:
-    # The ragged last K/V block is masked against every Q block. Written as
-    # integer arithmetic (missing > 0 only for that block): a jnp.where on
-    # these scalar bounds crashed the Triton lowering ('i1' * 'i64').
+    # Written as integer arithmetic (missing > 0 only for the last block): a
+    # jnp.where on these scalar bounds crashed the Triton lowering ('i1' * 'i64').
+    num_blocks = pl.cdiv(problem.seq_q, block_q)
     missing = block_k - jnp.minimum(problem.seq_k - k_start, block_k)
-    full_lo = jnp.minimum(full_lo + missing * num_blocks, num_blocks)
-  return _ordered(lo, full_lo, full_hi, hi)
+    full_lo = jnp.minimum(full_lo + missing * num_blocks, hi)
+    full_hi = jnp.maximum(full_hi, full_lo)
+  return lo, full_lo, full_hi, hi
 
 
 def within_segments(opt: OptionalRefs, outer_block, bounds: tuple) -> tuple:
   """A program's band bounds (lo, full_lo, full_hi, hi), from
   `kv_block_range` or `q_block_range`, narrowed to its outer block's
-  segment bounds (`segment_block_bounds`); unchanged without those.
-
-  A block outside either [lo, hi) holds no visible pair, and one inside both
-  full stretches is wholly visible under the band and the segments alike,
-  so interior blocks of a segment run without the element mask or a cond.
-  """
+  segment bounds (mask.segment_block_ranges); unchanged without those.
+  Interior blocks of a segment then run without the element mask or a cond."""
   if opt.segment_bounds is None:
     return bounds
-  lo, full_lo, full_hi, hi = bounds
-  seg_lo, seg_full_lo, seg_full_hi, seg_hi = (opt.segment_bounds[outer_block, j] for j in range(4))
-  # Integer max/min of scalars only (see the jnp.where note in q_block_range).
-  return _ordered(
-      jnp.maximum(lo, seg_lo), jnp.maximum(full_lo, seg_full_lo), jnp.minimum(full_hi, seg_full_hi),
-      jnp.minimum(hi, seg_hi),
-  )
+  segment = tuple(opt.segment_bounds[outer_block, j] for j in range(4))
+  return mask_lib.intersect(bounds, segment, mask_lib.LAX)
 
 
 def split_loop(
@@ -330,104 +229,6 @@ def skip_hidden_blocks(step: Callable[[Any, Any, bool], Any], block_visible: Cal
   return gated
 
 
-def block_flags(
-    mask: jax.Array, segment_ranges: SegmentRanges | None, block_q: int, block_k: int
-) -> jax.Array:
-  """int32 [batch or 1, heads or 1, Q blocks, K blocks]: 0 where a tile is
-  surely hidden (by the dense mask, or because its query and key segment-id
-  ranges do not overlap), 1 where it may hold a visible score."""
-  bm, hm, seq_q, seq_k = mask.shape
-  nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
-  padded = jnp.pad(mask != 0, ((0, 0), (0, 0), (0, nq * block_q - seq_q), (0, nk * block_k - seq_k)))
-  flags = jnp.any(padded.reshape(bm, hm, nq, block_q, nk, block_k), axis=(3, 5))
-  if segment_ranges is not None:
-    (q_lo, q_hi), (k_lo, k_hi) = segment_ranges.queries(block_q), segment_ranges.keys(block_k)
-    # Disjoint id ranges share no id; overlapping ones may (exactly so for
-    # sorted ids, as in packed sequences).
-    overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
-    flags &= overlap[:, None]
-  return flags.astype(jnp.int32)
-
-
-def segment_block_bounds(
-    outer: tuple[jax.Array, jax.Array], inner: tuple[jax.Array, jax.Array]
-) -> jax.Array:
-  """int32 [batch, outer blocks, 4]: (lo, full_lo, full_hi, hi) over the
-  inner loop's blocks for each outer block, from both sides' per-block (min,
-  max) segment ids ([batch, blocks] each, `SegmentRanges`). Outer and inner
-  are Q and K/V blocks for the forward and dQ kernels, K/V and Q blocks for
-  the dK/dV kernel.
-
-  [lo, hi) is the hull of the inner blocks whose id range overlaps the outer
-  block's: beyond it no id is shared. In [full_lo, full_hi) the outer and
-  the inner block each hold a single id, the same one, so every pair is
-  visible under the segments. For sorted ids (packed sequences) the
-  overlapping blocks are contiguous and the full ones a run inside them, so
-  nothing is wasted. Unsorted ids stay correct: hull blocks outside the full
-  stretch take the element mask, and one sharing no id adds nothing. An outer
-  block that shares no id at all gets the empty range [n, n).
-  """
-  (outer_min, outer_max), (inner_min, inner_max) = outer, inner
-  n = inner_min.shape[1]
-  blocks = jnp.arange(n, dtype=jnp.int32)
-  # [batch, outer blocks, inner blocks], as block_flags: 128 x 128 per row
-  # at 16k with 128-row blocks, reduced over the last axis in one fusion.
-  overlap = (outer_min[:, :, None] <= inner_max[:, None, :]) & (inner_min[:, None, :] <= outer_max[:, :, None])
-  full = (
-      (outer_min == outer_max)[:, :, None] & (inner_min == inner_max)[:, None, :]
-      & (outer_min[:, :, None] == inner_min[:, None, :])
-  )
-  first = lambda where: jnp.min(jnp.where(where, blocks, n), axis=2)
-  lo, hi = first(overlap), jnp.max(jnp.where(overlap, blocks + 1, 0), axis=2)
-  full_lo = first(full)
-  # Under unsorted ids full blocks may lie apart: the stretch ends at the
-  # first block after full_lo that is not full.
-  full_hi = first(~full & (blocks >= full_lo[:, :, None]))
-  return jnp.stack(_ordered(lo, full_lo, full_hi, hi), axis=-1).astype(jnp.int32)
-
-
-class SegmentRanges:
-  """The per-block (min, max) segment ids of one pass's query and key ids,
-  derived once per block size and shared by the pass's kernels.
-
-  Every kernel's loop bounds (`segment_block_bounds`) and tile flags
-  (`block_flags`) come from these. `backward` builds one for its dK/dV and dQ
-  kernels, which often tile a side alike (e.g. 64-row Q blocks in both);
-  the forward and the backward are separate calls (their own
-  custom_partitioning bodies, jax_flash2.sharding), so each derives its own:
-  one pass over int32 ids, negligible next to the attention and cheaper
-  than carrying the bounds as residuals.
-  """
-
-  def __init__(self, q_ids: jax.Array, kv_ids: jax.Array):
-    self._ids = {"q": q_ids, "kv": kv_ids}
-    self._ranges: dict[tuple[str, int], tuple[jax.Array, jax.Array]] = {}
-
-  def queries(self, block: int) -> tuple[jax.Array, jax.Array]:
-    """(min, max) query segment id of each block of `block` rows: [batch, Q blocks]."""
-    return self._of("q", block)
-
-  def keys(self, block: int) -> tuple[jax.Array, jax.Array]:
-    """(min, max) key segment id of each block of `block` rows: [batch, K blocks]."""
-    return self._of("kv", block)
-
-  def _of(self, side: str, block: int) -> tuple[jax.Array, jax.Array]:
-    if (side, block) not in self._ranges:
-      self._ranges[side, block] = _segment_ranges(self._ids[side], block)
-    return self._ranges[side, block]
-
-
-def _segment_ranges(ids: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-  """(min, max) segment id of each block of a [batch, seq] array: [batch, blocks].
-  Padding past a ragged end counts for neither."""
-  batch, seq = ids.shape
-  n = -(-seq // block)
-  info = jnp.iinfo(jnp.int32)
-  low = jnp.pad(ids, ((0, 0), (0, n * block - seq)), constant_values=info.max).reshape(batch, n, block)
-  high = jnp.pad(ids, ((0, 0), (0, n * block - seq)), constant_values=info.min).reshape(batch, n, block)
-  return low.min(axis=2), high.max(axis=2)
-
-
 def _slab_spec(array: jax.Array, block_shape: tuple, heads_per_program: int) -> pl.BlockSpec:
   """A [batch or 1, heads or 1, ...] array's slab for a program of a grid
   (blocks, batch, heads): broadcast batch/head axes read index 0, and with
@@ -454,59 +255,45 @@ def segment_spec(seq: int, block: int) -> pl.BlockSpec:
   return pl.BlockSpec((None, round_up(seq, block)), lambda i, b, h: (b, 0))
 
 
-class OptionalInputs(NamedTuple):
-  """The optional input arrays of one call, None where the problem has none.
-
-  mask: int8 [batch or 1, heads or 1, seq_q, seq_k], nonzero = visible.
-  segments: int32 (q segment ids [batch, seq_q], kv segment ids [batch, seq_k]).
-  slopes: float32 ALiBi slopes [batch or 1, heads].
-  seed: int32 [2], the dropout seed (jax_flash2.dropout.seed_words).
-  bias: float [batch or 1, heads or 1, seq_q, seq_k], added to the scores.
-  """
-
-  mask: jax.Array | None = None
-  segments: tuple[jax.Array, jax.Array] | None = None
-  slopes: jax.Array | None = None
-  seed: jax.Array | None = None
-  bias: jax.Array | None = None
-  # The segments' per-block ranges, set by `share_segment_ranges` where one
-  # pass runs several kernels; None: each kernel derives its own.
-  segment_ranges: SegmentRanges | None = None
-
-
-def share_segment_ranges(optional: OptionalInputs) -> OptionalInputs:
-  """`optional` with one SegmentRanges for all the kernels it is passed to."""
-  if optional.segments is None or optional.segment_ranges is not None:
-    return optional
-  return optional._replace(segment_ranges=SegmentRanges(*optional.segments))
+def segment_ranges(operands: Operands) -> mask_lib.SegmentRanges | None:
+  """The per-block segment-id ranges of a call's ids, None without ids; one
+  serves every kernel of a pass (they often tile a side alike)."""
+  if operands.q_segment_ids is None:
+    return None
+  return mask_lib.SegmentRanges(operands.q_segment_ids, operands.kv_segment_ids)
 
 
 def with_optional_inputs(
     in_specs: list,
     args: list,
-    optional: OptionalInputs,
+    operands: Operands,
     block_q: int,
     block_k: int,
     heads_per_program: int = 1,
     kv_outer: bool = False,
+    ranges: mask_lib.SegmentRanges | None = None,
 ) -> tuple[list, list]:
-  """Appends the optional inputs a problem has, in the order `split_refs`
+  """Appends the optional inputs a call has, in the order `split_refs`
   takes them apart: the dense mask and its tile flags (for these tiles), or
   else the segment bounds; the query and key segment ids, the ALiBi slopes,
   the dropout seed, the bias. kv_outer: the programs own K/V blocks and loop
-  over Q blocks (the dK/dV kernel), which the segment bounds follow."""
+  over Q blocks (the dK/dV kernel), which the segment bounds follow. ranges:
+  the segment ranges shared by a pass's kernels (derived here if None)."""
   in_specs, args = list(in_specs), list(args)
-  mask, segments, alibi_slopes, seed, bias, ranges = share_segment_ranges(optional)
+  mask, alibi_slopes, seed, bias = operands.mask, operands.alibi_slopes, operands.dropout_seed, operands.bias
+  segments = None if operands.q_segment_ids is None else (operands.q_segment_ids, operands.kv_segment_ids)
+  if ranges is None:
+    ranges = segment_ranges(operands)
   if mask is not None:
     seq_q, seq_k = mask.shape[2:]
     in_specs.append(_slab_spec(mask, (round_up(seq_q, block_q), round_up(seq_k, block_k)), heads_per_program))
     args.append(mask)
-    flags = block_flags(mask, ranges, block_q, block_k)
+    flags = mask_lib.block_flags(mask, ranges, block_q, block_k)
     in_specs.append(_slab_spec(flags, flags.shape[2:], heads_per_program))
     args.append(flags)
   elif segments is not None:
     q_ranges, kv_ranges = ranges.queries(block_q), ranges.keys(block_k)
-    bounds = segment_block_bounds(*((kv_ranges, q_ranges) if kv_outer else (q_ranges, kv_ranges)))
+    bounds = mask_lib.segment_block_ranges(*((kv_ranges, q_ranges) if kv_outer else (q_ranges, kv_ranges)))
     in_specs.append(pl.BlockSpec((None, *bounds.shape[1:]), lambda i, b, h: (b, 0, 0)))
     args.append(bounds)
   if segments is not None:
@@ -551,10 +338,10 @@ def split_refs(refs, problem: Problem) -> tuple:
   `with_optional_inputs` appends them."""
   refs = list(refs)
   take = lambda present: refs.pop(0) if present else None
-  mask = take(problem.has_mask)
-  flags = take(problem.has_tile_flags)
-  segment_bounds = take(problem.has_segment_bounds)
-  q_segments, kv_segments = take(problem.has_segments), take(problem.has_segments)
+  mask = take(problem.mask.dense)
+  flags = take(has_tile_flags(problem))
+  segment_bounds = take(has_segment_bounds(problem))
+  q_segments, kv_segments = take(problem.mask.segments), take(problem.mask.segments)
   slopes = take(problem.has_alibi)
   seed = take(problem.has_dropout)
   bias = take(problem.has_bias)
@@ -620,16 +407,6 @@ def bias_tile(opt: OptionalRefs, problem: Problem, q_start, k_start, block_q: in
   if opt.bias is None:
     return None
   return _load_score_tile(opt.bias, problem, q_start, k_start, block_q, block_k, head).astype(jnp.float32)
-
-
-def floordiv(a: jax.Array, b: int) -> jax.Array:
-  """Division of a non-negative traced int32 by a static int (int32 even under x64)."""
-  return lax.div(a, jnp.int32(b))
-
-
-def cdiv(a: jax.Array, b: int) -> jax.Array:
-  """Ceiling division of a non-negative traced int32 by a static int."""
-  return floordiv(a + (b - 1), b)
 
 
 def round_up(n: int, block: int) -> int:

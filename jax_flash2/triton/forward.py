@@ -7,8 +7,8 @@ K/V head) past it. The output is divided by `l_i` once, at the end, and the
 log-sum-exp of each row is written for the backward pass.
 
 The loop visits only the K/V blocks inside the causal or window band
-(`tiles.kv_block_range`) and, with segment ids, inside the Q block's
-segments (`tiles.within_segments`); of those, only the blocks crossing an
+(`common.kv_block_range`) and, with segment ids, inside the Q block's
+segments (`common.within_segments`); of those, only the blocks crossing an
 edge of the band, a segment boundary, a ragged end or a dense mask apply the
 element mask, and tiles a dense mask hides entirely are skipped.
 """
@@ -22,26 +22,27 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jax_flash2.config import KernelConfig
-from jax_flash2.triton import tiles
-from jax_flash2.triton.tiles import LN_2, LOG2_E, Problem
+from jax_flash2.problem import Operands, Problem
+from jax_flash2.triton import common
+from jax_flash2.triton.common import LN_2, LOG2_E
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, block_k: int):
   # q_ref, o_ref: [block_q, D]; k_ref, v_ref: [seq_k, D]; lse_ref: [block_q];
-  # opt (tiles.OptionalRefs): the dense mask [seq_q, seq_k], the tile flags
+  # opt (common.OptionalRefs): the dense mask [seq_q, seq_k], the tile flags
   # [Q blocks, K blocks], the segment bounds [Q blocks, 4], segment ids
   # [seq_q] and [seq_k], this head's ALiBi slope [], the dropout seed [2],
   # the bias [seq_q, seq_k], each where the problem has it.
-  opt, o_ref, lse_ref = tiles.split_refs(refs, problem)
+  opt, o_ref, lse_ref = common.split_refs(refs, problem)
   seq_q, seq_k = problem.seq_q, problem.seq_k
-  q_block = tiles.q_block_of_program(pl.program_id(0), seq_q, block_q)
+  q_block = common.q_block_of_program(pl.program_id(0), seq_q, block_q)
   q_start = q_block * block_q
-  q_idx = tiles.indices(q_start, block_q)
-  cols = problem.head_mask()
+  q_idx = common.indices(q_start, block_q)
+  cols = common.head_mask(problem)
   ragged_q = seq_q % block_q != 0
   q_rows = q_idx < seq_q if ragged_q else None
 
-  q = tiles.load_tile(q_ref, q_rows, cols)
+  q = common.load_tile(q_ref, q_rows, cols)
   # The softmax scale and the change to base 2 fold into one factor. Scores
   # stay unscaled; m_i is kept scaled, so each score costs a single FMA
   # (s * qk_scale - m) on its way into exp2. A softcap, ALiBi or a bias needs
@@ -49,21 +50,21 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   qk_scale = problem.softmax_scale * LOG2_E
   log2_domain = (lambda s: s) if problem.modifies_scores else (lambda s: s * qk_scale)
   slope = opt.slopes[...] if opt.slopes is not None else None
-  head = tiles.dropout_head(problem, pl.program_id(1), pl.program_id(2), pl.num_programs(2))
+  head = common.dropout_head(problem, pl.program_id(1), pl.program_id(2), pl.num_programs(2))
 
   def step(kb, carry, masked: bool):
     acc, m_i, l_i = carry
     k_start = kb * block_k
-    k_idx = tiles.indices(k_start, block_k)
+    k_idx = common.indices(k_start, block_k)
     k_rows = k_idx < seq_k if (masked and seq_k % block_k) else None
-    k = tiles.load_tile(k_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
-    s = tiles.dot(q, k, problem, trans_b=True)  # [block_q, block_k]
+    k = common.load_tile(k_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
+    s = common.dot(q, k, problem, trans_b=True)  # [block_q, block_k]
     if problem.modifies_scores:
-      bias = tiles.bias_tile(opt, problem, q_start, k_start, block_q, block_k)
-      s = tiles.scores_log2(s, problem, q_idx[:, None], k_idx[None, :], slope, bias)[0]
+      bias = common.bias_tile(opt, problem, q_start, k_start, block_q, block_k)
+      s = common.scores_log2(s, problem, q_idx[:, None], k_idx[None, :], slope, bias)[0]
     if masked:
-      visible = tiles.visible(problem, q_idx[:, None], k_idx[None, :])
-      extra = tiles.extra_visible(opt, problem, q_start, k_start, block_q, block_k)
+      visible = common.visible(problem, q_idx[:, None], k_idx[None, :])
+      extra = common.extra_visible(opt, problem, q_start, k_start, block_q, block_k)
       if extra is not None:
         visible &= extra
       s = jnp.where(visible, s, -jnp.inf)
@@ -76,23 +77,23 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
     alpha = jnp.exp2(m_i - m_new)  # rescales what was accumulated under the old max
     p = jnp.exp2(log2_domain(s) - m_new[:, None])
     l_i = l_i * alpha + jnp.sum(p, axis=1)
-    v = tiles.load_tile(v_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
+    v = common.load_tile(v_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
     # Dropout thins what reaches the output, not the normaliser: l_i (and the
     # lse) stay those of the full softmax, as in dropout(softmax(s)) @ v.
-    drop = tiles.dropout_multiplier(opt, problem, head, q_idx[:, None], k_idx[None, :])
+    drop = common.dropout_multiplier(opt, problem, head, q_idx[:, None], k_idx[None, :])
     p_v = p if drop is None else p * drop
-    acc = acc * alpha[:, None] + tiles.dot(p_v.astype(v.dtype), v, problem)
+    acc = acc * alpha[:, None] + common.dot(p_v.astype(v.dtype), v, problem)
     return acc, m_new, l_i
 
-  band = tiles.kv_block_range(problem, q_start, block_q, block_k)
-  lo, full_lo, full_hi, hi = tiles.within_segments(opt, q_block, band)
-  if problem.has_tile_flags:
-    step = tiles.skip_hidden_blocks(step, lambda kb: opt.flags[q_block, kb] != 0)
+  band = common.kv_block_range(problem, q_start, block_q, block_k)
+  lo, full_lo, full_hi, hi = common.within_segments(opt, q_block, band)
+  if common.has_tile_flags(problem):
+    step = common.skip_hidden_blocks(step, lambda kb: opt.flags[q_block, kb] != 0)
     full_lo = full_hi = lo  # every visible tile takes the element mask
   acc = jnp.zeros((block_q, problem.head_dim_padded), jnp.float32)
   m_i = jnp.full((block_q,), -jnp.inf, jnp.float32)
   l_i = jnp.zeros((block_q,), jnp.float32)
-  acc, m_i, l_i = tiles.split_loop(step, (acc, m_i, l_i), lo, full_lo, full_hi, hi)
+  acc, m_i, l_i = common.split_loop(step, (acc, m_i, l_i), lo, full_lo, full_hi, hi)
 
   # Rows that saw no key (outside the band, e.g. causal with seq_q > seq_k,
   # or under a dense mask) have l_i = 0: they get zeros and lse = -inf
@@ -100,16 +101,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   seen = l_i > 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
   out = acc / l_safe[:, None]
-  tiles.store_tile(o_ref, out.astype(o_ref.dtype), q_rows, cols)
+  common.store_tile(o_ref, out.astype(o_ref.dtype), q_rows, cols)
   lse = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN_2, -jnp.inf)
-  tiles.store(lse_ref, lse, q_rows)
+  common.store(lse_ref, lse, q_rows)
 
 
 def forward(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    optional: tiles.OptionalInputs,
+    operands: Operands,
     problem: Problem,
     config: KernelConfig,
     *,
@@ -119,8 +120,8 @@ def forward(
 
   Args:
     q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads // group, head_dim].
-    optional: the mask, segment ids, ALiBi slopes and dropout seed the
-      problem has (see tiles.OptionalInputs).
+    operands: the mask, segment ids, ALiBi slopes and dropout seed the
+      problem has (see Operands).
 
   Returns:
     out: like q. lse: float32 [batch, heads, seq_q], natural log.
@@ -133,20 +134,20 @@ def forward(
   # Q blocks are the fastest-varying grid axis, so programs running together
   # share one (batch, head) and hit the same K/V in L2.
   grid = (pl.cdiv(seq_q, bq), batch, heads)
-  kv_spec = tiles.whole_seq_spec(seq_k, bk, d, head_divisor=problem.group)
-  in_specs, args = tiles.with_optional_inputs(
-      [tiles.rows_spec(bq, d, seq_q), kv_spec, kv_spec], [q, k, v], optional, bq, bk
+  kv_spec = common.whole_seq_spec(seq_k, bk, d, head_divisor=problem.group)
+  in_specs, args = common.with_optional_inputs(
+      [common.rows_spec(bq, d, seq_q), kv_spec, kv_spec], [q, k, v], operands, bq, bk
   )
   return pl.pallas_call(
       kernel,
       grid=grid,
       in_specs=in_specs,
-      out_specs=[tiles.rows_spec(bq, d, seq_q), tiles.row_vector_spec(bq, seq_q)],
+      out_specs=[common.rows_spec(bq, d, seq_q), common.row_vector_spec(bq, seq_q)],
       out_shape=[
-          tiles.out_struct(q.shape, q.dtype, *args),
-          tiles.out_struct((batch, heads, seq_q), jnp.float32, *args),
+          common.out_struct(q.shape, q.dtype, *args),
+          common.out_struct((batch, heads, seq_q), jnp.float32, *args),
       ],
-      compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
+      compiler_params=common.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name="flash2_fwd",
   )(*args)

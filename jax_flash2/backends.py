@@ -1,0 +1,337 @@
+"""The backends: which kernels serve a problem on a device, and how each runs.
+
+A backend says, for each pass, whether it serves a `Problem` on a `Device`
+and, if not, why (a sentence). `choose` is the one place that decides what
+runs: "auto" takes, pass by pass, the first backend that serves, in the
+measured order (the Mosaic GPU kernels, then the Triton-lowering kernels,
+then plain XLA); an explicit backend runs where it serves. `plan()` and
+`flash_attention` both go through it, so what a plan says is what runs.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash2 import defaults, reference
+from jax_flash2.config import BlockSizes, MosaicBackwardConfig, MosaicConfig, MosaicForwardConfig
+from jax_flash2.mosaic import backward as mosaic_backward
+from jax_flash2.mosaic import backward_fused as mosaic_backward_fused
+from jax_flash2.mosaic import backward_wide as mosaic_backward_wide
+from jax_flash2.mosaic import common as mosaic_common
+from jax_flash2.mosaic import forward as mosaic_forward
+from jax_flash2.problem import Operands, Problem
+from jax_flash2.triton import backward as triton_backward
+from jax_flash2.triton import forward as triton_forward
+
+# The Pallas Triton lowering supports NVIDIA GPUs from this compute capability on.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+class Backend(enum.Enum):
+  """What runs the attention: `AUTO` picks per pass (see `choose`)."""
+
+  AUTO = "auto"
+  MOSAIC = "mosaic"
+  TRITON = "triton"
+  XLA = "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  """Where a call runs, as the backends see it.
+
+  compute_capability: the NVIDIA GPU's (major, minor), None off such GPUs.
+  interpret: the Pallas kernels run in interpret mode (any platform).
+  """
+
+  compute_capability: tuple[int, int] | None
+  interpret: bool = False
+
+  def describe(self) -> str:
+    if self.compute_capability is None:
+      return f"the default device is {jax.devices()[0].platform}, not an NVIDIA GPU"
+    return "the GPU has compute capability {}.{}".format(*self.compute_capability)
+
+
+def default_compute_capability() -> tuple[int, int] | None:
+  """The default device's compute capability when it is an NVIDIA GPU."""
+  device = jax.devices()[0]
+  capability = getattr(device, "compute_capability", None)
+  if device.platform != "gpu" or capability is None:
+    return None
+  major, minor = (int(x) for x in str(capability).split(".")[:2])
+  return major, minor
+
+
+@dataclasses.dataclass(frozen=True)
+class PassPlan:
+  """How one pass runs.
+
+  backend: "mosaic", "triton" or "xla".
+  config: the kernels' tiling (a MosaicForwardConfig or MosaicBackwardConfig,
+    the Triton kernels' BlockSizes), None for XLA.
+  reason: why a backend ahead of this one in the order does not serve the
+    pass (None when the first one does).
+  """
+
+  backend: str
+  config: Any = None
+  reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Which backend runs each pass of a call (see `jax_flash2.plan`)."""
+
+  forward: PassPlan
+  backward: PassPlan
+  interpret: bool = False
+
+  @property
+  def kernels(self) -> bool:
+    """Whether the passes run Pallas kernels (joined by a custom_vjp), not XLA."""
+    return self.forward.backend != Backend.XLA.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """Everything static about one kernel call: hashable, so jit caches on it."""
+
+  problem: Problem
+  plan: Plan
+
+  @property
+  def interpret(self) -> bool:
+    return self.plan.interpret
+
+
+class Kernels(abc.ABC):
+  """A family of Pallas kernels serving both passes."""
+
+  name: str
+
+  @abc.abstractmethod
+  def runs_on(self, device: Device, *, auto: bool) -> str | None:
+    """None if the kernels run on `device`, else why not."""
+
+  @abc.abstractmethod
+  def serves(self, problem: Problem, *, backward: bool, auto: bool) -> str | None:
+    """None if the kernels serve the forward (or the backward) pass of
+    `problem`, else why not. auto: "auto" asks, which also weighs whether
+    they are the faster choice."""
+
+  @abc.abstractmethod
+  def forward_config(self, problem: Problem, block_sizes: BlockSizes | None, mosaic: MosaicConfig | None): ...
+
+  @abc.abstractmethod
+  def backward_config(self, problem: Problem, block_sizes: BlockSizes | None, mosaic: MosaicConfig | None): ...
+
+  @abc.abstractmethod
+  def forward(self, q, k, v, operands: Operands, problem: Problem, config, *, interpret: bool):
+    """(out like q, lse float32 [batch, heads, seq_q])."""
+
+  @abc.abstractmethod
+  def backward(self, q, k, v, out, lse, do, dlse, operands: Operands, problem: Problem, config, *,
+               interpret: bool):
+    """(dq, dk, dv), each like its primal."""
+
+  def bias_gradient(self, q, k, v, out, lse, do, dlse, operands: Operands, problem: Problem, config, *,
+                    interpret: bool):
+    """dS, float32 [batch, heads, seq_q, seq_k]: the bias's gradient before
+    the sum over its broadcast axes (for families that serve a bias)."""
+    raise NotImplementedError(f"the {self.name} kernels take no bias")
+
+  def partitionable(self, interpret: bool) -> bool:
+    """Whether the kernels may be wrapped in a custom_partitioning."""
+    return True
+
+
+class TritonKernels(Kernels):
+  """The Pallas Triton-lowering kernels: every option, any NVIDIA GPU from
+  Ampere on, and Pallas interpret mode anywhere."""
+
+  name = Backend.TRITON.value
+
+  def runs_on(self, device, *, auto):
+    capability = device.compute_capability
+    if device.interpret or (capability is not None and capability >= MIN_COMPUTE_CAPABILITY):
+      return None
+    return (f"the Triton kernels need an NVIDIA GPU of compute capability {MIN_COMPUTE_CAPABILITY[0]}.0 or "
+            f"newer, or interpret=True: {device.describe()}")
+
+  def serves(self, problem, *, backward, auto):
+    return None
+
+  def _block_sizes(self, problem: Problem, block_sizes: BlockSizes | None) -> BlockSizes:
+    if block_sizes is None:
+      block_sizes = defaults.block_sizes(problem.head_dim_padded, problem.causal, has_bias=problem.has_bias)
+    return block_sizes.fit(problem.seq_q, problem.seq_k)
+
+  def forward_config(self, problem, block_sizes, mosaic):
+    return self._block_sizes(problem, block_sizes)
+
+  def backward_config(self, problem, block_sizes, mosaic):
+    return self._block_sizes(problem, block_sizes)
+
+  def forward(self, q, k, v, operands, problem, config, *, interpret):
+    return triton_forward.forward(q, k, v, operands, problem, config.fwd, interpret=interpret)
+
+  def backward(self, q, k, v, out, lse, do, dlse, operands, problem, config, *, interpret):
+    return triton_backward.backward(q, k, v, out, lse, do, dlse, operands, problem, config, interpret=interpret)
+
+  def bias_gradient(self, q, k, v, out, lse, do, dlse, operands, problem, config, *, interpret):
+    return triton_backward.bias_gradient(q, k, v, out, lse, do, dlse, operands, problem, config,
+                                         interpret=interpret)
+
+
+class MosaicKernels(Kernels):
+  """The Pallas Mosaic GPU kernels for Hopper: bf16/fp16, head_dim 64, 128
+  and 256, full or causal attention with GQA and any lengths (ragged ones
+  padded to whole blocks inside), no other option."""
+
+  name = Backend.MOSAIC.value
+
+  def runs_on(self, device, *, auto):
+    if device.interpret:
+      return "interpret=True runs the Triton kernels unless backend='mosaic' asks for Mosaic's interpreter" if auto else None
+    if (device.compute_capability or (0, 0))[0] != 9:
+      # wgmma, TMA and setmaxnreg are sm_90a instructions.
+      return f"the Mosaic kernels need a Hopper GPU (compute capability 9.x): {device.describe()}"
+    return None
+
+  def serves(self, problem, *, backward, auto):
+    del backward  # both passes serve the same problems
+    if jnp.dtype(problem.dtype) not in mosaic_common.SUPPORTED_DTYPES:
+      return f"the Mosaic kernels take bfloat16 and float16, not {problem.dtype}"
+    if problem.head_dim not in mosaic_common.SUPPORTED_HEAD_DIMS:
+      return f"the Mosaic kernels take head_dim 64, 128 or 256, not {problem.head_dim}"
+    if not problem.is_plain:
+      return f"the Mosaic kernels serve full and causal attention only, not {_options(problem)}"
+    if auto and not defaults.mosaic_pays_for_padding(problem.seq_q, problem.seq_k):
+      return (f"ragged lengths under {defaults.HOPPER_RAGGED_MIN_SEQ} run faster on the Triton kernels "
+              f"(padding to whole {defaults.MOSAIC_BLOCK_ROWS}-row blocks costs more than the Mosaic kernels gain)")
+    return None
+
+  def forward_config(self, problem, block_sizes, mosaic):
+    if mosaic is not None and mosaic.forward is not None:
+      return mosaic.forward
+    return defaults.mosaic_forward(problem.head_dim, seq_q=problem.seq_q, causal=problem.causal)
+
+  def backward_config(self, problem, block_sizes, mosaic):
+    if mosaic is not None and mosaic.backward is not None:
+      return mosaic.backward
+    return defaults.mosaic_backward(problem.head_dim)
+
+  def forward(self, q, k, v, operands, problem, config: MosaicForwardConfig, *, interpret):
+    del operands  # a plain problem has none
+    return mosaic_forward.forward(q, k, v, causal=problem.causal, softmax_scale=problem.softmax_scale,
+                                  config=config, interpret=interpret)
+
+  def backward(self, q, k, v, out, lse, do, dlse, operands, problem, config: MosaicBackwardConfig, *, interpret):
+    del operands
+    # delta = rowsum(dO * O) - dlse comes from the Triton kernels' small delta kernel.
+    delta = triton_backward.backward_delta(out, do, dlse, problem, interpret=interpret)
+    if problem.head_dim in mosaic_common.WIDE_HEAD_DIMS:
+      kernels = mosaic_backward_wide
+    elif config.fused_dq:
+      kernels = mosaic_backward_fused
+    else:
+      kernels = mosaic_backward
+    return kernels.backward(q, k, v, do, lse, delta, causal=problem.causal, softmax_scale=problem.softmax_scale,
+                            config=config, interpret=interpret)
+
+  def partitionable(self, interpret):
+    # Mosaic's interpreter steps a kernel through ordered io_callbacks, which
+    # custom_partitioning cannot lower under jit.
+    return not interpret
+
+
+def _options(problem: Problem) -> str:
+  """The options of `problem` that make it more than full or causal attention."""
+  mask = problem.mask
+  names = []
+  if mask.left is not None or mask.right not in (None, 0):
+    names.append("a window")
+  names += [name for name, present in (
+      ("a dense mask", mask.dense), ("segment ids", mask.segments), ("a softcap", problem.softcap is not None),
+      ("ALiBi", problem.has_alibi), ("dropout", problem.has_dropout), ("a bias", problem.has_bias)) if present]
+  return ", ".join(names)
+
+
+TRITON = TritonKernels()
+MOSAIC = MosaicKernels()
+# The measured order: the first that serves a pass runs it under "auto".
+ORDER: tuple[Kernels, ...] = (MOSAIC, TRITON)
+_BY_NAME = {kernels.name: kernels for kernels in ORDER}
+
+
+def kernels(name: str) -> Kernels:
+  """The kernel family of a PassPlan's backend name."""
+  return _BY_NAME[name]
+
+
+def xla_attention(q, k, v, operands: Operands, problem: Problem):
+  """(out, lse) of the plain XLA path (reference.attention in float32),
+  differentiated by JAX itself: quadratic memory, any derivative order."""
+  mask = problem.mask
+  return reference.attention(
+      q, k, v, mask=operands.mask, window_size=(mask.left, mask.right), softcap=problem.softcap,
+      alibi_slopes=operands.alibi_slopes, q_segment_ids=operands.q_segment_ids,
+      kv_segment_ids=operands.kv_segment_ids, softmax_scale=problem.softmax_scale,
+      dropout_rate=problem.dropout_rate, dropout_seed=operands.dropout_seed, dropout_broadcast=problem.dropout_broadcast,
+      bias=operands.bias, compute_dtype=jnp.float32,
+  )
+
+
+def choose(problem: Problem, device: Device, backend: Backend, *, block_sizes: BlockSizes | None = None,
+           mosaic_config: MosaicConfig | None = None) -> Plan:
+  """The plan of one call: which backend runs each pass, with which config.
+
+  "auto" takes, for each pass, the first kernel family in ORDER that runs on
+  the device and serves the pass, and XLA if none does (then for both
+  passes: the XLA path differentiates itself). "mosaic" takes the Mosaic
+  kernels where they serve a pass and the Triton kernels for the rest;
+  "triton" the Triton kernels; "xla" XLA.
+
+  Raises ValueError when the requested backend cannot run on the device, or
+  when a config is given for a kernel family that runs neither pass.
+  """
+  if backend is Backend.XLA:
+    if device.interpret:
+      raise ValueError("interpret=True runs the Pallas kernels; it cannot be combined with backend='xla'")
+    return Plan(PassPlan(Backend.XLA.value), PassPlan(Backend.XLA.value))
+  auto = backend is Backend.AUTO
+  candidates = {Backend.AUTO: ORDER, Backend.MOSAIC: (MOSAIC, TRITON), Backend.TRITON: (TRITON,)}[backend]
+  if not auto and (why := candidates[0].runs_on(device, auto=False)):
+    raise ValueError(f"backend='{backend.value}': {why}; use backend='auto'")
+  passes = []
+  for backward, config_of in ((False, "forward_config"), (True, "backward_config")):
+    reasons = []
+    for family in candidates:
+      why = family.runs_on(device, auto=auto) or family.serves(problem, backward=backward, auto=auto)
+      if why is None:
+        config = getattr(family, config_of)(problem, block_sizes, mosaic_config)
+        passes.append(PassPlan(family.name, config, "; ".join(reasons) or None))
+        break
+      reasons.append(why)
+    else:
+      passes.append(PassPlan(Backend.XLA.value, None, "; ".join(reasons)))
+  if Backend.XLA.value in (passes[0].backend, passes[1].backend):
+    reason = passes[0].reason if passes[0].backend == Backend.XLA.value else passes[1].reason
+    passes = [PassPlan(Backend.XLA.value, None, reason)] * 2
+  plan = Plan(*passes, interpret=device.interpret)
+  if plan.kernels:
+    runs = {plan.forward.backend, plan.backward.backend}
+    for given, family, name in ((block_sizes, TRITON, "block_sizes"), (mosaic_config, MOSAIC, "mosaic_config")):
+      if given is not None and family.name not in runs:
+        raise ValueError(
+            f"{name} configures the {family.name.capitalize()} kernels, but neither pass runs them here (forward: "
+            f"{plan.forward.backend}, backward: {plan.backward.backend}); pass backend='{family.name}' to run them"
+        )
+  return plan
