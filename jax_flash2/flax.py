@@ -101,9 +101,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash2.api import flash_attention
-from jax_flash2.config import BlockSizes
-
-_BACKENDS = ("auto", "triton", "xla")
+from jax_flash2.backends import Backend
+from jax_flash2.config import BlockSizes, MosaicConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +116,10 @@ class FlashAttentionFn:
   Attributes:
     causal: jax_flash2's causal flag (bottom-right aligned), always applied.
     softmax_scale: scale of q.k; None means 1 / sqrt(head_dim), as in Flax.
-    backend: "auto", "triton" or "xla" (see `jax_flash2.flash_attention`).
+    backend: "auto", "mosaic", "triton" or "xla" (see `jax_flash2.flash_attention`).
     interpret: run the Pallas kernels in interpret mode (CPU tests).
-    block_sizes: kernel tiles; None for the per-head_dim defaults.
+    block_sizes: the Triton kernels' tiles; None for the measured defaults.
+    mosaic_config: the Mosaic kernels' tilings; None for the measured defaults.
   """
 
   causal: bool = False
@@ -127,18 +127,22 @@ class FlashAttentionFn:
   backend: str = "auto"
   interpret: bool = False
   block_sizes: BlockSizes | None = None
+  mosaic_config: MosaicConfig | None = None
 
   def __post_init__(self):
     if not isinstance(self.causal, bool):
       raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
-    if self.backend not in _BACKENDS:
-      raise ValueError(f"backend must be one of {list(_BACKENDS)}, got {self.backend!r}")
+    if self.backend not in [b.value for b in Backend]:
+      raise ValueError(f"backend must be one of {[b.value for b in Backend]}, got {self.backend!r}")
     if not isinstance(self.interpret, bool):
       raise TypeError(f"interpret must be a bool, got {type(self.interpret).__name__}")
     if self.interpret and self.backend == "xla":
       raise ValueError("interpret=True runs the Pallas kernels; it cannot be combined with backend='xla'")
     if self.block_sizes is not None and not isinstance(self.block_sizes, BlockSizes):
       raise TypeError(f"block_sizes must be a jax_flash2.BlockSizes or None, got {type(self.block_sizes).__name__}")
+    if self.mosaic_config is not None and not isinstance(self.mosaic_config, MosaicConfig):
+      raise TypeError(
+          f"mosaic_config must be a jax_flash2.MosaicConfig or None, got {type(self.mosaic_config).__name__}")
     if self.softmax_scale is not None and not isinstance(self.softmax_scale, (int, float)):
       raise TypeError(f"softmax_scale must be a float or None, got {type(self.softmax_scale).__name__}")
 
@@ -207,7 +211,8 @@ class FlashAttentionFn:
         mask = _and_masks(mask, jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_)))
     out = flash_attention(
         q, k, v, mask=mask, bias=bias, causal=causal, softmax_scale=self.softmax_scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, dropout_broadcast=broadcast_dropout, backend=self.backend, interpret=self.interpret, block_sizes=self.block_sizes,
+        dropout_rng=dropout_rng, dropout_broadcast=broadcast_dropout, backend=self.backend, interpret=self.interpret,
+        block_sizes=self.block_sizes, mosaic_config=self.mosaic_config,
     )
     return out.reshape(batch_shape + out.shape[1:])
 
@@ -218,12 +223,13 @@ def make_attention_fn(
     backend: str = "auto",
     interpret: bool = False,
     block_sizes: BlockSizes | None = None,
+    mosaic_config: MosaicConfig | None = None,
 ) -> FlashAttentionFn:
   """An `attention_fn` for Flax's attention modules with these flash options
   bound (see `jax_flash2.flash_attention` for their meaning)."""
   return FlashAttentionFn(
       causal=causal, softmax_scale=softmax_scale, backend=backend, interpret=interpret,
-      block_sizes=block_sizes,
+      block_sizes=block_sizes, mosaic_config=mosaic_config,
   )
 
 

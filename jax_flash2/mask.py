@@ -162,7 +162,7 @@ class Mask:
     if self.right is None:
       return ints.as_int32(num_full), ints.as_int32(num_blocks)
     # The last query sees keys up to q_start + rows - 1 + offset + right.
-    hi = ints.div(ints.at_least_0(q_start + (rows + self.offset + self.right + block_k - 1)), block_k)
+    hi = ints.div(ints.at_least_0(q_start + (rows + (self.offset + self.right + block_k - 1))), block_k)
     hi = ints.minimum(hi, num_blocks)
     # Block kb is seen whole by the first query iff kb * block_k + block_k - 1 <= q_start + offset + right.
     full_hi = ints.div(ints.at_least_0(q_start + (self.offset + self.right + 1)), block_k)
@@ -179,7 +179,7 @@ class Mask:
     # The first query sees keys from q_start + offset - left, the last from
     # q_start + rows - 1 + offset - left.
     lo = ints.minimum(ints.div(ints.at_least_0(q_start + (self.offset - self.left)), block_k), num_blocks)
-    full_lo = ints.div(ints.at_least_0(q_start + (rows - 1 + self.offset - self.left + block_k - 1)), block_k)
+    full_lo = ints.div(ints.at_least_0(q_start + (rows + (self.offset - self.left + block_k - 2))), block_k)
     return ints.as_int32(lo), ints.as_int32(full_lo)
 
   def kv_blocks(self, q_start, rows: int, block_k: int, ints: Arithmetic = JNP):
@@ -200,7 +200,7 @@ class Mask:
     # Block b holds a query that sees key k_start iff (b + 1) * block_q - 1 + offset + right >= k_start.
     lo = ints.minimum(ints.div(ints.at_least_0(k_start - (self.offset + self.right)), block_q), num_blocks)
     # Block b sees the last key whole iff b * block_q + offset + right >= k_start + rows - 1.
-    full_lo = ints.div(ints.at_least_0(k_start + (rows - 1 - self.offset - self.right + block_q - 1)), block_q)
+    full_lo = ints.div(ints.at_least_0(k_start + (rows + (block_q - 2 - self.offset - self.right))), block_q)
     full_lo = ints.clip(full_lo, lo, num_blocks)
     return ints.as_int32(lo), ints.as_int32(full_lo)
 
@@ -214,7 +214,7 @@ class Mask:
       return num_full, num_blocks
     # Query i sees key j only if i <= j - offset + left: the last key bounds
     # the last query that sees any, the first key the last that sees all.
-    hi = ints.div(ints.at_least_0(k_start + (rows - self.offset + self.left + block_q - 1)), block_q)
+    hi = ints.div(ints.at_least_0(k_start + (rows + (self.left - self.offset + block_q - 1))), block_q)
     hi = ints.minimum(hi, num_blocks)
     full_hi = ints.div(ints.at_least_0(k_start + (self.left - self.offset + 1)), block_q)
     full_hi = ints.minimum(full_hi, ints.minimum(hi, num_full))

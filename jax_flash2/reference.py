@@ -11,11 +11,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash2 import dropout
+from jax_flash2.mask import Mask
 
 
 def band_visible(seq_q: int, seq_k: int, left: int | None, right: int | None) -> jax.Array:
   """[seq_q, seq_k] bool: query i sees key j iff
-  i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right (None: unbounded).
+  i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right (None: unbounded;
+  jax_flash2.mask.Mask.visible).
 
   The band is aligned bottom-right, as in FlashAttention-2; causal is
   (left, right) = (None, 0). For causal with seq_q=2, seq_k=5 and seq_q=5,
@@ -27,14 +29,8 @@ def band_visible(seq_q: int, seq_k: int, left: int | None, right: int | None) ->
                        1 0
                        1 1
   """
-  i = jnp.arange(seq_q)[:, None] + (seq_k - seq_q)
-  j = jnp.arange(seq_k)[None, :]
-  visible = jnp.ones((seq_q, seq_k), bool)
-  if right is not None:
-    visible &= j <= i + right
-  if left is not None:
-    visible &= j >= i - left
-  return visible
+  band = Mask(seq_q, seq_k, window_left=left, window_right=right)
+  return band.visible(jnp.arange(seq_q)[:, None], jnp.arange(seq_k)[None, :])
 
 
 def attention(
@@ -101,11 +97,9 @@ def attention(
     s = s - slopes * distance.astype(s.dtype)
   if bias is not None:
     s = s + bias.astype(s.dtype)
-  left, right = window_size
-  if causal:
-    right = 0 if right is None else min(right, 0)
-  if left is not None or right is not None:
-    s = jnp.where(band_visible(q.shape[1], k.shape[1], left, right), s, -jnp.inf)
+  band = Mask(q.shape[1], k.shape[1], causal=causal, window_left=window_size[0], window_right=window_size[1])
+  if band.has_band:
+    s = jnp.where(band_visible(q.shape[1], k.shape[1], band.left, band.right), s, -jnp.inf)
   if mask is not None:
     s = jnp.where(mask != 0, s, -jnp.inf)
   if q_segment_ids is not None:

@@ -7,7 +7,7 @@ and run `warmup` times. Then `iters` rounds are timed: each round launches
 giving one per-call time; the median over rounds is reported. Launching back
 to back keeps host dispatch off the GPU's critical path, as a training loop
 does; timing each call alone adds the dispatch gap to every call (on the H200
-that read cuDNN 10-15% slow, and noisily: bench/NOTES.md). Calls rotate over a
+that read cuDNN 10-15% slow, and noisily). Calls rotate over a
 few independent sets of random normal inputs so that no run reads inputs a
 previous run left in L2.
 """
