@@ -21,7 +21,7 @@ from jax_flash2.config import BlockSizes, KernelConfig, MosaicBackwardConfig, Mo
 # The tools this suite owns and imports on CPU (lab/tools/mosaic_fingerprint.py and
 # kernel_fingerprint.py have their owners' tests).
 TOOLS = ("cli_ab", "determinism_check", "kernel_anatomy", "mosaic_bench", "mosaic_bwd_bench",
-         "mosaic_bwd_cpu_compile", "mosaic_cpu_compile", "mosaic_profile", "ncu_profile", "power_probe",
+         "mosaic_bwd_cpu_compile", "mosaic_cpu_compile", "mosaic_profile", "ncu_profile", "plot_results", "power_probe",
          "schedule_model", "tma_reduce_bench", "trace_overlap", "tune", "wgmma_bench")
 
 
@@ -188,11 +188,26 @@ def test_schedule_model_balanced_table_evens_the_causal_ctas(load_tool):
   leaves the busiest CTA nearer the mean than the heavy-light pairs dealt
   round-robin (lab/NOTES.md, session 15: 3.1% against 0.2-0.5%)."""
   tool = load_tool("schedule_model")
-  mosaic = tool.mosaic
-  config = defaults.mosaic_forward(128, seq_q=4096, causal=True)
-  num_q_blocks, heads, batch = 4096 // config.block_q, 16, 4
-  work = mosaic.q_tile_work(num_q_blocks, block_q=config.block_q, block_kv=config.block_kv, seq_q=4096, seq_k=4096,
-                            consumers=config.consumers)
-  paired = mosaic.PersistentSchedule(num_q_blocks, heads, batch, 132, paired=True)
-  balanced = mosaic.PersistentSchedule(num_q_blocks, heads, batch, paired.num_ctas, paired=True, work=work)
+  paired, balanced, work = tool.schedules(4096, 128, defaults.mosaic_forward(128, seq_q=4096, causal=True))
+  assert len(work) == 4096 // 128 and work[0] == max(work)
   assert tool.busiest_over_mean(balanced, work) < tool.busiest_over_mean(paired, work)
+
+
+def test_plot_results_draws_a_run_from_its_results_files(load_tool, tmp_path):
+  """lab/tools/plot_results.py: the cells of results.json files (schema 1
+  files lack some fields) become the bench's CellResults, renamed for the
+  legend, and report.write_plots draws them into the PNG asked for."""
+  import json
+
+  pytest.importorskip("matplotlib")
+  tool = load_tool("plot_results")
+  base = dict(dtype="bfloat16", batch=1, heads=2, kv_heads=2, head_dim=64, causal=False, status="ok")
+  cells = [dict(base, impl=impl, seqlen=seq, mode=mode, ms=1.0, tflops=float(seq // 10 + i))
+           for i, impl in enumerate(("flash2", "cudnn")) for seq in (1024, 2048) for mode in ("fwd", "fwd+bwd")]
+  path = tmp_path / "results.json"
+  path.write_text(json.dumps({"cells": cells + [dict(cells[0], impl="xla", status="OOM", tflops=None)]}))
+  read = tool.read_cells([str(path)])
+  assert len(read) == 9 and read[0].window_left is None and read[0].segments == 1
+  out = tmp_path / "plots" / "tflops.png"
+  assert tool.main([str(path), "--out", str(out), "--impls", "flash2", "cudnn", "--title", "test"]) == 0
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

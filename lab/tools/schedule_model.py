@@ -4,7 +4,7 @@
   PYTHONPATH=. python lab/tools/schedule_model.py --ctas 114  # an H100 PCIe's SMs
 
 For each bench shape (16384 tokens, hidden 2048) the work of a CTA is the
-ring steps of its tiles plus one step a tile (`forward._TILE_OVERHEAD_STEPS`);
+ring steps of its tiles plus one step a tile (`TILE_OVERHEAD_STEPS`);
 the kernel's time follows its busiest CTA. Printed: that CTA's work over the
 mean, for the heavy-light pairs dealt round-robin (`PersistentSchedule`
 without `work`) and for the balanced table (`MosaicForwardConfig.balanced`). A model
@@ -40,14 +40,44 @@ def _schedule_module():
 mosaic = _schedule_module()
 
 
+def _overhead() -> int:
+  """A tile's cost beyond its ring steps, as the balanced table counts it."""
+  return getattr(mosaic, "TILE_OVERHEAD_STEPS", None) or getattr(mosaic, "_TILE_OVERHEAD_STEPS")
+
+
+def tile_work(seq: int, config) -> tuple[int, ...]:
+  """The ring steps of each causal Q tile of a seq x seq problem tiled by
+  `config` (a MosaicForwardConfig), block 0 the heaviest."""
+  num_q_blocks = -(-seq // config.block_q)
+  kwargs = dict(block_q=config.block_q, block_kv=config.block_kv, consumers=config.consumers)
+  try:  # the kernels' static mask (jax_flash2.mask.Mask)
+    from jax_flash2.mask import Mask
+
+    return mosaic.q_tile_work(num_q_blocks, mask=Mask(seq, seq, causal=True), **kwargs)
+  except (ImportError, TypeError):  # the form before the mask had a class
+    return mosaic.q_tile_work(num_q_blocks, seq_q=seq, seq_k=seq, **kwargs)
+
+
+def schedules(seq: int, head_dim: int, config, *, ctas: int = 132):
+  """(paired, balanced): the causal persistent schedules of the bench shape
+  (16384 tokens, hidden 2048) at `seq`, and the tiles' work."""
+  batch, heads = max(16384 // seq, 1), 2048 // head_dim
+  num_q_blocks = -(-seq // config.block_q)
+  work = tile_work(seq, config)
+  num_ctas = min(ctas, -(-num_q_blocks * heads * batch // 2))  # as PersistentSchedule.create, causal
+  paired = mosaic.PersistentSchedule(num_q_blocks, heads, batch, num_ctas, paired=True)
+  balanced = mosaic.PersistentSchedule(num_q_blocks, heads, batch, num_ctas, paired=True, work=work)
+  return paired, balanced, work
+
+
 def busiest_over_mean(schedule, work: tuple[int, ...]) -> float:
-  """The busiest CTA's work over the mean, tiles costing work[block] + 1."""
+  """The busiest CTA's work over the mean, tiles costing work[block] plus the overhead."""
   table = jnp.asarray(schedule.table())
   loads = []
   for cta in range(schedule.num_ctas):
     count = int(schedule.tile_count(jnp.int32(cta), table))
     blocks = [int(schedule.tile(jnp.int32(cta), jnp.int32(i), table)[0]) for i in range(count)]
-    loads.append(sum(work[b] + mosaic._TILE_OVERHEAD_STEPS for b in blocks))
+    loads.append(sum(work[b] + _overhead() for b in blocks))
   return max(loads) / float(np.mean(loads))
 
 
@@ -61,16 +91,9 @@ def main() -> None:
   for head_dim in args.head_dim:
     for seq in args.seq:
       config = defaults.mosaic_forward(head_dim, seq_q=seq, causal=True)
-      batch, heads = max(16384 // seq, 1), 2048 // head_dim
-      num_q_blocks = -(-seq // config.block_q)
-      work = mosaic.q_tile_work(num_q_blocks, block_q=config.block_q, block_kv=config.block_kv, seq_q=seq,
-                                seq_k=seq, consumers=config.consumers)
-      num_ctas = min(args.ctas, -(-num_q_blocks * heads * batch // 2))  # as PersistentSchedule.create, causal
-      paired = mosaic.PersistentSchedule(num_q_blocks, heads, batch, num_ctas, paired=True)
-      balanced = mosaic.PersistentSchedule(num_q_blocks, heads, batch, paired.num_ctas, paired=True, work=work)
-      print(f"{head_dim:>4} {seq:>6} {config.consumers:>9} {num_q_blocks:>8} {busiest_over_mean(paired, work):>7.3f}"
-            f" {busiest_over_mean(balanced, work):>8.3f}")
-
+      paired, balanced, work = schedules(seq, head_dim, config, ctas=args.ctas)
+      print(f"{head_dim:>4} {seq:>6} {config.consumers:>9} {len(work):>8}"
+            f" {busiest_over_mean(paired, work):>7.3f} {busiest_over_mean(balanced, work):>8.3f}")
 
 if __name__ == "__main__":
   main()
