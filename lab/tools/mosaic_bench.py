@@ -73,6 +73,8 @@ def main() -> None:
   parser.add_argument("--block-kv", type=int, default=None)
   parser.add_argument("--stages", type=int, default=None)
   parser.add_argument("--no-triton", action="store_true", help="time the Mosaic forward only")
+  parser.add_argument("--per-length", action="store_true",
+                      help="accepted for old command lines: rows always start from the per-length default")
   parser.add_argument("--variants", nargs="*", default=["default"],
                       help="forward configs to time side by side: 'default', or MosaicForwardConfig fields set "
                            "on the default, as NAME=VALUE joined by '+' (booleans 0/1)")
