@@ -1,6 +1,6 @@
 """FlashAttention-2 backward at head_dim 256 for Hopper (sm_90a) in Pallas's Mosaic GPU backend.
 
-backward.py's kernels give each consumer warpgroup 64 outer rows and keep
+The kernels of backward.py give each consumer warpgroup 64 outer rows and keep
 that warpgroup's gradients in registers: dK and dV (dkv) or dQ (dq) of
 64 x head_dim in float32. At head_dim 256 that is 256 registers per thread
 for dK + dV, more than a thread has, and two 64-row outer tiles with a ring
@@ -38,7 +38,7 @@ rows, so the same blocks are visible to both), so no slot needs draining.
 
 Every tile in shared memory has a 32-byte swizzle (`_tiles`): the score
 products' B operand, N = 32, allows no wider one, and a wgmma's A takes its
-B's. (Not yet timed against wider swizzles elsewhere.)
+B's.
 
 The outer tiles (K, V in dkv; Q, dO in dq) are kept as two column halves,
 [2, 64, 128]: each consumer loads its half and, at the end, stages its half
@@ -47,35 +47,23 @@ score products contract over both halves (two wgmmas into one accumulator).
 The ring's tiles are whole [64, 256]; the products take row (32-query or
 32-key) and column (128) slices of them.
 
-Contract as backward.py (which routes head_dim 256 here): causal attention
-bottom-right aligned (invisible blocks skipped, the diagonal's blocks masked,
-P = 0 after the exponential so that rows that see no key give 0 and not NaN),
-ragged lengths by padding to backward.OUTER_ROWS (`backward._pad`, one
-padding for both kernels; the grids cover the 64-row blocks that hold a real
-row), grouped-query attention (dK, dV summed over the query heads of a kv
-head), bf16 and fp16, float32 lse and delta. Two ring slots (a third does
-not fit). With BackwardConfig.dq_persistent / dkv_persistent a kernel runs as
-forward.PersistentSchedule's CTAs, one per SM, the ring running on across
-tiles; there is no room for a second set of outer tiles, so a tile's rows
-load after the previous tile's stores have read theirs (run_tiles'
-buffers=1). The default persists dQ only: on the H200 its kernel is 3-17%
-faster so, while the persistent dK/dV kernel spills (sm_90a: 72 B, causal
-348 B) and is up to 11% slower (session 7).
+The contract is backward.py's: causal attention bottom-right aligned
+(invisible blocks skipped, the diagonal's blocks masked, P = 0 after the
+exponential so that rows that see no key give 0 and not NaN), ragged
+lengths padded once to multiples of OUTER_ROWS (common.pad_backward; the
+grids cover the 64-row blocks that hold a real row), grouped-query attention
+(dK, dV summed over the query heads of a kv head), bf16 and fp16, float32
+lse and delta. Two ring slots (a third does not fit). With dq_persistent /
+dkv_persistent a kernel runs as persistent CTAs, one per SM, the ring
+running on across tiles; there is no room for a second set of outer tiles,
+so a tile's rows load after the previous tile's stores have read theirs
+(run_tiles' buffers=1).
 
 In Mosaic's interpreter (interpret=True; jax 0.11.2 runs wgmma only into
 fresh accumulators) the gradient products go into zeros and are added
-(`_accumulate`); every operand is in shared memory already.
-
-Status: written in session 7. On the H200 its 14 GPU tests pass (the
-Triton path's bar: default shapes at 1k and 4k, grouped-query, seq_q !=
-seq_k, ragged, backend "mosaic" through the custom_vjp), and the backward is
-1.15-1.34x the Triton one (0.79-0.89x cuDNN; bench/NOTES.md, session 7), so
-backend "auto" takes it (config.hopper_choice). On CPU: Mosaic's interpreter
-against the reference (tests/test_mosaic_wide.py; its race detector does not
-see wgmma's reads, so it cannot check the shared tile's protection; the GPU
-tests do, by their results), lowering for CUDA, compilation to sm_90a
-(tools/mosaic_bwd_cpu_compile.py --only d256: HGMMA 64x128x16 and 64x32x16,
-no spills but 8 bytes in the ragged grouped-query causal dkv).
+(`_accumulate`); every operand is in shared memory already. Its race
+detector does not see wgmma's shared-memory reads, so it cannot check the
+shared tile's protection.
 """
 
 from __future__ import annotations
@@ -89,32 +77,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash2.mosaic.backward import (
-    BWD_SMEM_RESERVE,
-    WIDE_HEAD_DIMS,
-    BackwardConfig,
-    _check_inputs,
-    _copy_q_block,
-    _pad,
-    _q_block_bounds,
-    _settings,
-    _swizzled,
-)
-from jax_flash2.mosaic.forward import (
-    LOG2_E,
-    NUM_CONSUMERS,
-    WGMMA_M,
-    QTile,
-    PersistentSchedule,
-    _kv_block_bounds,
-    interpret_params_of,
-    kv_ring_producer,
-    observe_last_releases,
-    outer_grid,
-    run_tiles,
-    specialized_kernel,
-    unpad_seq,
-    visible,
+from jax_flash2 import defaults
+from jax_flash2.config import MosaicBackwardConfig
+from jax_flash2.mask import Mask
+from jax_flash2.mosaic.common import (
+    BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, PersistentSchedule, QTile, backward_kernels, check_operands,
+    copy_q_block, interpret_params_of, kv_ring_producer, observe_last_releases, outer_grid, run_tiles,
+    specialized_kernel, swizzled, zero_padded_keys,
 )
 
 # Outer rows per CTA and rows per streamed block: one wgmma M.
@@ -123,17 +92,20 @@ ROWS = WGMMA_M
 COLS = ROWS // NUM_CONSUMERS
 
 
-def _check_config(config: BackwardConfig) -> None:
-  """The wide kernels take 64-row blocks and none of backward.py's options."""
+HEAD_DIMS = (256,)
+
+
+def _check_config(config: MosaicBackwardConfig) -> None:
+  """The wide kernels take 64-row blocks and none of the options of the
+  kernels at head_dim 64 and 128."""
   if (config.block_q, config.block_kv) != (ROWS, ROWS):
-    raise ValueError(f"head_dim {WIDE_HEAD_DIMS} takes block_q = block_kv = {ROWS}, got {config}")
-  options = ("softmax_overlap", "dq_softmax_overlap", "fused_dq", "dq_turns", "q_registers", "dkv_poly_columns",
-             "dq_poly_columns")
+    raise ValueError(f"head_dim {HEAD_DIMS} takes block_q = block_kv = {ROWS}, got {config}")
+  options = ("dq_softmax_overlap", "fused_dq", "early_vectors")
   if any(getattr(config, name) for name in options):
-    raise ValueError(f"head_dim {WIDE_HEAD_DIMS} takes none of {options}, got {config}")
+    raise ValueError(f"head_dim {HEAD_DIMS} takes none of {options}, got {config}")
 
 
-def dkv_smem_bytes(config: BackwardConfig, head_dim: int, dtype) -> int:
+def dkv_smem_bytes(config: MosaicBackwardConfig, head_dim: int, dtype) -> int:
   """Shared memory of `dkv`: K and V (64 rows), the ring of Q, dO, lse and
   delta, the shared P^T and dS^T."""
   item = jnp.dtype(dtype).itemsize
@@ -142,7 +114,7 @@ def dkv_smem_bytes(config: BackwardConfig, head_dim: int, dtype) -> int:
   return outer + ring + 2 * ROWS * ROWS * item + BWD_SMEM_RESERVE
 
 
-def dq_smem_bytes(config: BackwardConfig, head_dim: int, dtype) -> int:
+def dq_smem_bytes(config: MosaicBackwardConfig, head_dim: int, dtype) -> int:
   """Shared memory of `dq`: Q, dO, lse and delta (64 rows), the ring of K and
   V, the shared dS."""
   item = jnp.dtype(dtype).itemsize
@@ -180,7 +152,6 @@ class _SharedTile:
   def write(self, step, pieces):
     """Stores this consumer's columns of each (tile, value) in `pieces`."""
     @pl.when(step > 0)
-    @jax.named_scope("wait_free")
     def _():
       plgpu.barrier_wait(self.free)
 
@@ -188,8 +159,7 @@ class _SharedTile:
       tile.at[:, pl.ds(self.wg * COLS, COLS)][...] = value
     plgpu.commit_smem()  # visible to the other consumer's wgmma (async proxy)
     plgpu.barrier_arrive(self.staged)
-    with jax.named_scope("wait_staged"):
-      plgpu.barrier_wait(self.staged)
+    plgpu.barrier_wait(self.staged)
 
   def release(self):
     plgpu.barrier_arrive(self.free)
@@ -211,7 +181,7 @@ def _tiles(dtype):
   splits into two groups of 16 columns, so B's swizzle spans at most 16
   elements (32 bytes); A takes B's swizzle (one per wgmma), and every tile is
   an A or B of such a product or of one with the tiles it meets there."""
-  return _swizzled(COLS // 2, dtype)
+  return swizzled(COLS // 2, dtype)
 
 
 def _score_products(outer, inner, columns, halves):
@@ -259,8 +229,8 @@ def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
     kv_ready, q_ready, do_ready, q_consumed, do_consumed, p_smem, ds_smem, staged, free,
-    *, seq_q: int, seq_k: int, group: int, schedule: PersistentSchedule | None, causal: bool, softmax_scale: float,
-    stages: int, interpret: bool,
+    *, mask: Mask, group: int, schedule: PersistentSchedule | None, softmax_scale: float, stages: int,
+    interpret: bool,
 ):
   # q_ref, do_ref: [batch, seq_q', heads, D]; k_ref, v_ref, dk_ref, dv_ref:
   # [batch, seq_k', kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q']
@@ -275,17 +245,16 @@ def _dkv_kernel(
   head_dim = q_ref.shape[-1]
   half, halves = _halves(head_dim)
   wg = lax.axis_index("wg")
-  num_q = pl.cdiv(seq_q, ROWS)
+  num_q = pl.cdiv(mask.seq_q, ROWS)
   qk_scale = softmax_scale * LOG2_E
   shared = _SharedTile(staged, free, wg)
 
   def tile_at(kv_index, kv_head, batch) -> _KVTile:
     k_start = kv_index * ROWS
-    lo, full_lo = _q_block_bounds(k_start, ROWS, seq_q, seq_k, ROWS, causal)
+    lo, full_lo = mask.q_blocks_right(k_start, ROWS, ROWS)
     visits = jnp.int32(num_q) - lo
     return _KVTile(batch, kv_head, k_start, lo, full_lo, visits, group * visits)
 
-  @jax.named_scope("load")
   def load_step(tile: _KVTile, ring_base, step):
     """The producer's TMA copies of the tile's `step` into ring step
     ring_base + step: Q block lo + step % visits of query head step //
@@ -293,7 +262,7 @@ def _dkv_kernel(
     head = tile.kv_head * group + lax.div(step, tile.visits)
     q0 = (tile.lo + lax.rem(step, tile.visits)) * ROWS
     # lse completes Q's barrier, delta dO's.
-    _copy_q_block((q_ref, lse_ref, do_ref, delta_ref), (q_smem, lse_smem, do_smem, delta_smem),
+    copy_q_block((q_ref, lse_ref, do_ref, delta_ref), (q_smem, lse_smem, do_smem, delta_smem),
                   (q_ready, q_ready, do_ready, do_ready), (q_consumed, do_consumed), ring_step=ring_base + step,
                   stages=stages, rows=(tile.batch, pl.ds(q0, ROWS), head), vec=(tile.batch, head, pl.ds(q0, ROWS)))
 
@@ -323,24 +292,21 @@ def _dkv_kernel(
     def update(step, qb, dk, dv, *, masked: bool):
       slot = lax.rem(ring_base + step, jnp.int32(stages))
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-      with jax.named_scope("wait_q"):
-        plgpu.barrier_wait(q_ready.at[slot])
-        plgpu.barrier_wait(do_ready.at[slot])
+      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(do_ready.at[slot])
 
-      with jax.named_scope("scores"):  # S^T_c = K Q_c^T, dP^T_c = V dO_c^T: [keys, this consumer's queries]
-        s_t, dp_t = _score_products((k_smem, v_smem), (q_tile, do_tile), queries, halves)
-      with jax.named_scope("softmax"):
-        lse = plgpu.load(lse_smem.at[slot, queries], layout=vec_layout) * LOG2_E
-        p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-        if masked:
-          key = tile.k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
-          query = qb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
-          # After the exponential: queries with lse = -inf give 0, not NaN.
-          p_t = jnp.where(visible(query, key, seq_q=seq_q, seq_k=seq_k, causal=causal), p_t, 0.0)
-        delta = plgpu.load(delta_smem.at[slot, queries], layout=vec_layout)
-        ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-      with jax.named_scope("stage"):
-        shared.write(ring_base + step, ((p_smem, p_t.astype(dtype)), (ds_smem, ds_t.astype(dtype))))
+      # S^T_c = K Q_c^T, dP^T_c = V dO_c^T: [keys, this consumer's queries]
+      s_t, dp_t = _score_products((k_smem, v_smem), (q_tile, do_tile), queries, halves)
+      lse = plgpu.load(lse_smem.at[slot, queries], layout=vec_layout) * LOG2_E
+      p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      if masked:
+        key = tile.k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
+        query = qb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
+        # After the exponential: queries with lse = -inf give 0, not NaN.
+        p_t = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p_t, 0.0)
+      delta = plgpu.load(delta_smem.at[slot, queries], layout=vec_layout)
+      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+      shared.write(ring_base + step, ((p_smem, p_t.astype(dtype)), (ds_smem, ds_t.astype(dtype))))
 
       def grads(refs):
         # dV[:, half c] += P^T dO[:, half c], dK[:, half c] += dS^T Q[:, half c]:
@@ -349,8 +315,7 @@ def _dkv_kernel(
         plgpu.wgmma(dv_ref, p_smem, do_tile.at[:, my_half])
         plgpu.wgmma(dk_ref, ds_smem, q_tile.at[:, my_half])
 
-      with jax.named_scope("grads"):
-        dv, dk = _accumulate((dv, dk), grads, interpret=interpret)
+      dv, dk = _accumulate((dv, dk), grads, interpret=interpret)
       shared.release()
       # Neither Q, dO, lse nor delta of this slot is read any more.
       plgpu.barrier_arrive(do_consumed.at[slot])
@@ -362,19 +327,13 @@ def _dkv_kernel(
       def block(qb, carry, *, masked: bool):
         return update(g * tile.visits + qb - tile.lo, qb, *carry, masked=masked)
 
-      if causal:
+      if mask.causal:
         carry = lax.fori_loop(tile.lo, tile.full_lo, functools.partial(block, masked=True), carry)
       return lax.fori_loop(tile.full_lo, jnp.int32(num_q), functools.partial(block, masked=False), carry)
 
     acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
     dk, dv = one_head(jnp.int32(0), (acc, acc)) if group == 1 else lax.fori_loop(0, group, one_head, (acc, acc))
-    if not causal and k_ref.shape[1] > seq_k:
-      # Keys past seq_k were not masked (under causal attention the diagonal
-      # hides them): their P^T is not 0, but it reaches only their own rows
-      # of dV and dK, which are zeroed here once.
-      key = tile.k_start + plgpu.broadcasted_iota(jnp.int32, dk.shape, 0, layout=plgpu.Layout.WGMMA)
-      dk, dv = (jnp.where(key < seq_k, x, 0.0) for x in (dk, dv))
-    return dk, dv
+    return zero_padded_keys(mask, k_ref.shape[1], tile.k_start, dk, dv)
 
   def store_gradients(tile: _KVTile, buffer, result):
     """Scales dK and stores this consumer's halves of dK and dV, staged in its
@@ -393,9 +352,9 @@ def _dkv_kernel(
             compute=gradients, store=store_gradients, epilogue=shared.observe_last, buffers=1)
 
 
-def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float,
-              config: BackwardConfig, interpret) -> tuple[jax.Array, jax.Array]:
-  """The dK/dV kernel on operands padded by `backward._pad`."""
+def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, config: MosaicBackwardConfig,
+              interpret) -> tuple[jax.Array, jax.Array]:
+  """The dK/dV kernel on operands padded by `pad_backward`."""
   batch, _, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   interpret_params, interpret = interpret_params_of(interpret)
@@ -415,11 +374,11 @@ def _dkv_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, 
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # dO, delta consumed
       *_shared_tile_scratch(2, dtype),  # P^T, dS^T; staged, free
   ]
-  num_kv = pl.cdiv(seq_k, ROWS)  # 64-row blocks holding a real key; the rest of the padding stays unwritten
+  num_kv = pl.cdiv(mask.seq_k, ROWS)  # 64-row blocks holding a real key; the rest of the padding stays unwritten
   schedule, grid, grid_names = outer_grid(num_kv, kv_heads, batch, axis="kv", persistent=config.dkv_persistent,
-                                          causal=causal, interpret=interpret)
-  kernel = functools.partial(_dkv_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads, schedule=schedule,
-                             causal=causal, softmax_scale=softmax_scale, stages=stages, interpret=interpret)
+                                          causal=mask.causal, interpret=interpret)
+  kernel = functools.partial(_dkv_kernel, mask=mask, group=heads // kv_heads, schedule=schedule,
+                             softmax_scale=softmax_scale, stages=stages, interpret=interpret)
   out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
   return specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                             interpret_params=interpret_params,
@@ -433,8 +392,8 @@ def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     q_ready, k_ready, v_ready, k_consumed, v_consumed, ds_smem, staged, free,
-    *, seq_q: int, seq_k: int, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, causal: bool,
-    softmax_scale: float, stages: int, interpret: bool,
+    *, mask: Mask, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, softmax_scale: float,
+    stages: int, interpret: bool,
 ):
   # Arrays in GMEM as in _dkv_kernel. q_smem, do_smem: [2, 64, D/2] (column
   # halves; each consumer loads one and stages its half of dQ in Q's);
@@ -448,8 +407,7 @@ def _dq_kernel(
   wg = lax.axis_index("wg")
   qk_scale = softmax_scale * LOG2_E
   shared = _SharedTile(staged, free, wg)
-  tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=ROWS, block_kv=ROWS, seq_q=seq_q,
-                              seq_k=seq_k, causal=causal)
+  tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=ROWS, block_kv=ROWS, mask=mask)
 
   def load_rows(tile: QTile, buffer):
     """This consumer's column half of Q and dO; the first one's also lse and
@@ -474,44 +432,40 @@ def _dq_kernel(
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
     lse = plgpu.load(lse_smem, layout=row_layout) * LOG2_E
     delta = plgpu.load(delta_smem, layout=row_layout)
-    full_hi, hi = _kv_block_bounds(tile.q_start, ROWS, seq_q, seq_k, ROWS, causal)
+    full_hi, hi = mask.kv_blocks_right(tile.q_start, ROWS, ROWS)
     keys = pl.ds(wg * COLS, COLS)  # this consumer's key columns of a K/V block
     my_half = pl.ds(wg * half, half)
 
     def step(kb, dq, *, masked: bool):
       slot = lax.rem(ring_base + kb, jnp.int32(stages))
       k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
-      with jax.named_scope("wait_kv"):
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
 
-      with jax.named_scope("scores"):  # S_c = Q K_c^T, dP_c = dO V_c^T: [queries, this consumer's keys]
-        s, dp = _score_products((q_smem, do_smem), (k_tile, v_tile), keys, halves)
+      # S_c = Q K_c^T, dP_c = dO V_c^T: [queries, this consumer's keys]
+      s, dp = _score_products((q_smem, do_smem), (k_tile, v_tile), keys, halves)
       plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
-      with jax.named_scope("softmax"):
-        p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-        if masked:
-          query = tile.q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-          key = kb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-          p = jnp.where(visible(query, key, seq_q=seq_q, seq_k=seq_k, causal=causal), p, 0.0)
-        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-      with jax.named_scope("stage"):
-        shared.write(ring_base + kb, ((ds_smem, ds.astype(dtype)),))
+      p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+      if masked:
+        query = tile.q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+        key = kb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+        p = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p, 0.0)
+      ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+      shared.write(ring_base + kb, ((ds_smem, ds.astype(dtype)),))
 
       def dq_product(refs):
         # dQ[:, half c] += dS K[:, half c]: all 64 keys, both consumers' columns.
         (dq_ref,) = refs
         plgpu.wgmma(dq_ref, ds_smem, k_tile.at[:, my_half])
 
-      with jax.named_scope("dq"):
-        (dq,) = _accumulate((dq,), dq_product, interpret=interpret)
+      (dq,) = _accumulate((dq,), dq_product, interpret=interpret)
       shared.release()
       plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
       return dq
 
     dq = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
     dq = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), dq)
-    if causal or seq_k % ROWS:  # a diagonal, or a last block partly of padding
+    if mask.causal or mask.seq_k % ROWS:  # a diagonal, or a last block partly of padding
       dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
     return dq
 
@@ -530,9 +484,9 @@ def _dq_kernel(
             compute=gradient, store=store_dq, epilogue=shared.observe_last, buffers=1)
 
 
-def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, softmax_scale: float,
-             config: BackwardConfig, interpret) -> jax.Array:
-  """The dQ kernel on operands padded by `backward._pad`."""
+def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, config: MosaicBackwardConfig,
+             interpret) -> jax.Array:
+  """The dQ kernel on operands padded by `pad_backward`."""
   batch, _, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   interpret_params, interpret = interpret_params_of(interpret)
@@ -552,12 +506,11 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # V consumed
       *_shared_tile_scratch(1, dtype),  # dS; staged, free
   ]
-  num_q_blocks = pl.cdiv(seq_q, ROWS)  # 64-row blocks holding a real query
+  num_q_blocks = pl.cdiv(mask.seq_q, ROWS)  # 64-row blocks holding a real query
   schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.dq_persistent,
-                                          causal=causal, interpret=interpret)
-  kernel = functools.partial(_dq_kernel, seq_q=seq_q, seq_k=seq_k, group=heads // kv_heads,
-                             num_q_blocks=num_q_blocks, schedule=schedule, causal=causal,
-                             softmax_scale=softmax_scale, stages=stages, interpret=interpret)
+                                          causal=mask.causal, interpret=interpret)
+  kernel = functools.partial(_dq_kernel, mask=mask, group=heads // kv_heads, num_q_blocks=num_q_blocks,
+                             schedule=schedule, softmax_scale=softmax_scale, stages=stages, interpret=interpret)
   return specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
                             grid_names=grid_names, interpret_params=interpret_params,
                             name="flash2_bwd_dq_wide_mosaic")(q, k, v, do, lse, delta)
@@ -566,50 +519,39 @@ def _dq_call(q, k, v, do, lse, delta, *, seq_q: int, seq_k: int, causal: bool, s
 # ---------------------------------------------------------------- entry points
 
 
-def _prepare(q, k, v, do, lse, delta, config, softmax_scale, kernels):
-  config, softmax_scale = _settings(q, config, softmax_scale)
-  _check_inputs(q, k, v, do, lse, delta, config, kernels)
+_KERNELS = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}
+
+
+def _gradients(names, q, k, v, do, lse, delta, causal, softmax_scale, config, interpret):
+  """The gradients of the kernels `names` ("dkv", "dq") on the checked
+  operands; config None takes the measured default tiling."""
+  check_operands("the wide Mosaic GPU backward", HEAD_DIMS, q, k, v, do, lse, delta)
+  config = defaults.mosaic_backward(q.shape[-1]) if config is None else config
   _check_config(config)
-  return config, softmax_scale, dict(seq_q=q.shape[1], seq_k=k.shape[1])
+  return backward_kernels({name: _KERNELS[name] for name in names}, q, k, v, do, lse, delta, causal=causal,
+                          softmax_scale=softmax_scale, config=config, interpret=interpret)
 
 
-def dkv(
-    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
-    causal: bool = False, softmax_scale: float | None = None, config: BackwardConfig | None = None,
-    interpret: bool | plgpu.InterpretGPUParams = False,
-) -> tuple[jax.Array, jax.Array]:
+def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
+        causal: bool = False, softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
+        interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array]:
   """dK and dV at head_dim 256; arguments and results as backward.dkv (q, do:
   [batch, seq_q, heads, 256]; k, v: [batch, seq_k, kv_heads, 256]; lse,
-  delta: float32 [batch, heads, seq_q]), config as
-  `backward.default_backward_config(256)` gives it."""
-  config, softmax_scale, lengths = _prepare(q, k, v, do, lse, delta, config, softmax_scale, ("dkv",))
-  dk, dv = _dkv_call(*_pad(q, k, v, do, lse, delta), **lengths, causal=causal, softmax_scale=softmax_scale,
-                     config=config, interpret=interpret)
-  return unpad_seq(dk, lengths["seq_k"]), unpad_seq(dv, lengths["seq_k"])
+  delta: float32 [batch, heads, seq_q]); config: block_q = block_kv = 64,
+  defaults to `defaults.mosaic_backward(256)`."""
+  return _gradients(("dkv",), q, k, v, do, lse, delta, causal, softmax_scale, config, interpret)
 
 
-def dq(
-    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
-    causal: bool = False, softmax_scale: float | None = None, config: BackwardConfig | None = None,
-    interpret: bool | plgpu.InterpretGPUParams = False,
-) -> jax.Array:
+def dq(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
+       causal: bool = False, softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
+       interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
   """dQ at head_dim 256, like q; arguments as `dkv`."""
-  config, softmax_scale, lengths = _prepare(q, k, v, do, lse, delta, config, softmax_scale, ("dq",))
-  dq = _dq_call(*_pad(q, k, v, do, lse, delta), **lengths, causal=causal, softmax_scale=softmax_scale,
-                config=config, interpret=interpret)
-  return unpad_seq(dq, lengths["seq_q"])
+  return _gradients(("dq",), q, k, v, do, lse, delta, causal, softmax_scale, config, interpret)
 
 
-def backward(
-    q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
-    causal: bool = False, softmax_scale: float | None = None, config: BackwardConfig | None = None,
-    interpret: bool | plgpu.InterpretGPUParams = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
+             causal: bool = False, softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
+             interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(dq, dk, dv) at head_dim 256 on one padding of the operands; arguments
   as `dkv`."""
-  config, softmax_scale, lengths = _prepare(q, k, v, do, lse, delta, config, softmax_scale, ("dkv", "dq"))
-  padded = _pad(q, k, v, do, lse, delta)
-  kwargs = dict(**lengths, causal=causal, softmax_scale=softmax_scale, config=config, interpret=interpret)
-  dk, dv = _dkv_call(*padded, **kwargs)
-  dq = _dq_call(*padded, **kwargs)
-  return unpad_seq(dq, lengths["seq_q"]), unpad_seq(dk, lengths["seq_k"]), unpad_seq(dv, lengths["seq_k"])
+  return _gradients(("dkv", "dq"), q, k, v, do, lse, delta, causal, softmax_scale, config, interpret)

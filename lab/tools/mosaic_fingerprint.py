@@ -61,31 +61,40 @@ class Tree:
     package.__path__ = [str(path / "jax_flash2")]  # no __init__.py: the API is not imported
     sys.modules["jax_flash2"] = package
     sys.path.insert(0, str(path))
+    self.new = (path / "jax_flash2" / "mosaic" / "common.py").exists()
+
+  @staticmethod
+  def module(name: str):
+    """jax_flash2.mosaic.NAME or jax_flash2.NAME, imported when first asked
+    for (so that a tree whose backward is mid-change still fingerprints its
+    forward)."""
     import importlib
 
-    self.new = (path / "jax_flash2" / "mosaic" / "common.py").exists()
-    self.forward = importlib.import_module("jax_flash2.mosaic.forward")
-    self.backward = importlib.import_module("jax_flash2.mosaic.backward")
-    if self.new:
-      self.fused = importlib.import_module("jax_flash2.mosaic.backward_fused")
-      self.wide = importlib.import_module("jax_flash2.mosaic.backward_wide")
-      self.config = importlib.import_module("jax_flash2.config")
+    try:
+      return importlib.import_module(f"jax_flash2.mosaic.{name}")
+    except ModuleNotFoundError:
+      return importlib.import_module(f"jax_flash2.{name}")
+
+  def forward(self):
+    return self.module("forward").forward
 
   def default_backward(self, head_dim: int):
     """The backward entry point the head_dim takes by default (config None)."""
     if not self.new:
-      return self.backward.backward
-    return {64: self.fused.backward, 128: self.backward.backward, 256: self.wide.backward}[head_dim]
+      return self.module("backward").backward
+    return self.module({64: "backward_fused", 128: "backward", 256: "backward_wide"}[head_dim]).backward
 
   def fused_backward_128(self):
     """The fused kernel at head_dim 128: 64-row blocks, two ring slots, its
     additions in two adder warps."""
     if self.new:
-      config = self.config.MosaicBackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True)
-      return lambda *a, **k: self.fused.backward(*a, config=config, **k)
-    config = self.backward.BackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True, dq_adder_warp=True,
-                                          dq_adder_warps=2)
-    return lambda *a, **k: self.backward.backward(*a, config=config, **k)
+      config = self.module("config").MosaicBackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True)
+      backward = self.module("backward_fused").backward
+    else:
+      config = self.module("backward").BackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True,
+                                                      dq_adder_warp=True, dq_adder_warps=2)
+      backward = self.module("backward").backward
+    return lambda *a, **k: backward(*a, config=config, **k)
 
 
 def _calls(tree: Tree):
@@ -97,13 +106,12 @@ def _calls(tree: Tree):
     q = jax.ShapeDtypeStruct((batch, seq_q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, seq_k, kv_heads, head_dim), dtype)
     vec = jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)
-    forward = tree.forward.forward
-    yield f"fwd_{case}", lambda q, k, v, causal=causal: forward(q, k, v, causal=causal), (q, kv, kv)
-    backwards = [("bwd", tree.default_backward(head_dim))]
+    yield f"fwd_{case}", lambda q, k, v, causal=causal: tree.forward()(q, k, v, causal=causal), (q, kv, kv)
+    backwards = [("bwd", lambda head_dim=head_dim: tree.default_backward(head_dim))]
     if case in FUSED_128:
-      backwards.append(("bwd_fused", tree.fused_backward_128()))
+      backwards.append(("bwd_fused", tree.fused_backward_128))
     for prefix, backward in backwards:
-      yield (f"{prefix}_{case}", lambda *a, backward=backward, causal=causal: backward(*a, causal=causal),
+      yield (f"{prefix}_{case}", lambda *a, backward=backward, causal=causal: backward()(*a, causal=causal),
              (q, kv, kv, q, vec, vec))
 
 
