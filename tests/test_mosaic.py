@@ -1,12 +1,13 @@
-"""The Mosaic GPU kernels (jax_flash2.mosaic: forward, backward dK/dV and dQ)
-and the dispatch to them (backend="mosaic", and "auto" on Hopper).
+"""The Mosaic GPU kernels (jax_flash2.mosaic: common, forward, backward,
+backward_fused; backward_wide in test_mosaic_wide.py).
 
-On CPU: config validation, the NotImplementedError messages, lowering for
-CUDA (Pallas -> Mosaic GPU dialect -> layout inference, all in Python: API
-misuse fails here without a GPU), Mosaic's interpreter on small shapes (its
-wgmma of P V takes a shared-memory detour; see the kernels), whole-block and
-ragged lengths (padded inside; only the ragged ones pay for a copy), and
-which kernels a call picks.
+On CPU: shared-memory accounting, config validation, the rejections,
+lowering for CUDA (Pallas -> Mosaic GPU dialect -> layout inference, all in
+Python: API misuse fails here without a GPU), the persistent schedules and
+the fused kernel's order of additions, and Mosaic's interpreter on small
+shapes with its race detector (its wgmma takes a shared-memory detour; see
+the kernels), whole-block and ragged lengths (padded inside; only the
+ragged ones pay for a copy).
 
 On a Hopper GPU (`pytest -m gpu tests/test_mosaic.py`): each kernel alone
 against the float32 reference, relative error under 1e-2; tests/test_gpu.py
@@ -26,9 +27,12 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conftest import random_inputs, reference_with_grads, rel_err
-from jax_flash2 import flash_attention, reference
+from jax_flash2 import defaults, reference
+from jax_flash2.config import MosaicBackwardConfig, MosaicForwardConfig
+from jax_flash2.mask import NUMPY, Mask
+from jax_flash2.mosaic import backward as mosaic_bwd
+from jax_flash2.mosaic import backward_fused, common
 from jax_flash2.mosaic import forward as mosaic
-from jax_flash2.mosaic.forward import MosaicConfig
 
 
 def _structs(batch, seq_q, seq_k, heads, head_dim, dtype=jnp.bfloat16, kv_heads=None):
@@ -38,49 +42,40 @@ def _structs(batch, seq_q, seq_k, heads, head_dim, dtype=jnp.bfloat16, kv_heads=
   return q, kv, kv
 
 
+def _forward_default(head_dim, seq_q=1024, causal=False):
+  return defaults.mosaic_forward(head_dim, seq_q=seq_q, causal=causal)
+
+
 # ---------------------------------------------------------------- config
 
 
-def test_config_defaults_fit_shared_memory():
-  for head_dim in mosaic.SUPPORTED_HEAD_DIMS:
-    config = mosaic.default_config(head_dim)
-    assert config.smem_bytes(head_dim, jnp.bfloat16) <= mosaic.SMEM_LIMIT, head_dim
+def test_forward_defaults_fit_shared_memory():
+  for head_dim in common.SUPPORTED_HEAD_DIMS:
+    for seq_q, causal in ((1024, False), (8192, True)):
+      config = _forward_default(head_dim, seq_q, causal)
+      assert mosaic.smem_bytes(config, head_dim, jnp.bfloat16) <= common.SMEM_LIMIT, head_dim
   # head_dim 128: Q tiles (32 KiB) and two slots of K and V (128 KiB) fit; a
   # third slot (192 KiB of K/V) does not.
-  assert MosaicConfig(stages=3).smem_bytes(128, jnp.float16) > mosaic.SMEM_LIMIT
+  assert mosaic.smem_bytes(MosaicForwardConfig(stages=3), 128, jnp.float16) > common.SMEM_LIMIT
   # A persistent CTA keeps a second set of Q tiles (32 KiB more at head_dim
   # 128): it fits beside two slots at 128, not at 256 (64 KiB more).
-  persistent = MosaicConfig(persistent=True)
-  assert persistent.smem_bytes(128, jnp.bfloat16) == MosaicConfig().smem_bytes(128, jnp.bfloat16) + 32 * 1024
-  assert persistent.smem_bytes(128, jnp.bfloat16) <= mosaic.SMEM_LIMIT
-  assert MosaicConfig(block_kv=64, persistent=True).smem_bytes(256, jnp.bfloat16) > mosaic.SMEM_LIMIT
+  persistent = MosaicForwardConfig(persistent=True)
+  assert mosaic.smem_bytes(persistent, 128, jnp.bfloat16) == (
+      mosaic.smem_bytes(MosaicForwardConfig(), 128, jnp.bfloat16) + 32 * 1024)
+  assert mosaic.smem_bytes(persistent, 128, jnp.bfloat16) <= common.SMEM_LIMIT
+  assert mosaic.smem_bytes(MosaicForwardConfig(block_kv=64, persistent=True), 256, jnp.bfloat16) > common.SMEM_LIMIT
 
 
-def test_default_config_three_consumers_from_measured_lengths():
+def test_default_forward_three_consumers_from_measured_lengths():
   """head_dim 64 takes three consumers from 2k without a mask, 8k causal
-  (the measured thresholds); other head_dims never; so does the API."""
-  from jax_flash2 import api
-
-  assert mosaic.default_config(64).consumers == 2
-  assert mosaic.default_config(64, seq_q=1024).consumers == 2
-  assert mosaic.default_config(64, seq_q=2048).consumers == 3
-  assert mosaic.default_config(64, seq_q=4096, causal=True).consumers == 2
-  three = mosaic.default_config(64, seq_q=8192, causal=True)
+  (the measured thresholds); other head_dims never."""
+  assert _forward_default(64, seq_q=1024).consumers == 2
+  assert _forward_default(64, seq_q=2048).consumers == 3
+  assert _forward_default(64, seq_q=4096, causal=True).consumers == 2
+  three = _forward_default(64, seq_q=8192, causal=True)
   assert (three.consumers, three.block_q) == (3, 192)
-  assert three.smem_bytes(64, jnp.bfloat16) <= mosaic.SMEM_LIMIT
-  assert mosaic.default_config(128, seq_q=16384).consumers == 2
-  causal_8k = api.Problem(8192, 8192, 64, 64, None, 0, 0.125, "bfloat16")
-  q = jax.ShapeDtypeStruct((1, 8192, 2, 64), jnp.bfloat16)
-  assert api._mosaic_config(causal_8k, q) == three
-
-
-def test_q_registers_lowers_for_cuda():
-  """Q in registers for S = Q K^T (GPU only: the interpreter reads it from
-  shared memory): the kernel lowers and changes."""
-  q = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
-  plain = mosaic.default_config(64)
-  f = lambda config: (lambda q, k, v: mosaic.forward(q, k, v, causal=True, config=config))
-  assert _kernels_text(f(dataclasses.replace(plain, q_registers=True)), q, q, q) != _kernels_text(f(plain), q, q, q)
+  assert mosaic.smem_bytes(three, 64, jnp.bfloat16) <= common.SMEM_LIMIT
+  assert _forward_default(128, seq_q=16384).consumers == 2
 
 
 def test_three_consumers_skip_the_padding_copy_on_the_gpu():
@@ -88,7 +83,8 @@ def test_three_consumers_skip_the_padding_copy_on_the_gpu():
   kernel compiled for the GPU reads q as it is (the TMA engine zero-fills
   the last block's rows past 512, which store nothing), and 500 (a partial
   consumer tile) is padded."""
-  config = MosaicConfig(block_q=192, block_kv=128, stages=4, softmax_overlap=True, persistent=True, consumers=3)
+  config = MosaicForwardConfig(block_q=192, block_kv=128, stages=4, softmax_overlap=True, persistent=True,
+                               consumers=3)
   for seq_q, padded in ((512, False), (500, True)):
     q = jax.ShapeDtypeStruct((1, seq_q, 2, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
@@ -98,63 +94,63 @@ def test_three_consumers_skip_the_padding_copy_on_the_gpu():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        (dict(block_q=64), "block_q must be 128 or 256"),
-        (dict(block_q=192), "block_q must be 128 or 256"),
-        (dict(block_kv=32), "block_kv must be 64, 128 or 256"),
-        (dict(block_kv=192), "block_kv must be 64, 128 or 256"),
-        (dict(block_kv=512), "block_kv must be 64, 128 or 256"),
-        (dict(stages=1), "stages must be between 2 and 8"),
-        (dict(stages=9), "stages must be between 2 and 8"),
-        (dict(stages=2.0), "stages must be an int"),
-        (dict(block_q=True), "block_q must be an int"),
-        (dict(softmax_overlap=1), "softmax_overlap must be a bool"),
-        (dict(q_registers=1), "q_registers must be a bool"),
-        (dict(persistent=None), "persistent must be a bool"),
-        (dict(pingpong=1), "pingpong must be a bool"),
-        (dict(pingpong=True), "pingpong needs softmax_overlap"),
-        (dict(early_q=True), "early_q needs persistent"),
-        (dict(persistent=True, early_q=1), "early_q must be a bool"),
-        (dict(persistent=True, balanced=1), "balanced must be a bool"),
-        (dict(consumers=4), "consumers must be 2 or 3"),
-        (dict(consumers=3.0), "consumers must be an int"),
-        (dict(consumers=3), "block_q must be 192 or 384"),
-        (dict(consumers=3, block_q=192, softmax_overlap=True, pingpong=True), "pingpong takes two consumers"),
-        (dict(poly_columns=12), "poly_columns must be a multiple of 8 between 0 and 128"),
-        (dict(block_kv=64, poly_columns=72), "poly_columns must be a multiple of 8 between 0 and 64"),
-        (dict(poly_columns=16.0), "poly_columns must be an int"),
+        (dict(block_q=64), ValueError, "block_q must be 128 or 256"),
+        (dict(block_q=192), ValueError, "block_q must be 128 or 256"),
+        (dict(block_kv=32), ValueError, "block_kv must be 64, 128 or 256"),
+        (dict(block_kv=512), ValueError, "block_kv must be 64, 128 or 256"),
+        (dict(stages=1), ValueError, "stages must be between 2 and 8"),
+        (dict(stages=9), ValueError, "stages must be between 2 and 8"),
+        (dict(stages=2.0), TypeError, "stages must be an int"),
+        (dict(block_q=True), TypeError, "block_q must be an int"),
+        (dict(softmax_overlap=1), TypeError, "softmax_overlap must be a bool"),
+        (dict(persistent=None), TypeError, "persistent must be a bool"),
+        (dict(persistent=True, balanced=1), TypeError, "balanced must be a bool"),
+        (dict(balanced=True), ValueError, "balanced needs persistent"),
+        (dict(consumers=4), ValueError, "consumers must be 2 or 3"),
+        (dict(consumers=3.0), TypeError, "consumers must be an int"),
+        (dict(consumers=3), ValueError, "block_q must be 192 or 384"),
     ],
 )
-def test_config_rejects(kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    MosaicConfig(**kwargs)
+def test_forward_config_rejects(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    MosaicForwardConfig(**kwargs)
 
 
 def test_config_is_frozen_and_hashable():
-  config = MosaicConfig()
+  config = MosaicForwardConfig()
   with pytest.raises(dataclasses.FrozenInstanceError):
     config.stages = 3  # type: ignore[misc]
-  assert hash(config) == hash(MosaicConfig())
+  assert hash(config) == hash(MosaicForwardConfig())
   assert config.rows_per_consumer == 64
+
+
+def _tiles_of(schedule, table=None) -> list[list[tuple[int, int, int]]]:
+  """Each CTA's tiles, (block, head, batch) in the order it runs them, from
+  the schedule's own int32 arithmetic (evaluated for every CTA and tile at
+  once)."""
+  counts = np.asarray(schedule.tile_count(jnp.arange(schedule.num_ctas, dtype=jnp.int32), table))
+  cta, i = np.meshgrid(np.arange(schedule.num_ctas), np.arange(counts.max()), indexing="ij")
+  block, head, batch = (np.asarray(x) for x in schedule.tile(jnp.asarray(cta, jnp.int32), jnp.asarray(i, jnp.int32),
+                                                             table))
+  return [[(int(block[c, t]), int(head[c, t]), int(batch[c, t])) for t in range(counts[c])]
+          for c in range(schedule.num_ctas)]
 
 
 @pytest.mark.parametrize("num_q_blocks, heads, batch, causal", [
     (16, 16, 8, False), (16, 16, 8, True), (128, 16, 1, True), (13, 3, 2, True), (7, 1, 1, True), (3, 1, 1, False),
 ])
 def test_persistent_schedule_covers_every_tile_once(num_q_blocks, heads, batch, causal):
-  schedule = mosaic.PersistentSchedule.create(num_q_blocks, heads, batch, causal=causal, interpret=False)
-  seen = []
-  work = []  # per CTA: K/V blocks of its tiles (a Q block's causal work grows with its index)
-  for cta in range(schedule.num_ctas):
-    count = int(schedule.tile_count(jnp.int32(cta)))
-    assert count >= 1
-    tiles = [tuple(int(x) for x in schedule.tile(jnp.int32(cta), jnp.int32(i))) for i in range(count)]
-    seen += tiles
-    work.append(sum(num_q_blocks - q_index for q_index, _, _ in tiles))  # a causal kernel reverses q_index
-  assert sorted(seen) == [(q, h, b) for q in range(num_q_blocks) for h in range(heads) for b in range(batch)]
+  schedule = common.PersistentSchedule.create(num_q_blocks, heads, batch, causal=causal, interpret=False)
+  tiles = _tiles_of(schedule)
+  assert min(len(t) for t in tiles) >= 1
+  every = [(q, h, b) for q in range(num_q_blocks) for h in range(heads) for b in range(batch)]
+  assert sorted(tile for cta in tiles for tile in cta) == every
   if causal and schedule.num_tiles >= 4 * schedule.num_ctas and num_q_blocks % 2 == 0:
-    # Pairs of equal work: every CTA within one pair's work of the others.
+    # Pairs of equal work: every CTA within one pair's work of the others (a
+    # causal kernel reverses q_index: its work grows with the index).
+    work = [sum(num_q_blocks - q_index for q_index, _, _ in cta) for cta in tiles]
     assert max(work) - min(work) <= num_q_blocks + 1
 
 
@@ -163,33 +159,28 @@ def test_persistent_schedule_covers_every_tile_once(num_q_blocks, heads, batch, 
     (13, 3, 2, 2, 1600), (7, 1, 1, 2, 896),
 ], ids=["d64_4k", "d64_8k_three", "d64_16k_three", "d128_16k", "d128_2k", "small", "fewer_tiles_than_ctas"])
 def test_balanced_schedule(num_q_blocks, heads, batch, consumers, seq):
-  """The balanced table (MosaicConfig.balanced) runs every tile once, and
-  no CTA's work (ring steps and a step a tile) exceeds the mean by more than
-  one tile's, nor the paired schedule's busiest CTA: at the bench shapes
-  within 1% of the mean."""
+  """The balanced table (MosaicForwardConfig.balanced) runs every tile once,
+  and no CTA's work (ring steps and a step a tile) exceeds the mean by more
+  than one tile's, nor the paired schedule's busiest CTA: at the bench
+  shapes within 1% of the mean."""
   block_q = 64 * consumers
-  work = mosaic.q_tile_work(num_q_blocks, block_q=block_q, block_kv=128, seq_q=seq, seq_k=seq, consumers=consumers)
+  work = common.q_tile_work(num_q_blocks, block_q=block_q, block_kv=128, mask=Mask(seq, seq, causal=True),
+                            consumers=consumers)
   assert work[0] == max(work) and work[-1] == min(work)  # block 0 the heaviest
-  balanced = mosaic.PersistentSchedule.create(num_q_blocks, heads, batch, causal=True, interpret=False, work=work)
-  paired = mosaic.PersistentSchedule.create(num_q_blocks, heads, batch, causal=True, interpret=False)
+  balanced = common.PersistentSchedule.create(num_q_blocks, heads, batch, causal=True, interpret=False, work=work)
+  paired = common.PersistentSchedule.create(num_q_blocks, heads, batch, causal=True, interpret=False)
   table = jnp.asarray(balanced.table())
-  cost = lambda tiles: sum(work[block] + mosaic._TILE_OVERHEAD_STEPS for block, _, _ in tiles)
-  loads, seen = {}, []
-  for name, schedule in ("balanced", balanced), ("paired", paired):
-    loads[name] = []
-    for cta in range(schedule.num_ctas):
-      count = int(schedule.tile_count(jnp.int32(cta), table))
-      tiles = [tuple(int(x) for x in schedule.tile(jnp.int32(cta), jnp.int32(i), table)) for i in range(count)]
-      if name == "balanced":
-        seen += tiles
-      loads[name].append(cost(tiles))
-  assert sorted(seen) == [(q, h, b) for q in range(num_q_blocks) for h in range(heads) for b in range(batch)]
-  busiest, mean = max(loads["balanced"]), np.mean(loads["balanced"])
-  assert busiest <= mean + max(work) + 1 and busiest <= max(loads["paired"])
+  cost = lambda tiles: sum(work[block] + common.TILE_OVERHEAD_STEPS for block, _, _ in tiles)
+  tiles = _tiles_of(balanced, table)
+  every = [(q, h, b) for q in range(num_q_blocks) for h in range(heads) for b in range(batch)]
+  assert sorted(tile for cta in tiles for tile in cta) == every
+  loads = [cost(cta) for cta in tiles]
+  busiest, mean = max(loads), np.mean(loads)
+  assert busiest <= mean + max(work) + 1 and busiest <= max(cost(cta) for cta in _tiles_of(paired))
   if num_q_blocks * heads * batch >= 2048:
     assert busiest <= 1.01 * mean
   # One column past each CTA's last tile, read ahead by run_tiles, is in bounds.
-  assert table.shape[1] >= 2 + max(int(table[cta, 0]) for cta in range(balanced.num_ctas))
+  assert table.shape[1] >= 2 + max(len(cta) for cta in tiles)
 
 
 # ---------------------------------------------------------------- errors
@@ -205,7 +196,7 @@ def _bad_inputs():
   yield "kv_shape", (q, k, v[:, :128]), {}, ValueError, "k and v must have one shape"
   yield "heads", (q[:, :, :1], k, v), {}, ValueError, r"multiple of k's \(2\)"
   yield "mixed", (q, k.astype(jnp.float16), v), {}, ValueError, "share a dtype"
-  deep = MosaicConfig(block_kv=256, stages=4)
+  deep = MosaicForwardConfig(block_kv=256, stages=4)
   yield "smem", (q, k, v), dict(config=deep), ValueError, "bytes of shared memory"
   yield "smem_ragged", (q[:, :200], k[:, :100], v[:, :100]), dict(config=deep), ValueError, "bytes of shared memory"
 
@@ -229,14 +220,11 @@ def _kernels_text(f, *args) -> str:
   Mosaic GPU), as MLIR text without what differs between two lowerings of
   one kernel (a per-process counter in the dump name, hence the kernel hash;
   debug locations): two texts differ only where the kernels do. (The
-  lowered HLO text differs from one lowering to the next, and jit's cache
-  may return a kernel traced under other experiments.)"""
+  lowered HLO text differs from one lowering to the next.)"""
   from jax._src.interpreters import mlir as jax_mlir
   from jax._src.lib.mlir import ir
   from jax.experimental.mosaic.gpu import dialect
 
-  # A fresh function each time: jit's cache would return a kernel traced
-  # before a measurement experiment changed it.
   module = jax.jit(lambda *a: f(*a)).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
   context = jax_mlir.make_ir_context()
   dialect.register_dialect(context)
@@ -265,7 +253,7 @@ def test_kernels_text_is_the_same_for_the_same_kernel():
   (the lowered HLO text is not), different for different ones."""
   q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
   f = lambda config: (lambda q, k, v: mosaic.forward(q, k, v, config=config))
-  plain = mosaic.default_config(64)
+  plain = _forward_default(64, seq_q=256)
   assert _kernels_text(f(plain), q, q, q) == _kernels_text(f(plain), q, q, q)
   assert _kernels_text(f(plain), q, q, q) != _kernels_text(f(dataclasses.replace(plain, stages=3)), q, q, q)
 
@@ -289,18 +277,13 @@ def test_lowers_for_cuda(head_dim, dtype, causal):
     [
         ((1, 1024, 2048, 8, 128), 2, None),  # grouped-query, seq_q < seq_k
         ((1, 2048, 1024, 4, 128), None, None),  # seq_q > seq_k: rows that see no key
-        ((1, 1024, 1024, 2, 128), None, MosaicConfig(block_q=128, block_kv=64, stages=4)),
-        ((1, 1024, 1024, 2, 64), None, MosaicConfig(block_q=256, block_kv=64, stages=3)),
-        ((1, 1000, 1537, 2, 128), None, MosaicConfig(softmax_overlap=True)),
-        ((2, 1000, 1537, 4, 128), 2, MosaicConfig(softmax_overlap=True, persistent=True)),
-        ((1, 2048, 1024, 4, 64), None, MosaicConfig(stages=4, persistent=True)),
-        ((2, 1024, 1024, 4, 128), None, MosaicConfig(softmax_overlap=True, persistent=True, pingpong=True)),
-        ((2, 1000, 1537, 4, 64), 2, MosaicConfig(block_q=192, stages=4, softmax_overlap=True, persistent=True,
-                                                 consumers=3)),
-        # Part of the exponentials as a polynomial (bitcasts, a shift, a
-        # register-tile split), in the plain and the overlapped loop.
-        ((1, 1000, 1537, 2, 64), None, MosaicConfig(poly_columns=32)),
-        ((1, 2048, 2048, 2, 64), None, MosaicConfig(block_q=192, consumers=3, softmax_overlap=True, poly_columns=128)),
+        ((1, 1024, 1024, 2, 128), None, MosaicForwardConfig(block_q=128, block_kv=64, stages=4)),
+        ((1, 1024, 1024, 2, 64), None, MosaicForwardConfig(block_q=256, block_kv=64, stages=3)),
+        ((1, 1000, 1537, 2, 128), None, MosaicForwardConfig(softmax_overlap=True)),
+        ((2, 1000, 1537, 4, 128), 2, MosaicForwardConfig(softmax_overlap=True, persistent=True)),
+        ((1, 2048, 1024, 4, 64), None, MosaicForwardConfig(stages=4, persistent=True)),
+        ((2, 1000, 1537, 4, 64), 2, MosaicForwardConfig(block_q=192, stages=4, softmax_overlap=True, persistent=True,
+                                                        balanced=True, consumers=3)),
     ],
 )
 def test_lowers_for_cuda_variants(shape, kv_heads, config):
@@ -315,7 +298,7 @@ def test_lowers_for_cuda_variants(shape, kv_heads, config):
         ((1, 1000, 1537, 8, 128), 2, True, None, (1024, 1664)),  # grouped-query, seq_q < seq_k
         ((1, 1537, 1000, 4, 128), None, True, None, (1664, 1024)),  # rows that see no key
         ((1, 1, 257, 2, 256), None, False, None, (128, 320)),
-        ((1, 257, 1, 2, 64), None, True, MosaicConfig(block_q=256, block_kv=64, stages=3), (512, 64)),
+        ((1, 257, 1, 2, 64), None, True, MosaicForwardConfig(block_q=256, block_kv=64, stages=3), (512, 64)),
     ],
     ids=["200", "gqa_1000x1537", "1537x1000", "1x257_d256", "257x1"],
 )
@@ -370,13 +353,10 @@ def _check_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, causal
         ((1, 256, 256, 1, 64), jnp.bfloat16, False, None, None),
         # Three ring slots over four K/V steps, with the diagonal's drain: the
         # first consumer stops a block before the second.
-        ((1, 256, 256, 1, 64), jnp.float16, True, None, MosaicConfig(block_q=128, block_kv=64, stages=3)),
-        ((1, 128, 384, 2, 64), jnp.bfloat16, True, 1, MosaicConfig(block_q=128, block_kv=64, stages=2)),
-        # A quarter of each tile's exponentials as the polynomial; causal,
-        # so masked scores (-inf) must still give exactly 0.
-        ((1, 256, 256, 1, 64), jnp.float16, True, None, MosaicConfig(block_q=128, block_kv=64, poly_columns=16)),
+        ((1, 256, 256, 1, 64), jnp.float16, True, None, MosaicForwardConfig(block_q=128, block_kv=64, stages=3)),
+        ((1, 128, 384, 2, 64), jnp.bfloat16, True, 1, MosaicForwardConfig(block_q=128, block_kv=64, stages=2)),
     ],
-    ids=["full", "causal_drain", "gqa_seq_q_lt_seq_k", "poly_exp2_causal"],
+    ids=["full", "causal_drain", "gqa_seq_q_lt_seq_k"],
 )
 def test_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
   _check_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
@@ -387,21 +367,25 @@ def test_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
 # blocks), a first block that is also the diagonal (seq_q < seq_k, GQA), a
 # partial last block (ragged), and one query row that sees every key.
 OVERLAP = [
-    ((1, 256, 256, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, stages=3, softmax_overlap=True)),
-    ((1, 128, 384, 2, 64), True, 1, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True)),
-    ((1, 200, 136, 2, 64), False, 1, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True)),
-    ((1, 1, 257, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True)),
+    ((1, 256, 256, 1, 64), True, None, MosaicForwardConfig(block_q=128, block_kv=64, stages=3, softmax_overlap=True)),
+    ((1, 128, 384, 2, 64), True, 1, MosaicForwardConfig(block_q=128, block_kv=64, softmax_overlap=True)),
+    ((1, 200, 136, 2, 64), False, 1, MosaicForwardConfig(block_q=128, block_kv=64, softmax_overlap=True)),
+    ((1, 1, 257, 1, 64), True, None, MosaicForwardConfig(block_q=128, block_kv=64, softmax_overlap=True)),
 ]
+
+
+def _races_found() -> bool:
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the race detector's state
+
+  return gpu_callbacks.get_races().races_found
 
 
 def _check_without_races(shape, causal, kv_heads, config):
   """The forward in Mosaic's interpreter with its race detector, against the
   reference, bf16."""
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the race detector's state
-
   params = plgpu.InterpretGPUParams(detect_races=True)
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=params)
-  assert not gpu_callbacks.get_races().races_found
+  assert not _races_found()
 
 
 @pytest.mark.parametrize("shape, causal, kv_heads, config", OVERLAP,
@@ -420,54 +404,50 @@ def test_interpreter_softmax_overlap(shape, causal, kv_heads, config):
 # the next (3 slots over 4 K/V blocks a tile: a tile starts mid-ring), and a
 # tile's Q arrives in the buffer the previous tile's output left.
 PERSISTENT = [
-    ((2, 256, 256, 2, 64), False, None, MosaicConfig(block_q=128, block_kv=64, stages=3, softmax_overlap=True,
-                                                     persistent=True)),
-    ((2, 256, 256, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, stages=3, persistent=True)),
-    ((1, 384, 256, 3, 64), True, 1, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, persistent=True)),
-    ((1, 200, 136, 4, 64), False, 2, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, persistent=True)),
-    # 256-row tiles (128 rows a consumer), the d64 candidate of stage d64_tiles.
-    ((1, 512, 512, 2, 64), True, None, MosaicConfig(block_q=256, block_kv=64, stages=3, softmax_overlap=True,
-                                                    persistent=True)),
-    # early_q: the next tile's Q loads into the buffer the previous tile's
-    # output is leaving, from the current tile's start.
-    ((2, 256, 256, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, stages=3, persistent=True,
-                                                    early_q=True)),
-    ((1, 200, 136, 4, 64), False, 2, MosaicConfig(block_q=192, block_kv=64, softmax_overlap=True, persistent=True,
-                                                  consumers=3, early_q=True)),
+    ((2, 256, 256, 2, 64), False, None, MosaicForwardConfig(block_q=128, block_kv=64, stages=3, softmax_overlap=True,
+                                                            persistent=True)),
+    ((2, 256, 256, 1, 64), True, None, MosaicForwardConfig(block_q=128, block_kv=64, stages=3, persistent=True)),
+    ((1, 384, 256, 3, 64), True, 1, MosaicForwardConfig(block_q=128, block_kv=64, softmax_overlap=True,
+                                                        persistent=True)),
+    ((1, 200, 136, 4, 64), False, 2, MosaicForwardConfig(block_q=128, block_kv=64, softmax_overlap=True,
+                                                         persistent=True)),
+    # 256-row tiles (128 rows a consumer).
+    ((1, 512, 512, 2, 64), True, None, MosaicForwardConfig(block_q=256, block_kv=64, stages=3, softmax_overlap=True,
+                                                           persistent=True)),
     # balanced: the tiles from the host's table (causal), with three
     # consumers and rows that see no key (tiles of no K/V block).
-    ((2, 256, 256, 2, 64), True, None, MosaicConfig(block_q=128, block_kv=64, stages=3, softmax_overlap=True,
-                                                    persistent=True, balanced=True)),
-    ((1, 576, 320, 3, 64), True, 1, MosaicConfig(block_q=192, block_kv=64, softmax_overlap=True, persistent=True,
-                                                 consumers=3, balanced=True)),
+    ((2, 256, 256, 2, 64), True, None, MosaicForwardConfig(block_q=128, block_kv=64, stages=3, softmax_overlap=True,
+                                                           persistent=True, balanced=True)),
+    ((1, 576, 320, 3, 64), True, 1, MosaicForwardConfig(block_q=192, block_kv=64, softmax_overlap=True,
+                                                        persistent=True, consumers=3, balanced=True)),
 ]
 
 
 @pytest.mark.parametrize("shape, causal, kv_heads, config", PERSISTENT,
                          ids=["full_overlap", "causal_drain", "gqa_rows_that_see_nothing", "ragged_gqa", "block_q_256",
-                              "early_q_causal", "early_q_ragged_gqa_three", "balanced", "balanced_three_see_nothing"])
+                              "balanced", "balanced_three_see_nothing"])
 def test_interpreter_persistent(shape, causal, kv_heads, config):
   batch, seq_q, _, heads, _ = shape
-  assert batch * heads * -(-seq_q // config.block_q) >= 2 * mosaic._PERSISTENT_INTERPRET_CTAS
+  assert batch * heads * -(-seq_q // config.block_q) >= 2 * common._PERSISTENT_INTERPRET_CTAS
   _check_without_races(shape, causal, kv_heads, config)
 
 
-# pingpong: (shape, causal, kv_heads, config): the first consumer passes its
-# turns in the drain; persistent CTAs carry the turns across tiles; rows
-# that see no key keep the plain loop (no turns).
-PINGPONG = [
-    ((2, 256, 256, 2, 64), False, None, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, pingpong=True)),
-    ((2, 256, 256, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, stages=3, softmax_overlap=True,
-                                                    persistent=True, pingpong=True)),
-    ((1, 200, 136, 4, 64), False, 2, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, persistent=True,
-                                                  pingpong=True)),
-    ((1, 384, 256, 1, 64), True, None, MosaicConfig(block_q=128, block_kv=64, softmax_overlap=True, pingpong=True)),
+# consumers=3: (shape, causal, kv_heads, config), 64 rows for each of three
+# consumers. The drain (the first two consumers stop one and two blocks
+# before the third), the overlap on a ragged grouped-query problem, and
+# persistent CTAs over several tiles each.
+THREE_CONSUMERS = [
+    ((1, 192, 192, 1, 64), True, None, MosaicForwardConfig(block_q=192, block_kv=64, stages=3, consumers=3)),
+    ((1, 200, 136, 2, 64), False, 1, MosaicForwardConfig(block_q=192, block_kv=64, softmax_overlap=True,
+                                                         consumers=3)),
+    ((1, 384, 320, 3, 64), True, 1, MosaicForwardConfig(block_q=192, block_kv=64, softmax_overlap=True,
+                                                        persistent=True, consumers=3)),
 ]
 
 
-@pytest.mark.parametrize("shape, causal, kv_heads, config", PINGPONG,
-                         ids=["full", "causal_drain_persistent", "ragged_gqa_persistent", "rows_that_see_nothing"])
-def test_interpreter_pingpong(shape, causal, kv_heads, config):
+@pytest.mark.parametrize("shape, causal, kv_heads, config", THREE_CONSUMERS,
+                         ids=["causal_drain", "overlap_ragged_gqa", "persistent_causal_gqa"])
+def test_interpreter_three_consumers(shape, causal, kv_heads, config):
   _check_without_races(shape, causal, kv_heads, config)
 
 
@@ -475,7 +455,7 @@ def test_interpreter_rows_that_see_no_key():
   # Causal with seq_q > seq_k: the first seq_q - seq_k rows see nothing and
   # get zeros and lse = -inf, not NaN.
   lse = _check_against_reference(1, 256, 128, 1, 64, jnp.bfloat16, True,
-                                 config=MosaicConfig(block_q=128, block_kv=64, stages=2), softmax_scale=0.3)
+                                 config=MosaicForwardConfig(block_q=128, block_kv=64, stages=2), softmax_scale=0.3)
   assert np.all(np.isneginf(lse[..., :128])) and np.all(np.isfinite(lse[..., 128:]))
 
 
@@ -500,7 +480,7 @@ RAGGED_IDS = ["200x136_full_gqa", "300x130_causal", "1x257_causal"]
 
 @pytest.mark.parametrize("shape, dtype, causal, kv_heads", RAGGED, ids=RAGGED_IDS)
 def test_interpreter_ragged_matches_reference(shape, dtype, causal, kv_heads):
-  config = MosaicConfig(block_q=128, block_kv=64, stages=2)
+  config = MosaicForwardConfig(block_q=128, block_kv=64, stages=2)
   lse = _check_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config)
   seq_q, seq_k = shape[1:3]
   if causal and seq_q > seq_k:
@@ -539,21 +519,17 @@ def test_gpu_matches_reference(seq, head_dim, dtype, causal):
     [
         ((1, 1024, 2048, 8, 128), 2, None),  # grouped-query, seq_q < seq_k
         ((1, 2048, 1024, 4, 128), None, None),  # seq_q > seq_k: rows that see no key
-        ((1, 2048, 2048, 2, 128), None, MosaicConfig(block_q=128, block_kv=64, stages=4)),  # drain
+        ((1, 2048, 2048, 2, 128), None, MosaicForwardConfig(block_q=128, block_kv=64, stages=4)),  # drain
         ((1, 2048, 2048, 2, 256), None, None),
         ((1, 1000, 1537, 8, 128), 2, None),  # ragged: padded to whole blocks
-        ((1, 1537, 1000, 4, 64), None, MosaicConfig(block_q=256, block_kv=64, stages=3)),
+        ((1, 1537, 1000, 4, 64), None, MosaicForwardConfig(block_q=256, block_kv=64, stages=3)),
         ((1, 777, 777, 2, 256), None, None),
         # Whole 64-row tiles, half a Q block: not padded (the TMA engine
         # zero-fills the second consumer's rows, which store nothing).
         ((2, 1088, 1024, 4, 128), None, None),
-        # Q in registers for S = Q K^T (q_registers): the d64 and d128
-        # defaults, persistent, one ragged and grouped-query.
-        ((2, 2048, 2048, 4, 64), None, dataclasses.replace(mosaic.default_config(64), q_registers=True)),
-        ((1, 1000, 1537, 8, 128), 2, dataclasses.replace(mosaic.default_config(128), q_registers=True)),
     ],
     ids=["gqa", "seq_q_gt_seq_k", "block_kv_64", "d256", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_d256",
-         "half_block_unpadded", "d64_q_registers", "d128_q_registers_ragged_gqa"],
+         "half_block_unpadded"],
 )
 def test_gpu_variants(shape, kv_heads, config):
   for dtype in (jnp.bfloat16, jnp.float16):
@@ -568,27 +544,9 @@ def test_gpu_three_consumers_from_2k(shape, kv_heads):
   """The d64 default without a mask takes three consumers from 2k: 2048 rows
   in 192-row Q blocks leave the last tile's third consumer past seq_q (it
   stores nothing); ragged grouped-query with seq_q > seq_k."""
-  assert mosaic.default_config(64, seq_q=shape[1]).consumers == 3
+  assert _forward_default(64, seq_q=shape[1]).consumers == 3
   for dtype in (jnp.bfloat16, jnp.float16):
     _check_against_reference(*shape, dtype, False, kv_heads=kv_heads, interpret=False)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "shape, kv_heads, config",
-    # Part of the exponentials as a polynomial: two consumers; three, ragged
-    # grouped-query with seq_q > seq_k (causal: rows that see no key).
-    [
-        ((2, 2048, 2048, 4, 64), None, dataclasses.replace(mosaic.default_config(64), poly_columns=32)),
-        ((1, 2000, 1537, 8, 64), 2, dataclasses.replace(mosaic.default_config(64, seq_q=8192), poly_columns=48)),
-    ],
-    ids=["d64", "three_consumers_ragged_gqa"],
-)
-def test_gpu_poly_exp2(shape, kv_heads, config, causal):
-  for dtype in (jnp.bfloat16, jnp.float16):
-    _check_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
 @pytest.mark.gpu
@@ -601,7 +559,9 @@ def test_gpu_poly_exp2(shape, kv_heads, config, causal):
     ids=["d64", "d128", "d256", "ragged_gqa"],
 )
 def test_gpu_softmax_overlap(shape, kv_heads, causal):
-  config = dataclasses.replace(mosaic.default_config(shape[-1]), softmax_overlap=True)
+  """The defaults (each overlaps its softmax with P V) over longer sequences."""
+  config = _forward_default(shape[-1], seq_q=shape[1], causal=causal)
+  assert config.softmax_overlap
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
@@ -621,19 +581,7 @@ PERSISTENT_GPU_SHAPES = dict(
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
 def test_gpu_persistent(shape, kv_heads, causal):
-  config = dataclasses.replace(mosaic.default_config(shape[-1]), persistent=True)
-  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
-def test_gpu_early_q(shape, kv_heads, causal):
-  """The persistent forward loading each next tile's Q from the current
-  tile's start (early_q; an option, off: session 15)."""
-  config = dataclasses.replace(mosaic.default_config(shape[-1], seq_q=shape[1], causal=causal), persistent=True,
-                               early_q=True)
+  config = dataclasses.replace(_forward_default(shape[-1], seq_q=shape[1], causal=causal), persistent=True)
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
@@ -645,35 +593,42 @@ def test_gpu_early_q(shape, kv_heads, causal):
     ids=PERSISTENT_GPU_SHAPES["ids"] + ["d64_4k_three", "d64_three_ragged_gqa"],
 )
 def test_gpu_balanced(shape, kv_heads):
-  """The causal persistent forward with its tiles from the balanced table
-  (MosaicConfig.balanced; session 15), with two consumers and three (at
-  head_dim 64 they are the default from 8k causal)."""
-  config = dataclasses.replace(mosaic.default_config(shape[-1], seq_q=shape[1], causal=True), balanced=True)
+  """The causal persistent forward with its tiles from the balanced table,
+  with two consumers and three (at head_dim 64 they are the default from 8k
+  causal)."""
+  config = dataclasses.replace(_forward_default(shape[-1], seq_q=shape[1], causal=True), persistent=True,
+                               balanced=True)
   if shape[-1] == 64 and shape[1] >= 4096:
-    config = dataclasses.replace(config, block_q=3 * mosaic.WGMMA_M, consumers=3)
+    config = dataclasses.replace(config, block_q=3 * common.WGMMA_M, consumers=3)
   _check_against_reference(*shape, jnp.bfloat16, True, kv_heads=kv_heads, config=config, interpret=False)
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
 @pytest.mark.parametrize(
-    "shape, kv_heads",
-    [((4, 2048, 2048, 16, 128), None), ((2, 2048, 2048, 32, 64), None), ((3, 1000, 1537, 16, 128), 4)],
-    ids=["d128", "d64", "ragged_gqa"],
+    "shape, kv_heads, persistent",
+    [((4, 4096, 4096, 16, 64), None, True), ((2, 1537, 1000, 8, 64), None, True), ((3, 1000, 1537, 16, 64), 4, False)],
+    ids=["d64_persistent", "seq_q_gt_seq_k_persistent", "ragged_gqa_grid"],
 )
-def test_gpu_pingpong(shape, kv_heads, causal, persistent):
-  config = dataclasses.replace(mosaic.default_config(shape[-1]), persistent=persistent, pingpong=True)
+def test_gpu_three_consumers(shape, kv_heads, persistent, causal):
+  config = MosaicForwardConfig(block_q=192, block_kv=128, stages=4, softmax_overlap=True, persistent=persistent,
+                               consumers=3)
   _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
 
 
 # ================================================================ backward
-# jax_flash2.mosaic.backward: the dK/dV (K/V-outer) and dQ (Q-outer) kernels,
-# fed the reference's lse and delta = rowsum(dO * O).
+# jax_flash2.mosaic.backward (the dK/dV and dQ kernels) and backward_fused
+# (dQ folded into dK/dV), fed the reference's lse and delta = rowsum(dO * O).
 
-from jax_flash2.mosaic import backward as mosaic_bwd  # noqa: E402
-from jax_flash2.mosaic.backward import BackwardConfig  # noqa: E402
+# The fused kernel's tilings: at head_dim 64 the default's (without
+# early_vectors, which test_bwd_interpreter_fused_dq_early_vectors adds); at
+# 128 64-row blocks and two slots (a second set of K and V tiles does not
+# fit beside its dS^T and dQ staging).
+FUSED = {
+    64: MosaicBackwardConfig(block_q=64, block_kv=128, stages=4, dkv_persistent=True, fused_dq=True),
+    128: MosaicBackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True),
+}
 
 
 def _bwd_structs(batch, seq_q, seq_k, heads, head_dim, dtype=jnp.bfloat16, kv_heads=None):
@@ -682,83 +637,86 @@ def _bwd_structs(batch, seq_q, seq_k, heads, head_dim, dtype=jnp.bfloat16, kv_he
   return q, k, v, q, vec, vec
 
 
-def test_bwd_config():
-  for head_dim in mosaic_bwd.SUPPORTED_HEAD_DIMS:
-    config = mosaic_bwd.default_backward_config(head_dim)
-    assert config.dkv_smem_bytes(head_dim, jnp.bfloat16) <= mosaic.SMEM_LIMIT
-    assert config.dq_smem_bytes(head_dim, jnp.bfloat16) <= mosaic.SMEM_LIMIT
-  for kwargs, match in (
-      (dict(block_q=32), "block_q must be 64 or 128"),
-      (dict(block_kv=256), "block_kv must be 64 or 128"),
-      (dict(stages=1), "stages must be between 2 and 8"),
-      (dict(stages=True), "stages must be an int"),
-      (dict(softmax_overlap="yes"), "softmax_overlap must be a bool"),
-      (dict(dq_persistent=0), "dq_persistent must be a bool"),
-      (dict(dkv_persistent="no"), "dkv_persistent must be a bool"),
-      (dict(fused_dq=True, block_q=128), "fused_dq needs block_q 64"),
-      (dict(fused_dq=True, softmax_overlap=True), "does not take softmax_overlap"),
-      (dict(dq_adder_warp=True), "dq_adder_warp needs fused_dq"),
-      (dict(fused_dq=True, block_q=64, dq_adder_warp=1), "dq_adder_warp must be a bool"),
-      (dict(fused_dq=True, dq_adder_warp=True, dq_adder_warps=3), "dq_adder_warps must be 1 or 2"),
-      (dict(fused_dq=True, dq_adder_warps=2), "dq_adder_warps needs dq_adder_warp"),
-      (dict(dq_turns=1), "dq_turns must be a bool"),
-      (dict(dq_consumers=4), "dq_consumers must be 2 or 3"),
-      (dict(dq_softmax_overlap=1), "dq_softmax_overlap must be a bool"),
-      (dict(q_registers="yes"), "q_registers must be a bool"),
-      (dict(kv_registers=1), "kv_registers must be a bool"),
-      (dict(kv_registers=True), "kv_registers needs fused_dq"),
-      (dict(dq_consumers=3.0), "dq_consumers must be an int"),
-      (dict(early_vectors=1), "early_vectors must be a bool"),
-      (dict(early_vectors=True, softmax_overlap=True), "early_vectors is for the step without softmax_overlap"),
-      (dict(dkv_poly_columns=72), "dkv_poly_columns must be a multiple of 8 between 0 and 64"),
-      (dict(block_kv=128, dq_poly_columns=4), "dq_poly_columns must be a multiple of 8 between 0 and 128"),
-      (dict(dq_poly_columns=True), "dq_poly_columns must be an int"),
-  ):
-    with pytest.raises(ValueError, match=match):
-      BackwardConfig(**kwargs)
-  # The d64 default fuses dQ; unfused() takes it and what needs it out.
-  unfused = mosaic_bwd.default_backward_config(64).unfused()
-  assert not (unfused.fused_dq or unfused.dq_adder_warp or unfused.kv_registers) and unfused.dq_adder_warps == 1
-  assert dataclasses.replace(unfused, softmax_overlap=True, early_vectors=False).softmax_overlap
-  assert mosaic_bwd.default_backward_config(128).unfused() == mosaic_bwd.default_backward_config(128)
+def test_bwd_smem_bytes():
+  for head_dim in (64, 128):
+    config = defaults.mosaic_backward(head_dim)
+    two = dataclasses.replace(config, fused_dq=False)
+    assert mosaic_bwd.dkv_smem_bytes(two, head_dim, jnp.bfloat16) <= common.SMEM_LIMIT
+    assert mosaic_bwd.dq_smem_bytes(two, head_dim, jnp.bfloat16) <= common.SMEM_LIMIT
+    assert backward_fused.smem_bytes(FUSED[head_dim], head_dim, jnp.bfloat16) <= common.SMEM_LIMIT
   # A persistent dQ kernel keeps two sets of Q, dO, lse and delta rows.
-  plain, persistent = BackwardConfig(64, 64, 2), BackwardConfig(64, 64, 2, dq_persistent=True)
-  rows = 2 * mosaic_bwd.OUTER_ROWS * 128 * 2 + 2 * mosaic_bwd.OUTER_ROWS * 4
-  assert persistent.dq_smem_bytes(128, jnp.bfloat16) == plain.dq_smem_bytes(128, jnp.bfloat16) + rows
-  assert persistent.dq_smem_bytes(128, jnp.bfloat16) <= mosaic.SMEM_LIMIT
+  plain, persistent = MosaicBackwardConfig(64, 64, 2), MosaicBackwardConfig(64, 64, 2, dq_persistent=True)
+  rows = 2 * common.OUTER_ROWS * 128 * 2 + 2 * common.OUTER_ROWS * 4
+  assert mosaic_bwd.dq_smem_bytes(persistent, 128, jnp.bfloat16) == (
+      mosaic_bwd.dq_smem_bytes(plain, 128, jnp.bfloat16) + rows)
+  assert mosaic_bwd.dq_smem_bytes(persistent, 128, jnp.bfloat16) <= common.SMEM_LIMIT
   # A persistent dK/dV kernel keeps two sets of K and V tiles.
-  persistent_dkv = BackwardConfig(64, 64, 2, dkv_persistent=True)
-  tiles = 2 * mosaic_bwd.OUTER_ROWS * 128 * 2
-  assert persistent_dkv.dkv_smem_bytes(128, jnp.bfloat16) == plain.dkv_smem_bytes(128, jnp.bfloat16) + tiles
-  assert persistent_dkv.dkv_smem_bytes(128, jnp.bfloat16) <= mosaic.SMEM_LIMIT
-  # The fused kernel adds dS^T (double-buffered) and the staging of the float32 pieces of dQ: one
-  # 64 x 64 buffer per consumer at head_dim 128 (half the columns each) and at head_dim 64 (whole
-  # width, taking turns), one shared 64 x 128 buffer when they take turns at head_dim 128.
-  ds_t = 2 * mosaic_bwd.OUTER_ROWS * 64 * 2
-  for head_dim, turns, staging in ((128, False, 2 * 64 * 64 * 4), (128, True, 64 * 128 * 4), (64, False, 2 * 64 * 64 * 4)):
-    fused = dataclasses.replace(mosaic_bwd.fused_backward_config(head_dim), dq_turns=turns)
-    unfused = dataclasses.replace(fused, fused_dq=False)
-    assert fused.dkv_smem_bytes(head_dim, jnp.bfloat16) == unfused.dkv_smem_bytes(head_dim, jnp.bfloat16) + ds_t + staging
-    assert fused.dkv_smem_bytes(head_dim, jnp.bfloat16) <= mosaic.SMEM_LIMIT
+  persistent_dkv = MosaicBackwardConfig(64, 64, 2, dkv_persistent=True)
+  tiles = 2 * common.OUTER_ROWS * 128 * 2
+  assert mosaic_bwd.dkv_smem_bytes(persistent_dkv, 128, jnp.bfloat16) == (
+      mosaic_bwd.dkv_smem_bytes(plain, 128, jnp.bfloat16) + tiles)
+  assert mosaic_bwd.dkv_smem_bytes(persistent_dkv, 128, jnp.bfloat16) <= common.SMEM_LIMIT
+  # The fused kernel adds dS^T (double-buffered) and each consumer's staged
+  # float32 piece of dQ: 64 x 64, half the columns at head_dim 128, all of
+  # them at 64.
+  ds_t = 2 * common.OUTER_ROWS * 64 * 2
+  for head_dim, config in FUSED.items():
+    unfused = dataclasses.replace(config, fused_dq=False)
+    assert backward_fused.smem_bytes(config, head_dim, jnp.bfloat16) == (
+        mosaic_bwd.dkv_smem_bytes(unfused, head_dim, jnp.bfloat16) + ds_t + 2 * 64 * 64 * 4)
 
 
-def test_bwd_rejects():
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(block_q=32), ValueError, "block_q must be 64 or 128"),
+        (dict(block_kv=256), ValueError, "block_kv must be 64 or 128"),
+        (dict(stages=1), ValueError, "stages must be between 2 and 8"),
+        (dict(stages=True), TypeError, "stages must be an int"),
+        (dict(dq_persistent=0), TypeError, "dq_persistent must be a bool"),
+        (dict(dkv_persistent="no"), TypeError, "dkv_persistent must be a bool"),
+        (dict(dq_softmax_overlap=1), TypeError, "dq_softmax_overlap must be a bool"),
+        (dict(early_vectors=1), TypeError, "early_vectors must be a bool"),
+        (dict(fused_dq=True, block_q=128), ValueError, "fused_dq needs block_q 64"),
+    ],
+)
+def test_bwd_config_rejects(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    MosaicBackwardConfig(**kwargs)
+
+
+BACKWARDS = {"dkv": mosaic_bwd.dkv, "dq": mosaic_bwd.dq, "backward": mosaic_bwd.backward,
+             "fused": backward_fused.backward}
+
+
+@pytest.mark.parametrize("name", BACKWARDS)
+def test_bwd_rejects(name):
+  fn = BACKWARDS[name]
   q, k, v, do, lse, delta = (jnp.zeros(s.shape, s.dtype) for s in _bwd_structs(1, 256, 256, 2, 64))
+  with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
+    fn(*(x.astype(jnp.float32) for x in (q, k, v, do)), lse, delta)
+  for head_dim in (96, 256):  # 256: backward_wide's
+    d = jnp.zeros((1, 256, 2, head_dim), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=rf"head_dim in \(64, 128\), got {head_dim}"):
+      fn(d, d, d, d, lse, delta)
+  with pytest.raises(ValueError, match="lse must be float32"):
+    fn(q, k, v, do, lse[:, :1], delta)
+  with pytest.raises(ValueError, match="do must have q's shape"):
+    fn(q, k, v, do[:, :128], lse, delta)
+  fused = name == "fused"
+  with pytest.raises(ValueError, match="shared memory"):
+    fn(q, k, v, do, lse, delta, config=MosaicBackwardConfig(64 if fused else 128, 128, 8, fused_dq=fused))
+  # Each module runs its own kernels: fused_dq says which.
+  with pytest.raises(ValueError, match="fused kernel needs fused_dq=True" if fused else "here need fused_dq=False"):
+    fn(q, k, v, do, lse, delta, config=MosaicBackwardConfig(64, 64, 2, fused_dq=not fused))
+
+
+def test_bwd_fused_default_is_head_dim_64s():
+  """The fused kernel's default is the measured one, which fuses at head_dim
+  64 only: at 128 it asks for a config."""
   d128 = [jnp.zeros(s.shape, s.dtype) for s in _bwd_structs(1, 256, 256, 2, 128)]
-  with pytest.raises(NotImplementedError, match="dq_consumers 3 needs head_dim 64"):
-    mosaic_bwd.dq(*d128, config=BackwardConfig(dq_consumers=3))
-  for fn in (mosaic_bwd.dkv, mosaic_bwd.dq):
-    with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
-      fn(*(x.astype(jnp.float32) for x in (q, k, v, do)), lse, delta)
-    d96 = jnp.zeros((1, 256, 2, 96), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match=r"head_dim in \(64, 128, 256\), got 96"):
-      fn(d96, d96, d96, d96, lse, delta)
-    with pytest.raises(ValueError, match="lse must be float32"):
-      fn(q, k, v, do, lse[:, :1], delta)
-    with pytest.raises(ValueError, match="do must have q's shape"):
-      fn(q, k, v, do[:, :128], lse, delta)
-    with pytest.raises(ValueError, match="shared memory"):
-      fn(q, k, v, do, lse, delta, config=BackwardConfig(128, 128, 8))
+  with pytest.raises(ValueError, match="fused kernel needs fused_dq=True"):
+    backward_fused.backward(*d128)
 
 
 @pytest.mark.parametrize("kernel", ["dkv", "dq"])
@@ -768,7 +726,7 @@ def test_bwd_rejects():
         ((2, 512, 512, 2, 64), jnp.bfloat16, False, None, None),
         ((2, 512, 512, 2, 128), jnp.float16, True, None, None),
         ((1, 512, 1024, 8, 128), jnp.bfloat16, True, 2, None),  # grouped-query, seq_q < seq_k
-        ((1, 1024, 512, 2, 128), jnp.bfloat16, True, None, BackwardConfig(128, 128, 2)),  # seq_q > seq_k
+        ((1, 1024, 512, 2, 128), jnp.bfloat16, True, None, MosaicBackwardConfig(128, 128, 2)),  # seq_q > seq_k
     ],
     ids=["d64_full", "d128_causal", "gqa", "seq_q_gt_seq_k"],
 )
@@ -784,7 +742,7 @@ def test_bwd_lowers_for_cuda(kernel, shape, dtype, causal, kv_heads, config):
     "shape, causal, kv_heads, config",
     [
         ((1, 1000, 1537, 8, 128), True, 2, None),  # grouped-query, seq_q < seq_k
-        ((2, 257, 1, 2, 64), False, None, BackwardConfig(128, 64, 2)),
+        ((2, 257, 1, 2, 64), False, None, MosaicBackwardConfig(128, 64, 2)),
     ],
     ids=["gqa_1000x1537", "257x1"],
 )
@@ -795,41 +753,17 @@ def test_bwd_lowers_for_cuda_ragged(shape, causal, kv_heads, config):
   f = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=causal, config=config))
   text = f.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
   assert "flash2_bwd_dkv_mosaic" in text and "flash2_bwd_dq_mosaic" in text
-  round_up = lambda n: -(-n // mosaic_bwd.OUTER_ROWS) * mosaic_bwd.OUTER_ROWS
+  round_up = lambda n: -(-n // common.OUTER_ROWS) * common.OUTER_ROWS
   assert f"tensor<{batch}x{round_up(seq_q)}x{heads}x{head_dim}xbf16>" in text
   assert f"tensor<{batch}x{round_up(seq_k)}x{kv_heads or heads}x{head_dim}xbf16>" in text
   assert f"tensor<{batch}x{heads}x{round_up(seq_q)}xf32>" in text  # lse and delta
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_bwd_operands_in_registers_lower_for_cuda(head_dim):
-  """Q and dO in registers for the dQ kernel's score products (GPU only:
-  the interpreter reads them from shared memory): the kernel lowers and
-  changes (its wgmmas take their A operands from registers)."""
-  structs = _bwd_structs(1, 512, 512, 2, head_dim)
-  lower = lambda fn, config: _kernels_text(lambda *a: fn(*a, causal=True, config=config), *structs)
-  default = mosaic_bwd.default_backward_config(head_dim)
-  assert default.q_registers
-  assert lower(mosaic_bwd.dq, default) != lower(mosaic_bwd.dq, dataclasses.replace(default, q_registers=False))
-
-
-def test_bwd_kv_registers_lowers_for_cuda_at_head_dim_64_only():
-  """K and V in registers for S^T and dP^T (kv_registers) in the fused
-  kernel: it lowers and changes; head_dim 128 has no registers for them and
-  says so."""
-  structs = _bwd_structs(1, 512, 512, 2, 64)
-  lower = lambda config: _kernels_text(lambda *a: mosaic_bwd.backward(*a, causal=False, config=config), *structs)
-  config = mosaic_bwd.fused_backward_config(64)
-  assert lower(config) != lower(dataclasses.replace(config, kv_registers=True))
-  config = dataclasses.replace(mosaic_bwd.fused_backward_config(128), kv_registers=True)
-  with pytest.raises(NotImplementedError, match="kv_registers needs head_dim 64"):
-    mosaic_bwd.dkv(*_bwd_structs(1, 512, 512, 2, 128), config=config)
-
-
-def test_bwd_only_ragged_lengths_pay_for_padding():
+@pytest.mark.parametrize("module", [mosaic_bwd, backward_fused], ids=["two_kernels", "fused"])
+def test_bwd_only_ragged_lengths_pay_for_padding(module):
   """As in the forward: whole blocks reach the kernels without a copy; ragged
   lengths are padded once for both kernels."""
-  f = lambda *a: mosaic_bwd.backward(*a, causal=True)
+  f = lambda *a: module.backward(*a, causal=True)
   assert _copies(f, *_bwd_structs(1, 256, 512, 2, 64)) == []
   # q, do, lse, delta padded once each, though both kernels read them; dq sliced.
   assert _copies(f, *_bwd_structs(1, 250, 512, 2, 64)) == ["pad"] * 4 + ["slice"]
@@ -850,11 +784,14 @@ def _bwd_problem(batch, seq_q, seq_k, heads, head_dim, dtype, causal, kv_heads=N
 
 def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, causal, *, kv_heads=None,
                                  config=None, interpret=True, tol=1e-2):
+  """config's kernels (the measured default's where None) against the
+  reference: the fused one, or dkv and dq each called alone."""
   (q, k, v, do, lse, delta), (ref_dq, ref_dk, ref_dv) = _bwd_problem(
       batch, seq_q, seq_k, heads, head_dim, dtype, causal, kv_heads)
+  config = defaults.mosaic_backward(head_dim) if config is None else config
   kwargs = dict(causal=causal, config=config, interpret=interpret)
-  if config is not None and config.fused_dq:
-    dq, dk, dv = mosaic_bwd.backward(q, k, v, do, lse, delta, **kwargs)
+  if config.fused_dq:
+    dq, dk, dv = backward_fused.backward(q, k, v, do, lse, delta, **kwargs)
   else:
     dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kwargs)
     dq = mosaic_bwd.dq(q, k, v, do, lse, delta, **kwargs)
@@ -867,33 +804,24 @@ def _check_bwd_against_reference(batch, seq_q, seq_k, heads, head_dim, dtype, ca
 @pytest.mark.parametrize(
     "shape, dtype, causal, kv_heads, config",
     [
-        ((1, 128, 256, 1, 64), jnp.float16, False, None, None),
+        ((1, 128, 256, 1, 64), jnp.float16, False, None, MosaicBackwardConfig(64, 64, 2)),
         # Grouped-query (dkv sums two query heads) with three ring slots;
         # dkv's second consumer drains the first Q block, dq's first consumer
         # drains the last K/V block.
-        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3)),
-        ((1, 128, 384, 1, 64), jnp.float16, True, None, BackwardConfig(64, 64, 2)),
+        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, MosaicBackwardConfig(64, 64, 3)),
+        ((1, 128, 384, 1, 64), jnp.float16, True, None, MosaicBackwardConfig(64, 64, 2)),
         # Rows that see no key (lse = -inf) must give 0, not NaN.
-        ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2)),
-        # softmax_overlap: the element-wise work under the wgmma before it.
-        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, softmax_overlap=True)),
-        ((1, 200, 136, 2, 64), jnp.bfloat16, False, None, BackwardConfig(64, 64, 2, softmax_overlap=True)),
-        ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, softmax_overlap=True)),
-        # The dQ kernel's alone (the default at head_dim 64 and 128).
-        ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True)),
-        ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(64, 128, 2, dq_softmax_overlap=True)),
-        # Exponentials as the polynomial, part of dkv's tiles and all of
-        # dq's, with rows that see no key (lse = -inf: P must be 0, not NaN).
-        ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_softmax_overlap=True,
-                                                                     dkv_poly_columns=24, dq_poly_columns=64)),
+        ((1, 384, 128, 1, 64), jnp.float16, True, None, MosaicBackwardConfig(128, 64, 2)),
+        # The dQ kernel's softmax under dP's product (the default at head_dim 64 and 128).
+        ((1, 200, 136, 2, 64), jnp.bfloat16, True, 1, MosaicBackwardConfig(64, 64, 2, dq_softmax_overlap=True)),
+        ((1, 384, 128, 1, 64), jnp.float16, True, None, MosaicBackwardConfig(64, 128, 2, dq_softmax_overlap=True)),
         # lse and delta loaded before the wait for S^T and dP^T, with rows
         # that see no key and a drain of the other consumer's blocks.
-        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, early_vectors=True)),
-        ((1, 384, 128, 1, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, early_vectors=True)),
+        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, MosaicBackwardConfig(64, 64, 3, early_vectors=True)),
+        ((1, 384, 128, 1, 64), jnp.float16, True, None, MosaicBackwardConfig(128, 64, 2, early_vectors=True)),
     ],
     ids=["full_seq_q_lt_seq_k", "causal_gqa_drain", "causal_seq_q_lt_seq_k", "causal_seq_q_gt_seq_k",
-         "overlap_causal_gqa_drain", "overlap_ragged", "overlap_causal_seq_q_gt_seq_k", "dq_overlap_ragged_gqa",
-         "dq_overlap_causal_seq_q_gt_seq_k", "poly_exp2_causal_ragged_gqa", "early_vectors_causal_gqa_drain",
+         "dq_overlap_ragged_gqa", "dq_overlap_causal_seq_q_gt_seq_k", "early_vectors_causal_gqa_drain",
          "early_vectors_causal_seq_q_gt_seq_k"],
 )
 def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, config):
@@ -906,20 +834,14 @@ def test_bwd_interpreter_matches_reference(shape, dtype, causal, kv_heads, confi
     # Two CTAs over 4-9 tiles (causal: in pairs; an odd number of outer
     # blocks): the ring and the outer tiles' buffers carry across tiles.
     [
-        ((2, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3)),
-        ((1, 200, 136, 4, 64), jnp.bfloat16, False, 2, BackwardConfig(64, 64, 2)),
-        ((1, 384, 128, 3, 64), jnp.float16, True, None, BackwardConfig(128, 64, 2, softmax_overlap=True)),
-        ((1, 128, 384, 3, 64), jnp.bfloat16, True, None, BackwardConfig(64, 64, 2)),
-        # The tiles from the balanced table (BackwardConfig.balanced).
-        ((2, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, balanced=True)),
-        ((1, 384, 128, 3, 64), jnp.float16, True, None, BackwardConfig(64, 64, 2, balanced=True)),
+        ((2, 256, 256, 2, 64), jnp.bfloat16, True, 1, MosaicBackwardConfig(64, 64, 3)),
+        ((1, 200, 136, 4, 64), jnp.bfloat16, False, 2, MosaicBackwardConfig(64, 64, 2)),
+        ((1, 384, 128, 3, 64), jnp.float16, True, None, MosaicBackwardConfig(128, 64, 2, dq_softmax_overlap=True)),
+        ((1, 128, 384, 3, 64), jnp.bfloat16, True, None, MosaicBackwardConfig(64, 64, 2)),
     ],
-    ids=["causal_gqa", "ragged_gqa", "seq_q_gt_seq_k", "seq_q_lt_seq_k", "balanced_causal_gqa",
-         "balanced_seq_q_gt_seq_k"],
+    ids=["causal_gqa", "ragged_gqa", "seq_q_gt_seq_k", "seq_q_lt_seq_k"],
 )
 def test_bwd_interpreter_persistent(kernel, shape, dtype, causal, kv_heads, config):
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
   (q, k, v, do, lse, delta), (ref_dq, ref_dk, ref_dv) = _bwd_problem(*shape, dtype, causal, kv_heads)
   config = dataclasses.replace(config, **{f"{kernel}_persistent": True})
   kwargs = dict(causal=causal, config=config, interpret=plgpu.InterpretGPUParams(detect_races=True))
@@ -928,31 +850,7 @@ def test_bwd_interpreter_persistent(kernel, shape, dtype, causal, kv_heads, conf
   else:
     dk, dv = mosaic_bwd.dkv(q, k, v, do, lse, delta, **kwargs)
     assert rel_err(dk, ref_dk) < 1e-2 and rel_err(dv, ref_dv) < 1e-2
-  assert not gpu_callbacks.get_races().races_found
-
-
-@pytest.mark.parametrize(
-    "shape, dtype, causal, kv_heads, config",
-    # 192-row Q blocks over operands padded to 128-row multiples: the last
-    # block's third consumer tile lies past them (on the GPU zero-filled and
-    # not stored; here padded further); grouped-query and causal with the
-    # diagonal's drain; persistent CTAs over several tiles.
-    [
-        ((1, 256, 256, 2, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 3, dq_consumers=3)),
-        ((1, 200, 136, 2, 64), jnp.float16, False, None, BackwardConfig(64, 128, 2, dq_consumers=3)),
-        ((2, 384, 320, 3, 64), jnp.bfloat16, True, 1, BackwardConfig(64, 64, 2, dq_persistent=True,
-                                                                     dq_consumers=3)),
-    ],
-    ids=["causal_gqa_drain", "ragged_block_kv_128", "persistent_causal_gqa"],
-)
-def test_bwd_interpreter_three_dq_consumers(shape, dtype, causal, kv_heads, config):
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-  (q, k, v, do, lse, delta), (ref_dq, _, _) = _bwd_problem(*shape, dtype, causal, kv_heads)
-  dq = mosaic_bwd.dq(q, k, v, do, lse, delta, causal=causal, config=config,
-                     interpret=plgpu.InterpretGPUParams(detect_races=True))
-  assert dq.shape == q.shape and rel_err(dq, ref_dq) < 1e-2
-  assert not gpu_callbacks.get_races().races_found
+  assert not _races_found()
 
 
 @pytest.mark.parametrize(
@@ -965,19 +863,14 @@ def test_bwd_interpreter_three_dq_consumers(shape, dtype, causal, kv_heads, conf
         ((1, 256, 384, 2, 128), jnp.float16, True, 1),  # grouped-query, seq_q < seq_k
         ((1, 384, 128, 1, 64), jnp.float16, True, None),  # seq_q > seq_k: rows that see no key, dQ 0
         ((1, 200, 136, 2, 64), jnp.bfloat16, False, None),  # ragged
-        ((1, 384, 256, 2, 128), jnp.bfloat16, True, 1),  # d128, the consumers taking turns (dq_turns)
     ],
-    ids=["d128", "d64_causal", "gqa_seq_q_lt_seq_k", "seq_q_gt_seq_k", "ragged", "d128_turns"],
+    ids=["d128", "d64_causal", "gqa_seq_q_lt_seq_k", "seq_q_gt_seq_k", "ragged"],
 )
-def test_bwd_interpreter_fused_dq(request, shape, dtype, causal, kv_heads):
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-  config = mosaic_bwd.fused_backward_config(shape[-1])
-  turns = request.node.callspec.id.endswith("turns")
-  config = dataclasses.replace(config, stages=2, dq_turns=turns)  # stages 2: wraps the ring more often
+def test_bwd_interpreter_fused_dq(shape, dtype, causal, kv_heads):
+  config = dataclasses.replace(FUSED[shape[-1]], stages=2)  # stages 2: wraps the ring more often
   _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config,
                                interpret=plgpu.InterpretGPUParams(detect_races=True))
-  assert not gpu_callbacks.get_races().races_found
+  assert not _races_found()
 
 
 @pytest.mark.parametrize(
@@ -988,22 +881,52 @@ def test_bwd_interpreter_fused_dq(request, shape, dtype, causal, kv_heads):
 def test_bwd_interpreter_fused_dq_early_vectors(shape, causal):
   """The fused kernel (the d64 default's) with lse and delta loaded before
   the wait for S^T and dP^T: exact, and no race under the race detector."""
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-  config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), stages=2, early_vectors=True)
+  config = dataclasses.replace(FUSED[shape[-1]], stages=2, early_vectors=True)
   _check_bwd_against_reference(*shape, jnp.bfloat16, causal, config=config,
                                interpret=plgpu.InterpretGPUParams(detect_races=True))
-  assert not gpu_callbacks.get_races().races_found
+  assert not _races_found()
 
 
 def test_bwd_early_vectors_lowers_for_cuda():
   """early_vectors changes the dK/dV kernel it is given (d128, the two
-  kernels; d64, the fused one) and lowers for CUDA."""
-  for head_dim in (64, 128):
+  kernels' default, off; d64, the fused default, on) and lowers for CUDA."""
+  for head_dim, module in ((128, mosaic_bwd), (64, backward_fused)):
     structs = _bwd_structs(1, 512, 512, 2, head_dim)
-    lower = lambda config: _kernels_text(lambda *a: mosaic_bwd.dkv(*a, causal=True, config=config), *structs)
-    config = dataclasses.replace(mosaic_bwd.default_backward_config(head_dim), early_vectors=False)
-    assert lower(config) != lower(dataclasses.replace(config, early_vectors=True))
+    lower = lambda config: _kernels_text(lambda *a: module.backward(*a, causal=True, config=config), *structs)
+    config = defaults.mosaic_backward(head_dim)
+    assert config.early_vectors == (head_dim == 64)
+    assert lower(config) != lower(dataclasses.replace(config, early_vectors=not config.early_vectors))
+
+
+@pytest.mark.parametrize("shape, causal", [((2, 1024, 1024, 4, 128), True), ((1, 1000, 1537, 8, 64), False)])
+def test_bwd_fused_lowers_for_cuda(shape, causal):
+  """One kernel, with a semaphore per Q block and piece of dQ, and no dQ kernel."""
+  config = FUSED[shape[-1]]
+  f = jax.jit(lambda *a: backward_fused.backward(*a, causal=causal, config=config))
+  text = f.trace(*_bwd_structs(*shape)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flash2_bwd_dkv_mosaic" in text and "flash2_bwd_dq_mosaic" not in text
+
+
+@pytest.mark.parametrize("shape, dtype, causal, kv_heads", RAGGED, ids=RAGGED_IDS)
+def test_bwd_interpreter_ragged_matches_reference(shape, dtype, causal, kv_heads):
+  """The kernels on the operands padded as `backward` pads them, so that the
+  rows of padding can be checked before they are sliced away: dQ of padded
+  queries (lse = +inf: P = 0) and dK, dV of padded keys (hidden by the
+  diagonal, or zeroed by dkv) are exactly 0."""
+  operands, refs = _bwd_problem(*shape, dtype, causal, kv_heads)
+  seq_q, seq_k, head_dim = shape[1], shape[2], shape[4]
+  padded = common.pad_backward(*operands)
+  kwargs = dict(mask=Mask(seq_q, seq_k, causal=causal), softmax_scale=head_dim ** -0.5,
+                config=MosaicBackwardConfig(64, 64, 2), interpret=True)
+  dk, dv = mosaic_bwd._dkv_call(*padded, **kwargs)
+  dq = mosaic_bwd._dq_call(*padded, **kwargs)
+  for name, x, seq, ref in (("dq", dq, seq_q, refs[0]), ("dk", dk, seq_k, refs[1]), ("dv", dv, seq_k, refs[2])):
+    assert x.shape[1] % common.OUTER_ROWS == 0 and x.shape[1] > seq, name
+    np.testing.assert_array_equal(np.asarray(x[:, seq:], np.float32), 0.0, err_msg=name)
+    assert rel_err(x[:, :seq], ref) < 1e-2, name
+
+
+# ---------------------------------------------------------------- the fused kernel's order of additions
 
 
 def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None, kv_heads=1):
@@ -1011,15 +934,15 @@ def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None, kv_heads=1):
   (kv head, query head of its group, Q block), the (time, cta, rank) of its
   additions in the schedule's model, from the kernel's own tile order
   (PersistentSchedule)."""
-  num_kv = -(-seq_k // mosaic_bwd.OUTER_ROWS)
-  schedule = mosaic_bwd._fused_schedule(num_kv, kv_heads, 1, causal=causal, interpret=False)
+  num_kv = -(-seq_k // common.OUTER_ROWS)
+  schedule = backward_fused._fused_schedule(num_kv, kv_heads, 1, causal=causal, interpret=False)
   if num_ctas is not None:
     schedule = dataclasses.replace(schedule, num_ctas=num_ctas)
-  ranks = mosaic_bwd._dq_order(schedule, seq_q=seq_q, seq_k=seq_k, block_q=64, group=group, causal=causal)
-  assert ranks.shape[0] == (1 if mosaic_bwd._heads_alike(schedule) else kv_heads)
+  mask = Mask(seq_q, seq_k, causal=causal)
+  ranks = backward_fused._dq_order(schedule, mask=mask, block_q=64, group=group)
+  assert ranks.shape[0] == (1 if backward_fused._heads_alike(schedule) else kv_heads)
   num_q = -(-seq_q // 64)
-  starts = jnp.arange(num_kv) * mosaic_bwd.OUTER_ROWS
-  lo = np.broadcast_to(np.asarray(mosaic_bwd._q_block_bounds(starts, 64, seq_q, seq_k, 64, causal)[0]), (num_kv,))
+  lo = np.broadcast_to(mask.q_blocks_right(np.arange(num_kv) * common.OUTER_ROWS, 64, 64, NUMPY)[0], (num_kv,))
   events = {}
   for cta in range(schedule.num_ctas):
     time = 0
@@ -1027,8 +950,8 @@ def _dq_order_model(seq_q, seq_k, causal, group=1, num_ctas=None, kv_heads=1):
       j, head, _ = (int(x) for x in schedule.tile(jnp.int32(cta), jnp.int32(i)))
       visits = num_q - int(lo[j])
       for step in range(group * visits):
-        qb = int(mosaic_bwd._visit(j, step % visits, visits, int(lo[j]), num_q=num_q, num_kv=num_kv, causal=causal,
-                                   where=np.where, div=np.floor_divide, rem=np.remainder))
+        qb = int(backward_fused._visit(j, step % visits, visits, int(lo[j]), num_q=num_q, num_kv=num_kv,
+                                       causal=causal, where=np.where, div=np.floor_divide, rem=np.remainder))
         rank = int(ranks[head if ranks.shape[0] > 1 else 0, j, step])
         events.setdefault((head, step // visits, qb), []).append((time + step, cta, rank))
       time += group * visits
@@ -1068,366 +991,6 @@ def test_dq_order_spreads_the_adders(causal):
   assert min(gaps) == (1 if causal else 2)
 
 
-@pytest.mark.parametrize("shape, causal", [((2, 1024, 1024, 4, 128), True), ((1, 1000, 1537, 8, 64), False)])
-def test_bwd_fused_lowers_for_cuda(shape, causal):
-  """One kernel, with a semaphore per Q block and piece of dQ, and no dQ kernel."""
-  head_dim = shape[-1]
-  structs = _bwd_structs(*shape)
-  f = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=causal, config=mosaic_bwd.fused_backward_config(head_dim)))
-  text = f.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
-  assert "flash2_bwd_dkv_mosaic" in text and "flash2_bwd_dq_mosaic" not in text
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_bwd_fused_adder_warp_lowers_for_cuda(head_dim):
-  """The additions of dQ move to a warp of the producer, or two (one per
-  consumer's pieces: taking turns at head_dim 64, split columns at 128):
-  another kernel each time."""
-  structs = _bwd_structs(1, 1024, 1024, 2, head_dim)
-  lower = lambda config: _kernels_text(lambda *a: mosaic_bwd.backward(*a, config=config), *structs)
-  config = mosaic_bwd.fused_backward_config(head_dim)
-  one = lower(dataclasses.replace(config, dq_adder_warp=True))
-  two = lower(dataclasses.replace(config, dq_adder_warp=True, dq_adder_warps=2))
-  assert "flash2_bwd_dkv_mosaic" in one and len({lower(config), one, two}) == 3
-
-
-@pytest.mark.parametrize("every, alternate, ordered, staging, lockstep",
-                         [(0, False, True, True, True), (2, False, True, True, True), (2, True, True, True, True),
-                          (1, False, False, True, True), (1, False, True, False, True), (1, False, True, False, False)])
-def test_dq_addition_experiment_lowers_and_restores(every, alternate, ordered, staging, lockstep):
-  """The measurement hook (half or none of the reduce-adds, or each tile's
-  every other one, no waits for their order, no hand-over of the pieces, no
-  wait for the other consumer's dS^T) lowers, changes the kernel, and is off
-  again after its block."""
-  structs = _bwd_structs(1, 1024, 1024, 2, 128)
-  lower = lambda: _kernels_text(lambda *a: mosaic_bwd.backward(*a, config=mosaic_bwd.fused_backward_config(128)),
-                                *structs)
-  with mosaic_bwd.dq_addition_experiment(every, alternate=alternate, ordered=ordered, staging=staging,
-                                         lockstep=lockstep):
-    text = lower()
-  assert mosaic_bwd._DQ_EXPERIMENT is None
-  assert "flash2_bwd_dkv_mosaic" in text and text != lower()
-
-
-def test_elementwise_experiment_changes_both_kernels_and_restores():
-  """The measurement hook (P = S, dS = dP) lowers, changes both kernels, and
-  is off again after its block, also inside dq_addition_experiment."""
-  structs = _bwd_structs(1, 1024, 1024, 2, 128)
-  lower = lambda kernel: _kernels_text(kernel, *structs)
-  with mosaic_bwd.dq_addition_experiment(2):
-    with mosaic_bwd.elementwise_experiment():
-      texts = [lower(kernel) for kernel in (mosaic_bwd.dkv, mosaic_bwd.dq)]
-      assert mosaic_bwd._DQ_EXPERIMENT.every == 2
-    assert mosaic_bwd._DQ_EXPERIMENT.elementwise
-  assert mosaic_bwd._DQ_EXPERIMENT is None
-  for kernel, text in zip((mosaic_bwd.dkv, mosaic_bwd.dq), texts):
-    assert "exp2" not in text and text != lower(kernel)
-
-
-@pytest.mark.parametrize("shape, dtype, causal, kv_heads", RAGGED, ids=RAGGED_IDS)
-def test_bwd_interpreter_ragged_matches_reference(shape, dtype, causal, kv_heads):
-  """The kernels on the operands padded as `backward` pads them, so that the
-  rows of padding can be checked before they are sliced away: dQ of padded
-  queries (lse = +inf: P = 0) and dK, dV of padded keys (hidden by the
-  diagonal, or zeroed by dkv) are exactly 0."""
-  operands, refs = _bwd_problem(*shape, dtype, causal, kv_heads)
-  seq_q, seq_k, head_dim = shape[1], shape[2], shape[4]
-  padded = mosaic_bwd._pad(*operands)
-  kwargs = dict(seq_q=seq_q, seq_k=seq_k, causal=causal, softmax_scale=head_dim ** -0.5,
-                config=BackwardConfig(64, 64, 2), interpret=True)
-  dk, dv = mosaic_bwd._dkv_call(*padded, **kwargs)
-  dq = mosaic_bwd._dq_call(*padded, **kwargs)
-  for name, x, seq, ref in (("dq", dq, seq_q, refs[0]), ("dk", dk, seq_k, refs[1]), ("dv", dv, seq_k, refs[2])):
-    assert x.shape[1] % mosaic_bwd.OUTER_ROWS == 0 and x.shape[1] > seq, name
-    np.testing.assert_array_equal(np.asarray(x[:, seq:], np.float32), 0.0, err_msg=name)
-    assert rel_err(x[:, :seq], ref) < 1e-2, name
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("seq", [1024, 4096])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_bwd_gpu_matches_reference(seq, head_dim, causal):
-  _check_bwd_against_reference(2, seq, seq, 4, head_dim, jnp.bfloat16, causal, interpret=False)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize(
-    "shape, dtype, kv_heads, config",
-    [
-        ((1, 1024, 2048, 8, 128), jnp.bfloat16, 2, None),  # grouped-query, seq_q < seq_k
-        ((1, 2048, 1024, 4, 128), jnp.float16, None, None),  # seq_q > seq_k
-        ((1, 2048, 2048, 2, 64), jnp.bfloat16, None, BackwardConfig(128, 128, 2)),
-        ((1, 1000, 1537, 8, 128), jnp.bfloat16, 2, None),  # ragged: padded to whole blocks
-        ((1, 1537, 1000, 4, 64), jnp.float16, None, None),
-        ((2, 777, 777, 2, 64), jnp.bfloat16, None, BackwardConfig(128, 128, 2)),
-        # Three dQ consumers: 192-row Q blocks, the last one's tiles past the
-        # operands (4096 = 21 x 192 + 64) zero-filled and not stored.
-        ((2, 4096, 4096, 4, 64), jnp.bfloat16, None, BackwardConfig(64, 64, 2, dq_persistent=True,
-                                                                    dq_consumers=3)),
-        ((1, 1000, 1537, 8, 64), jnp.float16, 2, BackwardConfig(64, 128, 2, dq_consumers=3)),
-        # Q and dO in registers for the dQ kernel's score products, not
-        # persistent, ragged grouped-query (the defaults take them too).
-        ((1, 1000, 1537, 8, 64), jnp.float16, 2, BackwardConfig(64, 64, 2, q_registers=True)),
-        # Three ring slots beside persistent CTAs' second outer tiles: 231.6 of 232.4 KB.
-        ((2, 4096, 4096, 4, 128), jnp.bfloat16, None, BackwardConfig(64, 64, 3, dq_persistent=True,
-                                                                     dkv_persistent=True)),
-    ],
-    ids=["gqa", "seq_q_gt_seq_k", "blocks_128", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_blocks_128",
-         "three_dq_consumers", "three_dq_consumers_ragged_gqa", "q_registers_ragged_gqa", "d128_three_slots"],
-)
-def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
-  _check_bwd_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "shape, dtype, kv_heads, config",
-    # Part of the exponentials as a polynomial, in the d64 and d128 defaults
-    # (persistent, dQ overlap): seq_q > seq_k (causal: rows that see no
-    # key), ragged grouped-query.
-    [
-        ((1, 2048, 1024, 4, 64), jnp.bfloat16, None, dataclasses.replace(
-            mosaic_bwd.default_backward_config(64), dkv_poly_columns=16, dq_poly_columns=24)),
-        ((1, 1000, 1537, 8, 128), jnp.float16, 2, dataclasses.replace(
-            mosaic_bwd.default_backward_config(128), dkv_poly_columns=16, dq_poly_columns=16)),
-    ],
-    ids=["d64_seq_q_gt_seq_k", "d128_ragged_gqa"],
-)
-def test_bwd_gpu_poly_exp2(shape, dtype, kv_heads, config, causal):
-  _check_bwd_against_reference(*shape, dtype, causal, kv_heads=kv_heads, config=config, interpret=False)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
-@pytest.mark.parametrize("kernels", ["dq+dkv"])
-def test_bwd_gpu_persistent(shape, kv_heads, causal, kernels):
-  options = {f"{kernel}_persistent": True for kernel in kernels.split("+")}
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]).unfused(), **options)
-  head_dim = shape[-1]
-  if max(config.dq_smem_bytes(head_dim, jnp.bfloat16), config.dkv_smem_bytes(head_dim, jnp.bfloat16)) > mosaic.SMEM_LIMIT:
-    config = dataclasses.replace(config, stages=2)  # d128: the second buffers take a ring slot's room
-  _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
-def test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=False, adder_warp=False, kv_registers=False):
-  """The fused kernel against the reference, over several rounds of
-  persistent CTAs; and deterministic: a second run gives the same bits."""
-  config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_turns=turns, dq_adder_warp=adder_warp,
-                               kv_registers=kv_registers)
-  _check_fused_bwd_on_gpu(shape, kv_heads, causal, config)
-
-
-def _check_fused_bwd_on_gpu(shape, kv_heads, causal, config):
-  """`config`'s fused kernel against the reference, and the same bits from a second run."""
-  grads = _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config,
-                                       interpret=False)
-  (q, k, v, do, lse, delta), _ = _bwd_problem(*shape, jnp.bfloat16, causal, kv_heads)
-  again = mosaic_bwd.backward(q, k, v, do, lse, delta, causal=causal, config=config)
-  for name, x, y in zip(("dq", "dk", "dv"), grads, again):
-    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), err_msg=name)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape, kv_heads", [((8, 2048, 2048, 16, 128), None), ((3, 1000, 1537, 16, 128), 4)],
-                         ids=["d128", "ragged_gqa"])
-def test_bwd_gpu_fused_dq_turns(shape, kv_heads, causal):
-  """The same with the consumers taking turns at head_dim 128 (dq_turns)."""
-  test_bwd_gpu_fused_dq(shape, kv_heads, causal, turns=True)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
-def test_bwd_gpu_fused_dq_adder_warp(shape, kv_heads, causal):
-  """The same with the additions of dQ in a warp of their own (dq_adder_warp)."""
-  test_bwd_gpu_fused_dq(shape, kv_heads, causal, adder_warp=True)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape, kv_heads", [((4, 2048, 2048, 32, 64), None), ((2, 1537, 1000, 16, 64), 4)],
-                         ids=["d64", "ragged_gqa_seq_q_gt_seq_k"])
-def test_bwd_gpu_fused_dq_kv_registers(shape, kv_heads, causal):
-  """The same with K and V in registers and the adder warp (head_dim 64):
-  ptxas 13.0 miscompiles the two-kernel dK/dV loop with K and V in registers
-  (tools/mosaic_cpu_compile.py's A-clobber check), not this one."""
-  test_bwd_gpu_fused_dq(shape, kv_heads, causal, adder_warp=True, kv_registers=True)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "shape, kv_heads",
-    [((4, 2048, 2048, 32, 64), None), ((2, 1537, 1000, 16, 64), 4), ((8, 2048, 2048, 16, 128), None),
-     ((3, 1000, 1537, 16, 128), 4)],
-    ids=["d64", "ragged_gqa_seq_q_gt_seq_k", "d128_split", "d128_turns_ragged_gqa"],
-)
-def test_bwd_gpu_fused_dq_two_adder_warps(request, shape, kv_heads, causal):
-  """Two warps adding dQ, one per consumer's pieces (dq_adder_warps=2): the
-  d64 default; the d128 fused kernel, whose consumers add half the columns
-  each at every step, or take turns at whole-width pieces in one shared
-  buffer (dq_turns): right, and the same bits again (the d128 cases an
-  option, off: session 15)."""
-  config = mosaic_bwd.default_backward_config(64)
-  if shape[-1] != 64:
-    config = dataclasses.replace(mosaic_bwd.fused_backward_config(shape[-1]), dq_adder_warp=True, dq_adder_warps=2,
-                                 dq_turns="turns" in request.node.callspec.id)
-  assert config.dq_adder_warps == 2
-  _check_fused_bwd_on_gpu(shape, kv_heads, causal, config)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_bwd_gpu_fused_dq_heads_across_rounds(causal):
-  """The d64 default (the fused kernel) where whole heads per round would
-  waste rounds: 11 heads of 48 K/V blocks (24 causal pairs) run on 132 CTAs
-  in 4 rounds (2 causal), not on 96 in 6 (120 in 3), so each head has an
-  order of additions of its own (`_dq_order`)."""
-  schedule = mosaic_bwd._fused_schedule(48, 11, 1, causal=causal, interpret=False)
-  assert schedule.num_ctas == 132 and not mosaic_bwd._heads_alike(schedule)
-  # (Session 14 ran this with one adder warp, before the default took two.)
-  _check_fused_bwd_on_gpu((1, 6144, 6144, 11, 64), None, causal, mosaic_bwd.default_backward_config(64))
-
-
-# The step options of the dK/dV kernel, on the GPU: both masks, d64 and
-# d128, ragged grouped-query and seq_q > seq_k.
-_gpu_step_cases = pytest.mark.parametrize(
-    "shape, kv_heads",
-    [((2, 4096, 4096, 4, 64), None), ((1, 4096, 4096, 4, 128), None), ((1, 1000, 1537, 8, 128), 2),
-     ((1, 1537, 1000, 4, 64), None)],
-    ids=["d64", "d128", "ragged_gqa", "ragged_seq_q_gt_seq_k"],
-)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@_gpu_step_cases
-def test_bwd_gpu_early_vectors(shape, kv_heads, causal):
-  """early_vectors on the defaults (d128: the two kernels; d64: the fused
-  kernel with its adder warps and K, V in registers)."""
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]), early_vectors=True)
-  _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@_gpu_step_cases
-def test_bwd_gpu_softmax_overlap(shape, kv_heads, causal):
-  """softmax_overlap on the defaults' two kernels (persistent, the dQ
-  kernel's overlap and registers)."""
-  config = dataclasses.replace(mosaic_bwd.default_backward_config(shape[-1]).unfused(), softmax_overlap=True,
-                               early_vectors=False)
-  _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
-
-
-def test_profiling_sets_the_kernels_compiler_params(tmp_path):
-  assert mosaic.compiler_params().profile_space == 0
-  with mosaic.profiling(64, str(tmp_path)):
-    params = mosaic.compiler_params()
-    assert (params.profile_space, params.profile_dir, params.approx_math) == (64, str(tmp_path), True)
-  assert mosaic.compiler_params().profile_space == 0
-
-
-def _sass(*instructions: str) -> str:
-  """SASS text in nvdisasm's layout from instructions and '.L_x_N:' labels."""
-  lines, address = [], 0
-  for text in instructions:
-    if text.endswith(":"):
-      lines.append(text)
-    else:
-      lines.append(f"        /*{address:04x}*/                   {text} ;")
-      address += 0x10
-  return "\n".join(lines)
-
-
-def test_wgmma_operand_clobber_check(load_tool):
-  """tools/mosaic_cpu_compile.py's check of the SASS: a loop whose HGMMA
-  reads registers carried into it (K in registers) and that hands them to a
-  temporary read in the same iteration (ptxas 13.0 with kv_registers) is
-  reported; a value carried on purpose (P into the next step's P V), a loop
-  that leaves them alone, and a barrier's slow path after EXIT are not."""
-  check = load_tool("mosaic_cpu_compile").wgmma_operand_clobbers
-  clobbered = _sass("LDSM.16.M88.4 R160, [R4]", ".L_x_1:", "HGMMA.64x64x16.F32.BF16 R56, R160, gdesc[UR4], R56",
-                    "F2FP.BF16.F32.PACK_AB R160, R13, R12", "HGMMA.64x64x16.F32.BF16 R120, R160, gdesc[UR8], R120",
-                    "@P0 BRA `(.L_x_1)", "EXIT")
-  [report] = check(clobbered)  # R160 only: the F2FP writes one register of the fragment
-  assert report.startswith("R160: read by HGMMA at 0x10, last overwritten at 0x20")
-  carried = _sass("F2FP.BF16.F32.PACK_AB R160, R13, R12", ".L_x_1:",
-                  "HGMMA.64x64x16.F32.BF16 R88, R160, gdesc[UR8], R88", "FMNMX R161, R24, R28, !PT",
-                  "FADD R30, R161, R31", "F2FP.BF16.F32.PACK_AB R160, R33, R32",
-                  "F2FP.BF16.F32.PACK_AB R161, R35, R34", "@P0 BRA `(.L_x_1)", "EXIT")
-  untouched = _sass("LDSM.16.M88.4 R160, [R4]", ".L_x_1:", "HGMMA.64x64x16.F32.BF16 R56, R160, gdesc[UR4], R56",
-                    "F2FP.BF16.F32.PACK_AB R12, R13, R12", "HGMMA.64x64x16.F32.BF16 R120, R12, gdesc[UR8], R120",
-                    "@P0 BRA `(.L_x_1)", "EXIT")
-  slow_path = _sass("LDSM.16.M88.4 R160, [R4]", ".L_x_1:", "HGMMA.64x64x16.F32.BF16 R56, R160, gdesc[UR4], R56",
-                    "F2FP.BF16.F32.PACK_AB R160, R13, R12", "FADD R1, R160, R2", "EXIT", "BRA `(.L_x_1)")
-  assert check(carried) == check(untouched) == check(slow_path) == []
-
-
-def test_profile_summary_of_a_trace(load_tool):
-  """tools/mosaic_profile.py's summary of a Mosaic GPU profiler trace: per
-  warpgroup role (tid = 1 + warpgroup + 3 * CTA), the mean time per CTA in
-  each region, nested regions counted in both, shares of the span."""
-  tool = load_tool("mosaic_profile")
-  events = []
-  for cta, scale in ((0, 1.0), (1, 3.0)):
-    for warpgroup in range(3):
-      tid = 1 + warpgroup + 3 * cta
-      marks = [("B", "step", 0), ("B", "scores", 1), ("E", "scores", 3), ("E", "step", 4), ("B", "step", 6),
-               ("E", "step", 10)]
-      events += [dict(ph=ph, name=name, ts=ts * scale + 100 * cta, tid=tid, pid=1) for ph, name, ts in marks]
-  summary = tool.summarize({"traceEvents": events})
-  assert list(summary) == ["consumer 0", "consumer 1", "producer"]
-  for regions in summary.values():
-    assert regions["(span)"] == (20.0, 1.0)  # spans 10 and 30
-    assert regions["step"] == pytest.approx((16.0, 0.8))  # (4 + 4) and (12 + 12)
-    assert regions["scores"] == pytest.approx((4.0, 0.2))  # 2 and 6
-  assert "scores" in tool.format_summary(summary)
-
-
-def test_kernel_anatomy_reads_gpu_kernels_from_a_trace(tmp_path, load_tool):
-  """tools/kernel_anatomy.py's reading of a profiler trace: the durations of
-  the complete events on a GPU device's timelines, by kernel name; host
-  events and metadata left out, the newest trace taken."""
-  import gzip
-  import json
-  import os
-
-  tool = load_tool("kernel_anatomy")
-  events = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
-            dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU")),
-            dict(ph="X", name="bprop", pid=1, tid=7, ts=0, dur=30.0),
-            dict(ph="X", name="bprop", pid=1, tid=7, ts=40, dur=32.0),
-            dict(ph="X", name="memset", pid=1, tid=8, ts=80, dur=2.5),
-            dict(ph="X", name="bprop", pid=2, tid=1, ts=0, dur=99.0)]  # the host's launch, not a kernel
-  for run, trace in (("old", dict(traceEvents=[])), ("new", dict(traceEvents=events, metadata={}))):
-    path = tmp_path / "plugins" / "profile" / run / "host.trace.json.gz"
-    path.parent.mkdir(parents=True)
-    with gzip.open(path, "wt") as f:
-      json.dump(trace, f)
-    os.utime(path, (1, 1) if run == "old" else None)
-  assert tool.gpu_kernel_times(tmp_path) == {"bprop": [30.0, 32.0], "memset": [2.5]}
-
-
 @pytest.mark.parametrize(
     "num_kv, kv_heads, batch, causal, paired, num_ctas, alike",
     [
@@ -1451,42 +1014,113 @@ def test_fused_schedule_fills_the_rounds_on_resident_ctas(num_kv, kv_heads, batc
   resident), in as few rounds as the SMs allow, and where that costs no
   round a whole number of heads per round or of rounds per head, so that one
   head's order of additions (`_dq_order`) holds for every head."""
-  schedule = mosaic_bwd._fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=False)
+  schedule = backward_fused._fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=False)
   assert (schedule.paired, schedule.num_ctas) == (paired, num_ctas)
-  assert schedule.num_ctas <= mosaic._sm_count()
+  assert schedule.num_ctas <= common.sm_count()
   per_head = num_kv // 2 if paired else num_kv
   units = per_head * kv_heads * batch
-  assert -(-units // schedule.num_ctas) == -(-units // mosaic._sm_count())
-  assert mosaic_bwd._heads_alike(schedule) == alike
-  assert mosaic_bwd._fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=True).num_ctas == 1
+  assert -(-units // schedule.num_ctas) == -(-units // common.sm_count())
+  assert backward_fused._heads_alike(schedule) == alike
+  assert backward_fused._fused_schedule(num_kv, kv_heads, batch, causal=causal, interpret=True).num_ctas == 1
 
 
-# consumers=3: (shape, causal, kv_heads, config), 64 rows for each of three
-# consumers. The drain (the first two consumers stop one and two blocks
-# before the third), the overlap on a ragged grouped-query problem, and
-# persistent CTAs over several tiles each.
-THREE_CONSUMERS = [
-    ((1, 192, 192, 1, 64), True, None, MosaicConfig(block_q=192, block_kv=64, stages=3, consumers=3)),
-    ((1, 200, 136, 2, 64), False, 1, MosaicConfig(block_q=192, block_kv=64, softmax_overlap=True, consumers=3)),
-    ((1, 384, 320, 3, 64), True, 1, MosaicConfig(block_q=192, block_kv=64, softmax_overlap=True, persistent=True,
-                                                 consumers=3)),
-]
+# ---------------------------------------------------------------- backward on the GPU
 
 
-@pytest.mark.parametrize("shape, causal, kv_heads, config", THREE_CONSUMERS,
-                         ids=["causal_drain", "overlap_ragged_gqa", "persistent_causal_gqa"])
-def test_interpreter_three_consumers(shape, causal, kv_heads, config):
-  _check_without_races(shape, causal, kv_heads, config)
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("seq", [1024, 4096])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_gpu_matches_reference(seq, head_dim, causal):
+  _check_bwd_against_reference(2, seq, seq, 4, head_dim, jnp.bfloat16, causal, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize(
+    "shape, dtype, kv_heads, config",
+    [
+        ((1, 1024, 2048, 8, 128), jnp.bfloat16, 2, None),  # grouped-query, seq_q < seq_k
+        ((1, 2048, 1024, 4, 128), jnp.float16, None, None),  # seq_q > seq_k
+        ((1, 2048, 2048, 2, 64), jnp.bfloat16, None, MosaicBackwardConfig(128, 128, 2)),
+        ((1, 1000, 1537, 8, 128), jnp.bfloat16, 2, None),  # ragged: padded to whole blocks
+        ((1, 1537, 1000, 4, 64), jnp.float16, None, None),
+        ((2, 777, 777, 2, 64), jnp.bfloat16, None, MosaicBackwardConfig(128, 128, 2)),
+        # Not persistent, ragged grouped-query (the defaults are persistent).
+        ((1, 1000, 1537, 8, 64), jnp.float16, 2, MosaicBackwardConfig(64, 64, 2)),
+        # Three ring slots beside persistent CTAs' second outer tiles: 231.6 of 232.4 KB.
+        ((2, 4096, 4096, 4, 128), jnp.bfloat16, None, MosaicBackwardConfig(64, 64, 3, dq_persistent=True,
+                                                                           dkv_persistent=True)),
+    ],
+    ids=["gqa", "seq_q_gt_seq_k", "blocks_128", "ragged_gqa", "ragged_seq_q_gt_seq_k", "ragged_blocks_128",
+         "grid_ragged_gqa", "d128_three_slots"],
+)
+def test_bwd_gpu_variants(shape, dtype, kv_heads, config):
+  _check_bwd_against_reference(*shape, dtype, True, kv_heads=kv_heads, config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
+def test_bwd_gpu_persistent(shape, kv_heads, causal):
+  """The two kernels, both persistent, over several rounds of tiles."""
+  head_dim = shape[-1]
+  config = dataclasses.replace(defaults.mosaic_backward(head_dim), fused_dq=False, dq_persistent=True,
+                               dkv_persistent=True)
+  if max(mosaic_bwd.dq_smem_bytes(config, head_dim, jnp.bfloat16),
+         mosaic_bwd.dkv_smem_bytes(config, head_dim, jnp.bfloat16)) > common.SMEM_LIMIT:
+    config = dataclasses.replace(config, stages=2)  # d128: the second buffers take a ring slot's room
+  _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
+
+
+def _check_fused_bwd_on_gpu(shape, kv_heads, causal, config):
+  """`config`'s fused kernel against the reference, and the same bits from a second run."""
+  grads = _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config,
+                                       interpret=False)
+  (q, k, v, do, lse, delta), _ = _bwd_problem(*shape, jnp.bfloat16, causal, kv_heads)
+  again = backward_fused.backward(q, k, v, do, lse, delta, causal=causal, config=config)
+  for name, x, y in zip(("dq", "dk", "dv"), grads, again):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), err_msg=name)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(**PERSISTENT_GPU_SHAPES)
+def test_bwd_gpu_fused_dq(shape, kv_heads, causal):
+  """The fused kernel (the d64 default; at d128 each consumer adding half of
+  dQ's columns) against the reference, over several rounds of persistent
+  CTAs; and deterministic: a second run gives the same bits."""
+  config = defaults.mosaic_backward(64) if shape[-1] == 64 else FUSED[128]
+  _check_fused_bwd_on_gpu(shape, kv_heads, causal, config)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_gpu_fused_dq_heads_across_rounds(causal):
+  """The d64 default (the fused kernel) where whole heads per round would
+  waste rounds: 11 heads of 48 K/V blocks (24 causal pairs) run on 132 CTAs
+  in 4 rounds (2 causal), not on 96 in 6 (120 in 3), so each head has an
+  order of additions of its own (`_dq_order`)."""
+  schedule = backward_fused._fused_schedule(48, 11, 1, causal=causal, interpret=False)
+  assert schedule.num_ctas == 132 and not backward_fused._heads_alike(schedule)
+  _check_fused_bwd_on_gpu((1, 6144, 6144, 11, 64), None, causal, defaults.mosaic_backward(64))
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
-    "shape, kv_heads, persistent",
-    [((4, 4096, 4096, 16, 64), None, True), ((2, 1537, 1000, 8, 64), None, True), ((3, 1000, 1537, 16, 64), 4, False)],
-    ids=["d64_persistent", "seq_q_gt_seq_k_persistent", "ragged_gqa_grid"],
+    "shape, kv_heads",
+    [((2, 4096, 4096, 4, 64), None), ((1, 4096, 4096, 4, 128), None), ((1, 1000, 1537, 8, 128), 2),
+     ((1, 1537, 1000, 4, 64), None)],
+    ids=["d64", "d128", "ragged_gqa", "ragged_seq_q_gt_seq_k"],
 )
-def test_gpu_three_consumers(shape, kv_heads, persistent, causal):
-  config = MosaicConfig(block_q=192, block_kv=128, stages=4, softmax_overlap=True, persistent=persistent, consumers=3)
-  _check_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)
+def test_bwd_gpu_early_vectors(shape, kv_heads, causal):
+  """early_vectors on the defaults (d128: the two kernels; d64: the fused
+  kernel, whose default has it)."""
+  config = dataclasses.replace(defaults.mosaic_backward(shape[-1]), early_vectors=True)
+  _check_bwd_against_reference(*shape, jnp.bfloat16, causal, kv_heads=kv_heads, config=config, interpret=False)

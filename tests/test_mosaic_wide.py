@@ -1,16 +1,16 @@
-"""The head_dim-256 Mosaic GPU backward (jax_flash2.mosaic.backward_wide),
-reached through backward.py's dkv, dq and backward.
+"""The head_dim-256 Mosaic GPU backward (jax_flash2.mosaic.backward_wide).
 
-On CPU: config and its shared-memory accounting, rejections, lowering for
-CUDA, and the kernels in Mosaic's interpreter with its race detector (small
-shapes: the interpreter is slow) against the float32 reference's gradients;
+On CPU: its shared-memory accounting, rejections, lowering for CUDA, and
+the kernels in Mosaic's interpreter with its race detector (small shapes:
+the interpreter is slow) against the float32 reference's gradients;
 unwritten output blocks read NaN there (uninitialized_memory="nan", the
-interpreter's default), so they fail. The race detector does not see wgmma's
-shared-memory reads (jax 0.11.2: no vector clocks in its wgmma), so the
-protection of the consumers' shared P^T / dS^T tile is not checked by it: a
-write moved before the wait for `free` went unflagged. On a Hopper GPU (`pytest -m gpu`):
-the compiled kernels at 1k-4k, and flash_attention(backend="mosaic") at the
-Triton path's bar (tests/test_gpu.py).
+interpreter's default), so they fail. The race detector does not see
+wgmma's shared-memory reads (jax 0.11.2: no vector clocks in its wgmma), so
+the protection of the consumers' shared P^T / dS^T tile is not checked by
+it: a write moved before the wait for `free` went unflagged. On a Hopper GPU
+(`pytest -m gpu`): the compiled kernels at 1k-4k, and
+flash_attention(backend="mosaic") at the Triton path's bar
+(tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -23,62 +23,54 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conftest import reference_with_grads, rel_err
-from jax_flash2.mosaic import backward as mosaic_bwd
-from jax_flash2.mosaic import forward as mosaic
-from jax_flash2.mosaic.backward import BackwardConfig
-from test_mosaic import _bwd_problem, _bwd_structs, _is_hopper
+from jax_flash2 import defaults
+from jax_flash2.config import MosaicBackwardConfig
+from jax_flash2.mosaic import backward_wide as wide
+from jax_flash2.mosaic import common
+from test_mosaic import _bwd_problem, _bwd_structs, _is_hopper, _races_found
 
 D = 256
 hopper = pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper GPU (compute capability 9.x)")
-
-
-def _races():
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the race detector's state
-
-  return gpu_callbacks.get_races().races_found
 
 
 # ---------------------------------------------------------------- config
 
 
 def test_wide_config_fits_shared_memory():
-  config = mosaic_bwd.default_backward_config(D)
-  assert config == BackwardConfig(64, 64, 2, dq_persistent=True)
+  config = defaults.mosaic_backward(D)
+  assert config == MosaicBackwardConfig(64, 64, 2, dq_persistent=True)
   for dtype in (jnp.bfloat16, jnp.float16):
     # K, V; two slots of Q, dO, lse, delta; P^T and dS^T (dkv). Q, dO, lse,
     # delta; two slots of K, V; dS (dq).
     tile = 64 * D * 2
-    reserve = mosaic_bwd.BWD_SMEM_RESERVE
-    assert config.dkv_smem_bytes(D, dtype) == 2 * tile + 2 * (2 * tile + 2 * 64 * 4) + 2 * 64 * 64 * 2 + reserve
-    assert config.dq_smem_bytes(D, dtype) == 2 * tile + 2 * 64 * 4 + 2 * 2 * tile + 64 * 64 * 2 + reserve
-    assert max(config.dkv_smem_bytes(D, dtype), config.dq_smem_bytes(D, dtype)) <= mosaic.SMEM_LIMIT
+    reserve = common.BWD_SMEM_RESERVE
+    assert wide.dkv_smem_bytes(config, D, dtype) == 2 * tile + 2 * (2 * tile + 2 * 64 * 4) + 2 * 64 * 64 * 2 + reserve
+    assert wide.dq_smem_bytes(config, D, dtype) == 2 * tile + 2 * 64 * 4 + 2 * 2 * tile + 64 * 64 * 2 + reserve
+    assert max(wide.dkv_smem_bytes(config, D, dtype), wide.dq_smem_bytes(config, D, dtype)) <= common.SMEM_LIMIT
   # A third ring slot does not fit.
-  assert dataclasses.replace(config, stages=3).dq_smem_bytes(D, jnp.bfloat16) > mosaic.SMEM_LIMIT
+  assert wide.dq_smem_bytes(dataclasses.replace(config, stages=3), D, jnp.bfloat16) > common.SMEM_LIMIT
 
 
-def test_wide_rejects():
+@pytest.mark.parametrize("kernel", ["dkv", "dq", "backward"])
+def test_wide_rejects(kernel):
+  fn = getattr(wide, kernel)
   q, k, v, do, lse, delta = (jnp.zeros(s.shape, s.dtype) for s in _bwd_structs(1, 128, 128, 1, D))
-  for fn in (mosaic_bwd.dkv, mosaic_bwd.dq, mosaic_bwd.backward):
-    for config, match in (
-        (BackwardConfig(128, 64, 2), "block_q = block_kv = 64"),
-        (BackwardConfig(64, 64, 2, softmax_overlap=True), "takes none of"),
-        (BackwardConfig(64, 64, 2, fused_dq=True), "takes none of"),
-        (BackwardConfig(64, 64, 2, dq_softmax_overlap=True), "takes none of"),
-        (BackwardConfig(64, 64, 2, q_registers=True), "takes none of"),
-        # The wide kernels compute every exponential with ex2.
-        (BackwardConfig(64, 64, 2, dkv_poly_columns=16), "takes none of"),
-        (BackwardConfig(64, 64, 2, dq_poly_columns=8), "takes none of"),
-        (BackwardConfig(64, 64, 3), "shared memory"),
-    ):
-      with pytest.raises(ValueError, match=match):
-        fn(q, k, v, do, lse, delta, config=config)
-    with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
-      fn(*(x.astype(jnp.float32) for x in (q, k, v, do)), lse, delta)
-    if fn is not mosaic_bwd.dkv:  # three dQ consumers: head_dim 64 only
-      with pytest.raises(NotImplementedError, match="dq_consumers 3 needs head_dim 64"):
-        fn(q, k, v, do, lse, delta, config=BackwardConfig(64, 64, 2, dq_consumers=3))
-    with pytest.raises(ValueError, match="lse must be float32"):
-      fn(q, k, v, do, lse[:, :, :64], delta)
+  for config, match in (
+      (MosaicBackwardConfig(128, 64, 2), "block_q = block_kv = 64"),
+      (MosaicBackwardConfig(64, 64, 2, fused_dq=True), "takes none of"),
+      (MosaicBackwardConfig(64, 64, 2, dq_softmax_overlap=True), "takes none of"),
+      (MosaicBackwardConfig(64, 64, 2, early_vectors=True), "takes none of"),
+      (MosaicBackwardConfig(64, 64, 3), "shared memory"),
+  ):
+    with pytest.raises(ValueError, match=match):
+      fn(q, k, v, do, lse, delta, config=config)
+  with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
+    fn(*(x.astype(jnp.float32) for x in (q, k, v, do)), lse, delta)
+  d128 = [jnp.zeros(s.shape, s.dtype) for s in _bwd_structs(1, 128, 128, 1, 128)]
+  with pytest.raises(NotImplementedError, match=r"head_dim in \(256,\), got 128"):
+    fn(*d128)
+  with pytest.raises(ValueError, match="lse must be float32"):
+    fn(q, k, v, do, lse[:, :, :64], delta)
 
 
 # ---------------------------------------------------------------- lowering
@@ -95,7 +87,7 @@ def test_wide_rejects():
 )
 def test_wide_lowers_for_cuda(kernel, shape, dtype, causal, kv_heads):
   structs = _bwd_structs(*shape, dtype, kv_heads)
-  f = jax.jit(lambda *a: getattr(mosaic_bwd, kernel)(*a, causal=causal))
+  f = jax.jit(lambda *a: getattr(wide, kernel)(*a, causal=causal))
   text = f.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
   for name in ("dkv", "dq"):
     assert (f"flash2_bwd_{name}_wide_mosaic" in text) == (kernel in (name, "backward")), name
@@ -105,7 +97,7 @@ def test_wide_lowers_for_cuda(kernel, shape, dtype, causal, kv_heads):
 # ---------------------------------------------------------------- interpreter
 
 # Both kernels as persistent CTAs (the default has only dQ's).
-PERSISTENT = BackwardConfig(64, 64, 2, dq_persistent=True, dkv_persistent=True)
+PERSISTENT = MosaicBackwardConfig(64, 64, 2, dq_persistent=True, dkv_persistent=True)
 
 INTERPRET = [
     # (shape, dtype, causal, kv_heads, entry): entry "kernels" runs dkv and dq
@@ -125,13 +117,29 @@ def test_wide_interpreter_matches_reference(shape, dtype, causal, kv_heads, entr
   (q, k, v, do, lse, delta), refs = _bwd_problem(*shape, dtype, causal, kv_heads)
   kwargs = dict(causal=causal, config=config, interpret=plgpu.InterpretGPUParams(detect_races=True))
   if entry == "backward":
-    grads = mosaic_bwd.backward(q, k, v, do, lse, delta, **kwargs)
+    grads = wide.backward(q, k, v, do, lse, delta, **kwargs)
   else:
-    grads = (mosaic_bwd.dq(q, k, v, do, lse, delta, **kwargs), *mosaic_bwd.dkv(q, k, v, do, lse, delta, **kwargs))
+    grads = (wide.dq(q, k, v, do, lse, delta, **kwargs), *wide.dkv(q, k, v, do, lse, delta, **kwargs))
   for name, x, ref, like in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):
     assert x.shape == like.shape and x.dtype == like.dtype, name
     assert rel_err(x, ref) < 1e-2, name
-  assert not _races()
+  assert not _races_found()
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, causal, kv_heads, config",
+    [
+        # Both kernels persistent (the interpreter runs two CTAs, each taking
+        # several tiles): the ring runs on across tiles, the outer halves
+        # reload after the stores. Causal tiles in pairs; seq_q > seq_k.
+        ((1, 384, 256, 1, D), jnp.bfloat16, True, None, PERSISTENT),
+        ((1, 200, 300, 2, D), jnp.float16, False, 1, PERSISTENT),  # ragged, grouped-query
+        ((1, 256, 256, 2, D), jnp.bfloat16, True, None, MosaicBackwardConfig(64, 64, 2)),  # one CTA per tile
+    ],
+    ids=["persistent_causal_pairs", "persistent_ragged_gqa", "plain_grid"],
+)
+def test_wide_interpreter_configs(shape, dtype, causal, kv_heads, config):
+  test_wide_interpreter_matches_reference(shape, dtype, causal, kv_heads, "kernels", config=config)
 
 
 # ---------------------------------------------------------------- GPU
@@ -142,7 +150,7 @@ def _check_at_the_bar(shape, dtype, causal, kv_heads=None, config=None):
   1e-2 relative and at most 3x the error of the plain math in `dtype` (the
   Triton path's bar, tests/test_gpu.py)."""
   (q, k, v, do, lse, delta), refs = _bwd_problem(*shape, dtype, causal, kv_heads)
-  grads = jax.jit(lambda *a: mosaic_bwd.backward(*a, causal=causal, config=config))(q, k, v, do, lse, delta)
+  grads = jax.jit(lambda *a: wide.backward(*a, causal=causal, config=config))(q, k, v, do, lse, delta)
   plain = reference_with_grads(q, k, v, do, causal=causal, dtype=dtype)[2:]
   for name, x, ref, base in zip(("dq", "dk", "dv"), grads, refs, plain):
     err, base_err = rel_err(x, ref), rel_err(base, ref)
@@ -184,22 +192,6 @@ def test_wide_gpu_backend_mosaic(causal):
   from test_gpu import _check
 
   _check((1, 2048, 2048, 4, D), jnp.bfloat16, causal, backend="mosaic")
-
-
-@pytest.mark.parametrize(
-    "shape, dtype, causal, kv_heads, config",
-    [
-        # Both kernels persistent (the interpreter runs two CTAs, each taking
-        # several tiles): the ring runs on across tiles, the outer halves
-        # reload after the stores. Causal tiles in pairs; seq_q > seq_k.
-        ((1, 384, 256, 1, D), jnp.bfloat16, True, None, PERSISTENT),
-        ((1, 200, 300, 2, D), jnp.float16, False, 1, PERSISTENT),  # ragged, grouped-query
-        ((1, 256, 256, 2, D), jnp.bfloat16, True, None, BackwardConfig(64, 64, 2)),  # one CTA per tile
-    ],
-    ids=["persistent_causal_pairs", "persistent_ragged_gqa", "plain_grid"],
-)
-def test_wide_interpreter_configs(shape, dtype, causal, kv_heads, config):
-  test_wide_interpreter_matches_reference(shape, dtype, causal, kv_heads, "kernels", config=config)
 
 
 @pytest.mark.gpu

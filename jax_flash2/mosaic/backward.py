@@ -260,9 +260,10 @@ def _dq_kernel(
       slot = slot_of(kb)
       k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
       # Two wgmma groups per block, one wait each: (S, dP), then dQ with dS
-      # from registers.
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[slot])
+      # from registers. (Named scopes: the regions of Mosaic GPU's profiler.)
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
 
       def scores(s_ref, dp_ref):
         issue_scores(s_ref, dp_ref, k_tile, v_tile)
@@ -276,14 +277,18 @@ def _dq_kernel(
 
       tile_acc = plgpu.ACC((rows, block_kv), jnp.float32)
       if config.dq_softmax_overlap:
-        p, dp = pl.run_scoped(probs_under_dp, tile_acc, tile_acc)
+        with jax.named_scope("scores"):
+          p, dp = pl.run_scoped(probs_under_dp, tile_acc, tile_acc)
         plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
       else:
-        s, dp = pl.run_scoped(scores, tile_acc, tile_acc)
+        with jax.named_scope("scores"):
+          s, dp = pl.run_scoped(scores, tile_acc, tile_acc)
         plgpu.barrier_arrive(v_consumed.at[slot])
-        p = probs(s, kb, masked=masked)
-      ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-      dq = add_dq(dq, ds, k_tile)
+        with jax.named_scope("softmax"):
+          p = probs(s, kb, masked=masked)
+      with jax.named_scope("dq"):
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+        dq = add_dq(dq, ds, k_tile)
       plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
       return dq
 

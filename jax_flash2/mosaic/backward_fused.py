@@ -288,10 +288,12 @@ def _fused_kernel(
     read)."""
     if interpret:
       return  # the interpreter's additions are complete when issued
-    plgpu.wait_smem_to_gmem(0)  # written, not only read from shared memory
+    with jax.named_scope("landed"):
+      plgpu.wait_smem_to_gmem(0)  # written, not only read from shared memory
     for counter in counters:
       plgpu.semaphore_signal(additions.at[counter], 1, memory_scope="gpu")
 
+  @jax.named_scope("add_dq")
   def add_pieces(tile: KVTile, ring_base, step, consumer=None):
     """Adds the consumers' pieces of dQ_qb += dS K of the tile's `step` (Q
     block qb of query head g; float32, unscaled) into dq_ref, each after the
@@ -311,7 +313,8 @@ def _fused_kernel(
       counter = ((tile.batch * heads + head) * num_q + qb) * pieces + piece
       target = dq_ref.at[counter]  # contiguous: one counter per piece
       staged = dq_smem.at[consumer]
-      plgpu.barrier_wait(dq_staged.at[consumer])
+      with jax.named_scope("wait_staged"):
+        plgpu.barrier_wait(dq_staged.at[consumer])
       if interpret:
         old = dq_old.at[consumer]
         plgpu.copy_gmem_to_smem(target, old, dq_loaded.at[consumer])
@@ -321,7 +324,8 @@ def _fused_kernel(
         plgpu.copy_smem_to_gmem(staged, target)
         plgpu.wait_smem_to_gmem(0)
       else:
-        plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
+        with jax.named_scope("wait_rank"):
+          plgpu.semaphore_wait(additions.at[counter], rank, decrement=False, memory_scope="gpu")
         plgpu.copy_smem_to_gmem(staged, target, predicate=rank == 0)
         plgpu.copy_smem_to_gmem(staged, target, predicate=rank > 0, reduction_op="add")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -353,6 +357,7 @@ def _fused_kernel(
     staged = dq_smem.at[wg]
 
     @pl.when(ring_step >= gap)
+    @jax.named_scope("wait_dq_free")
     def _():
       plgpu.barrier_wait(dq_free.at[wg])
 
@@ -391,9 +396,10 @@ def _fused_kernel(
       p_t, ds_t, q_tile, do_tile = kv.p_and_ds_t(k_a, v_a, k_start, qb, slot, masked=masked)
       # Both consumers' dS^T rows make the dS of dQ = dS K.
       buf = lax.rem(ring_step, jnp.int32(2))
-      ds_smem.at[buf, wg][...] = ds_t
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(ds_ready.at[buf])
+      with jax.named_scope("stage_ds"):
+        ds_smem.at[buf, wg][...] = ds_t
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_ready.at[buf])
 
       def dq_after_ds(acc_ref):
         plgpu.barrier_wait(ds_ready.at[buf])  # the other consumer's dS^T
@@ -406,6 +412,7 @@ def _fused_kernel(
         dk, dv = kv.add_grads(dk, dv, p_t, ds_t, q_tile, do_tile)
       kv.release_q_block(slot)
 
+      @jax.named_scope("dq")
       def own_piece():
         if split and not interpret:
           stage_piece(piece, ring_step)

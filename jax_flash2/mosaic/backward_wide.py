@@ -81,9 +81,9 @@ from jax_flash2 import defaults
 from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
-    BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, PersistentSchedule, QTile, backward_kernels, check_operands,
-    copy_q_block, interpret_params_of, kv_ring_producer, observe_last_releases, outer_grid, run_tiles,
-    specialized_kernel, swizzled, zero_padded_keys,
+    BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, backward_kernels,
+    check_operands, copy_q_block, interpret_params_of, kv_ring_producer, observe_last_releases, outer_grid,
+    run_tiles, specialized_kernel, swizzled, zero_padded_keys,
 )
 
 # Outer rows per CTA and rows per streamed block: one wgmma M.
@@ -92,7 +92,7 @@ ROWS = WGMMA_M
 COLS = ROWS // NUM_CONSUMERS
 
 
-HEAD_DIMS = (256,)
+HEAD_DIMS = WIDE_HEAD_DIMS
 
 
 def _check_config(config: MosaicBackwardConfig) -> None:
@@ -152,6 +152,7 @@ class _SharedTile:
   def write(self, step, pieces):
     """Stores this consumer's columns of each (tile, value) in `pieces`."""
     @pl.when(step > 0)
+    @jax.named_scope("wait_free")
     def _():
       plgpu.barrier_wait(self.free)
 
@@ -159,7 +160,8 @@ class _SharedTile:
       tile.at[:, pl.ds(self.wg * COLS, COLS)][...] = value
     plgpu.commit_smem()  # visible to the other consumer's wgmma (async proxy)
     plgpu.barrier_arrive(self.staged)
-    plgpu.barrier_wait(self.staged)
+    with jax.named_scope("wait_staged"):
+      plgpu.barrier_wait(self.staged)
 
   def release(self):
     plgpu.barrier_arrive(self.free)
@@ -255,6 +257,7 @@ def _dkv_kernel(
     visits = jnp.int32(num_q) - lo
     return _KVTile(batch, kv_head, k_start, lo, full_lo, visits, group * visits)
 
+  @jax.named_scope("load")
   def load_step(tile: _KVTile, ring_base, step):
     """The producer's TMA copies of the tile's `step` into ring step
     ring_base + step: Q block lo + step % visits of query head step //
@@ -292,21 +295,25 @@ def _dkv_kernel(
     def update(step, qb, dk, dv, *, masked: bool):
       slot = lax.rem(ring_base + step, jnp.int32(stages))
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-      plgpu.barrier_wait(q_ready.at[slot])
-      plgpu.barrier_wait(do_ready.at[slot])
+      # (Named scopes: the regions of Mosaic GPU's profiler, where it is on.)
+      with jax.named_scope("wait_q"):
+        plgpu.barrier_wait(q_ready.at[slot])
+        plgpu.barrier_wait(do_ready.at[slot])
 
-      # S^T_c = K Q_c^T, dP^T_c = V dO_c^T: [keys, this consumer's queries]
-      s_t, dp_t = _score_products((k_smem, v_smem), (q_tile, do_tile), queries, halves)
-      lse = plgpu.load(lse_smem.at[slot, queries], layout=vec_layout) * LOG2_E
-      p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-      if masked:
-        key = tile.k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
-        query = qb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
-        # After the exponential: queries with lse = -inf give 0, not NaN.
-        p_t = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p_t, 0.0)
-      delta = plgpu.load(delta_smem.at[slot, queries], layout=vec_layout)
-      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-      shared.write(ring_base + step, ((p_smem, p_t.astype(dtype)), (ds_smem, ds_t.astype(dtype))))
+      with jax.named_scope("scores"):  # S^T_c = K Q_c^T, dP^T_c = V dO_c^T: [keys, this consumer's queries]
+        s_t, dp_t = _score_products((k_smem, v_smem), (q_tile, do_tile), queries, halves)
+      with jax.named_scope("softmax"):
+        lse = plgpu.load(lse_smem.at[slot, queries], layout=vec_layout) * LOG2_E
+        p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+        if masked:
+          key = tile.k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
+          query = qb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
+          # After the exponential: queries with lse = -inf give 0, not NaN.
+          p_t = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p_t, 0.0)
+        delta = plgpu.load(delta_smem.at[slot, queries], layout=vec_layout)
+        ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+      with jax.named_scope("stage"):
+        shared.write(ring_base + step, ((p_smem, p_t.astype(dtype)), (ds_smem, ds_t.astype(dtype))))
 
       def grads(refs):
         # dV[:, half c] += P^T dO[:, half c], dK[:, half c] += dS^T Q[:, half c]:
@@ -315,7 +322,8 @@ def _dkv_kernel(
         plgpu.wgmma(dv_ref, p_smem, do_tile.at[:, my_half])
         plgpu.wgmma(dk_ref, ds_smem, q_tile.at[:, my_half])
 
-      dv, dk = _accumulate((dv, dk), grads, interpret=interpret)
+      with jax.named_scope("grads"):
+        dv, dk = _accumulate((dv, dk), grads, interpret=interpret)
       shared.release()
       # Neither Q, dO, lse nor delta of this slot is read any more.
       plgpu.barrier_arrive(do_consumed.at[slot])
@@ -439,26 +447,30 @@ def _dq_kernel(
     def step(kb, dq, *, masked: bool):
       slot = lax.rem(ring_base + kb, jnp.int32(stages))
       k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[slot])
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
 
-      # S_c = Q K_c^T, dP_c = dO V_c^T: [queries, this consumer's keys]
-      s, dp = _score_products((q_smem, do_smem), (k_tile, v_tile), keys, halves)
+      with jax.named_scope("scores"):  # S_c = Q K_c^T, dP_c = dO V_c^T: [queries, this consumer's keys]
+        s, dp = _score_products((q_smem, do_smem), (k_tile, v_tile), keys, halves)
       plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
-      p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-      if masked:
-        query = tile.q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-        key = kb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        p = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p, 0.0)
-      ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-      shared.write(ring_base + kb, ((ds_smem, ds.astype(dtype)),))
+      with jax.named_scope("softmax"):
+        p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+        if masked:
+          query = tile.q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+          key = kb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+          p = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p, 0.0)
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+      with jax.named_scope("stage"):
+        shared.write(ring_base + kb, ((ds_smem, ds.astype(dtype)),))
 
       def dq_product(refs):
         # dQ[:, half c] += dS K[:, half c]: all 64 keys, both consumers' columns.
         (dq_ref,) = refs
         plgpu.wgmma(dq_ref, ds_smem, k_tile.at[:, my_half])
 
-      (dq,) = _accumulate((dq,), dq_product, interpret=interpret)
+      with jax.named_scope("dq"):
+        (dq,) = _accumulate((dq,), dq_product, interpret=interpret)
       shared.release()
       plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
       return dq

@@ -53,6 +53,9 @@ WGMMA_M = 64
 # in dK/dV, query rows in dQ), and the multiple they pad both lengths to.
 OUTER_ROWS = NUM_CONSUMERS * WGMMA_M
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# Served by backward_wide.py: dK + dV of 64 key rows at head_dim 256 do not
+# fit a warpgroup's registers.
+WIDE_HEAD_DIMS = (256,)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Shared memory one CTA may use on H100/H200 (227 KiB).
 SMEM_LIMIT = 227 * 1024
@@ -807,6 +810,7 @@ class KVOuter:
     return self.tile_type(batch, kv_head, kv_index, k_start, lo, self.group * (jnp.int32(self.num_q) - lo),
                           self.num_q)
 
+  @jax.named_scope("load")
   def load_q_block(self, tile: KVTile, ring_base, step) -> None:
     """The producer's TMA copies of the tile's `step` into ring step
     ring_base + step: Q, dO, lse and delta of Q block q_block(step %
@@ -885,8 +889,10 @@ class KVOuter:
     memory while the tensor cores work, so that their latency is off the
     softmax's path."""
     s = self.smem
-    plgpu.barrier_wait(s.q_ready.at[slot])
-    plgpu.barrier_wait(s.do_ready.at[slot])
+    # (Named scopes: the regions of Mosaic GPU's profiler, where it is on.)
+    with jax.named_scope("wait_q"):
+      plgpu.barrier_wait(s.q_ready.at[slot])
+      plgpu.barrier_wait(s.do_ready.at[slot])
     q_tile, do_tile = s.q.at[slot], s.do.at[slot]
 
     def scores(s_ref, dp_ref):
@@ -896,11 +902,14 @@ class KVOuter:
       return s_ref[...], dp_ref[...], vectors  # waits for both products
 
     score_acc = plgpu.ACC((WGMMA_M, self.block_q), jnp.float32)
-    s_t, dp_t, (lse, delta) = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
-    p_t = self.probs_t(s_t, k_start, qb, slot, masked=masked, lse=lse)
-    ds_t = self.grad_scores_t(p_t, dp_t, slot, delta=delta).astype(self.dtype)
+    with jax.named_scope("scores"):
+      s_t, dp_t, (lse, delta) = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
+    with jax.named_scope("softmax"):
+      p_t = self.probs_t(s_t, k_start, qb, slot, masked=masked, lse=lse)
+      ds_t = self.grad_scores_t(p_t, dp_t, slot, delta=delta).astype(self.dtype)
     return p_t, ds_t, q_tile, do_tile
 
+  @jax.named_scope("grads")
   def add_grads(self, dk, dv, p_t, ds_t, q_tile, do_tile, *, also=None):
     """(dK + dS^T Q, dV + P^T dO): one wgmma group, waited for. also:
     (acc, issue), compiled only: issue(acc_ref) adds one more product onto

@@ -73,7 +73,7 @@ def smem_bytes(config: MosaicForwardConfig, head_dim: int, dtype) -> int:
 def _forward_kernel(
     q_ref, k_ref, v_ref, tiles_ref, out_ref, lse_ref,
     q_smem, k_smem, v_smem, lse_smem,
-    q_ready, k_ready, v_ready, k_consumed, v_consumed, *p_staging,
+    q_ready, k_ready, v_ready, k_consumed, v_consumed, *staging,
     mask: Mask, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, softmax_scale: float,
     config: MosaicForwardConfig, interpret: bool,
 ):
@@ -87,12 +87,13 @@ def _forward_kernel(
   # block_kv, D] (the ring); lse_smem: [C, rows] f32.
   # q_ready: [buffers * C] barriers; k_ready, v_ready: [stages] barriers the
   # TMA engine completes; k_consumed, v_consumed: [stages] barriers of C
-  # arrivals. p_staging (interpreter only): [C, rows, block_kv], P on its
-  # way to wgmma.
+  # arrivals. staging (interpreter only): [C, rows, block_kv], P on its way
+  # to wgmma.
   # schedule: None for one CTA per tile (grid q x heads x batch); else the
   # persistent CTAs' tiles.
   rows, block_kv, stages, consumers = config.rows_per_consumer, config.block_kv, config.stages, config.consumers
   dtype = q_ref.dtype
+  p_staging = staging[0] if interpret else None
   wg = lax.axis_index("wg")
   qk_scale = softmax_scale * LOG2_E
   causal = mask.causal
@@ -197,11 +198,13 @@ def _forward_kernel(
       # and that block's P (under m_i too). This step starts S_kb = Q K_kb^T
       # and acc + P_{kb-1} V_{kb-1} back to back, waits for S_kb alone (wgmma
       # groups complete in order), runs block kb's softmax while the tensor
-      # cores finish P V, and only then rescales acc to the new max.
+      # cores finish P V, and only then rescales acc to the new max. (Named
+      # scopes: the regions of Mosaic GPU's profiler, where it is on.)
       acc, m_i, l_i, p_prev = carry
       slot, prev = slot_of(kb), slot_of(kb - 1)
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[prev])
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[prev])
 
       def body(s_ref, o_ref):
         issue_scores(s_ref, slot)
@@ -210,15 +213,19 @@ def _forward_kernel(
         else:
           o_ref[...] = acc
           plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
-        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_kb done; P V may still run
+        with jax.named_scope("wait_scores"):
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_kb done; P V may still run
         plgpu.barrier_arrive(k_consumed.at[slot])
-        update = online_softmax(kb, s, m_i, l_i, masked=masked)
-        o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+        with jax.named_scope("softmax"):
+          update = online_softmax(kb, s, m_i, l_i, masked=masked)
+        with jax.named_scope("wait_pv"):
+          o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
         return o, *update
 
-      o, p, m_new, l_i, alpha = pl.run_scoped(
-          body, plgpu.ACC((rows, block_kv), jnp.float32), plgpu.ACC(acc.shape, jnp.float32)
-      )
+      with jax.named_scope("step"):
+        o, p, m_new, l_i, alpha = pl.run_scoped(
+            body, plgpu.ACC((rows, block_kv), jnp.float32), plgpu.ACC(acc.shape, jnp.float32)
+        )
       plgpu.barrier_arrive(v_consumed.at[prev])
       if interpret:
         o = acc + o

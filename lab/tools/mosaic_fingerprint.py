@@ -27,6 +27,7 @@ fingerprints.
 from __future__ import annotations
 
 import argparse
+import importlib
 import pathlib
 import sys
 import tempfile
@@ -56,44 +57,44 @@ class Tree:
   backward_wide modules and jax_flash2.config's configs), or the one before
   it (forward and backward modules, backward.py routing every head_dim)."""
 
-  def __init__(self, path: pathlib.Path):
+  def __init__(self, new: bool):
+    self.new = new
+
+  @classmethod
+  def at(cls, path: pathlib.Path) -> Tree:
+    """The tree at `path`, whose jax_flash2 this process then imports (its
+    __init__.py not run: the API is not imported)."""
     package = types.ModuleType("jax_flash2")
-    package.__path__ = [str(path / "jax_flash2")]  # no __init__.py: the API is not imported
+    package.__path__ = [str(path / "jax_flash2")]
     sys.modules["jax_flash2"] = package
     sys.path.insert(0, str(path))
-    self.new = (path / "jax_flash2" / "mosaic" / "common.py").exists()
+    return cls(new=(path / "jax_flash2" / "mosaic" / "common.py").exists())
 
   @staticmethod
   def module(name: str):
-    """jax_flash2.mosaic.NAME or jax_flash2.NAME, imported when first asked
-    for (so that a tree whose backward is mid-change still fingerprints its
-    forward)."""
-    import importlib
-
-    try:
-      return importlib.import_module(f"jax_flash2.mosaic.{name}")
-    except ModuleNotFoundError:
-      return importlib.import_module(f"jax_flash2.{name}")
+    """jax_flash2.NAME, imported when first asked for (so that a tree whose
+    backward is mid-change still fingerprints its forward)."""
+    return importlib.import_module(f"jax_flash2.{name}")
 
   def forward(self):
-    return self.module("forward").forward
+    return self.module("mosaic.forward").forward
 
   def default_backward(self, head_dim: int):
     """The backward entry point the head_dim takes by default (config None)."""
     if not self.new:
-      return self.module("backward").backward
-    return self.module({64: "backward_fused", 128: "backward", 256: "backward_wide"}[head_dim]).backward
+      return self.module("mosaic.backward").backward
+    return self.module("mosaic." + {64: "backward_fused", 128: "backward", 256: "backward_wide"}[head_dim]).backward
 
   def fused_backward_128(self):
     """The fused kernel at head_dim 128: 64-row blocks, two ring slots, its
     additions in two adder warps."""
     if self.new:
       config = self.module("config").MosaicBackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True)
-      backward = self.module("backward_fused").backward
+      backward = self.module("mosaic.backward_fused").backward
     else:
-      config = self.module("backward").BackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True,
+      config = self.module("mosaic.backward").BackwardConfig(block_q=64, block_kv=64, stages=2, fused_dq=True,
                                                       dq_adder_warp=True, dq_adder_warps=2)
-      backward = self.module("backward").backward
+      backward = self.module("mosaic.backward").backward
     return lambda *a, **k: backward(*a, config=config, **k)
 
 
@@ -126,7 +127,7 @@ def main() -> int:
 
   compile_fn = mosaic_cpu_compile.setup_compiler()
   sys.path.remove(str(ROOT))  # setup_compiler puts this tree first; --tree decides
-  tree = Tree(pathlib.Path(args.tree).resolve())
+  tree = Tree.at(pathlib.Path(args.tree).resolve())
   import jax
   import kernel_fingerprint as fingerprint
 
