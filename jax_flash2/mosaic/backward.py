@@ -95,9 +95,10 @@ def _dkv_kernel(
   # (common.tile_table). schedule: None for one CTA per tile (grid kv x heads
   # x batch), else the persistent CTAs' tiles over K/V blocks.
   wg = lax.axis_index("wg")
-  kv = KVOuter(Operands(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), dk_ref, dv_ref,
-               KVOuterScratch(*scratch[:13]), scratch[13] if interpret else None, wg, mask, group,
-               config.block_q, config.stages, softmax_scale, config.early_vectors, interpret)
+  smem, staging, _ = KVOuterScratch.take(scratch, interpret=interpret)
+  kv = KVOuter(Operands(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), dk_ref, dv_ref, smem, staging, wg=wg,
+               mask=mask, group=group, block_q=config.block_q, stages=config.stages, softmax_scale=softmax_scale,
+               early_vectors=config.early_vectors, interpret=interpret)
   head_dim = q_ref.shape[-1]
 
   def produce(tile, ring_base):

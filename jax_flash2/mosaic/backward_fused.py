@@ -232,10 +232,10 @@ def _fused_kernel(
   block_q, stages = config.block_q, config.stages
   num_kv = k_ref.shape[1] // OUTER_ROWS
   tile_type = functools.partial(_SpreadTile, num_kv=num_kv, causal=mask.causal)
-  kv = KVOuter(Operands(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), dk_ref, dv_ref,
-               KVOuterScratch(*scratch[:13]), scratch[13] if interpret else None, wg, mask, group, block_q, stages,
-               softmax_scale, config.early_vectors, interpret, tile_type)
-  scratch = scratch[14 if interpret else 13:]
+  smem, staging, scratch = KVOuterScratch.take(scratch, interpret=interpret)
+  kv = KVOuter(Operands(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), dk_ref, dv_ref, smem, staging, wg=wg,
+               mask=mask, group=group, block_q=block_q, stages=stages, softmax_scale=softmax_scale,
+               early_vectors=config.early_vectors, interpret=interpret, tile_type=tile_type)
   ds_smem, dq_smem, ds_ready, tile_done, dq_staged, dq_free = scratch[:6]
   if interpret:
     dq_old, dq_loaded = scratch[6:]

@@ -186,6 +186,18 @@ def _tiles(dtype):
   return swizzled(COLS // 2, dtype)
 
 
+def _outer_pair(head_dim: int, dtype) -> list:
+  """The shared memory of the two outer tiles (K and V, or Q and dO), each
+  as column halves, [2, 64, D/2]: a consumer loads one half."""
+  return [plgpu.SMEM((NUM_CONSUMERS, ROWS, _halves(head_dim)[0]), dtype, transforms=_tiles(dtype)) for _ in range(2)]
+
+
+def _ring_pair(stages: int, head_dim: int, dtype) -> list:
+  """The ring's slots of the two streamed tiles (Q and dO, or K and V),
+  [stages, 64, D] each."""
+  return [plgpu.SMEM((stages, ROWS, head_dim), dtype, transforms=_tiles(dtype)) for _ in range(2)]
+
+
 def _score_products(outer, inner, columns, halves):
   """(S, dP) of this consumer's 32 score columns, float32 [64, 32]: outer =
   (K, V) halves in dkv or (Q, dO) halves in dq, [2, 64, D/2]; inner = the
@@ -367,12 +379,9 @@ def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, conf
   kv_heads = k.shape[2]
   interpret_params, interpret = interpret_params_of(interpret)
   dtype, stages = q.dtype, config.stages
-  half, _ = _halves(head_dim)
   scratch = [
-      plgpu.SMEM((NUM_CONSUMERS, ROWS, half), dtype, transforms=_tiles(dtype)),  # K
-      plgpu.SMEM((NUM_CONSUMERS, ROWS, half), dtype, transforms=_tiles(dtype)),  # V
-      plgpu.SMEM((stages, ROWS, head_dim), dtype, transforms=_tiles(dtype)),  # Q
-      plgpu.SMEM((stages, ROWS, head_dim), dtype, transforms=_tiles(dtype)),  # dO
+      *_outer_pair(head_dim, dtype),  # K, V
+      *_ring_pair(stages, head_dim, dtype),  # Q, dO
       plgpu.SMEM((stages, ROWS), jnp.float32),  # lse
       plgpu.SMEM((stages, ROWS), jnp.float32),  # delta
       plgpu.Barrier(num_arrivals=2 * NUM_CONSUMERS),  # K and V halves ready
@@ -503,14 +512,11 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, confi
   kv_heads = k.shape[2]
   interpret_params, interpret = interpret_params_of(interpret)
   dtype, stages = q.dtype, config.stages
-  half, _ = _halves(head_dim)
   scratch = [
-      plgpu.SMEM((NUM_CONSUMERS, ROWS, half), dtype, transforms=_tiles(dtype)),  # Q
-      plgpu.SMEM((NUM_CONSUMERS, ROWS, half), dtype, transforms=_tiles(dtype)),  # dO
+      *_outer_pair(head_dim, dtype),  # Q, dO
       plgpu.SMEM((ROWS,), jnp.float32),  # lse
       plgpu.SMEM((ROWS,), jnp.float32),  # delta
-      plgpu.SMEM((stages, ROWS, head_dim), dtype, transforms=_tiles(dtype)),  # K
-      plgpu.SMEM((stages, ROWS, head_dim), dtype, transforms=_tiles(dtype)),  # V
+      *_ring_pair(stages, head_dim, dtype),  # K, V
       plgpu.Barrier(num_arrivals=2 * NUM_CONSUMERS + 2),  # Q, dO halves, lse, delta ready
       plgpu.Barrier(num_barriers=stages),  # K ready
       plgpu.Barrier(num_barriers=stages),  # V ready

@@ -1,10 +1,10 @@
 """What the Mosaic GPU (Hopper, sm_90a) attention kernels share.
 
 Every kernel here is warp-specialized: `consumers` consumer warpgroups (128
-threads each) own the rows of an outer tile in registers and compute on the
-tensor cores (wgmma), and one producer warpgroup, which gives its registers
-to them (setmaxnreg), streams the inner blocks through a ring of `stages`
-shared-memory slots with TMA copies. A slot has ready barriers (completed by
+threads each) own the rows of an outer tile, with their accumulators in
+registers, and compute on the tensor cores (wgmma); one producer warpgroup,
+which gives its registers to them (setmaxnreg), streams the inner blocks
+through a ring of `stages` shared-memory slots with TMA copies. A slot has ready barriers (completed by
 the TMA engine) and consumed barriers (one arrival per consumer); the ring's
 step i uses slot i % stages, and a slot is refilled once the consumers have
 released what it held `stages` steps before.
@@ -666,7 +666,7 @@ class KVTile:
   """OUTER_ROWS key rows of one (batch, kv head): a K/V-outer CTA's unit of
   work. It visits Q blocks [lo, num_q) of every query head of the group
   (the first consumer's keys come first, so its range covers both), in the
-  order `q_block` gives. int32 scalars, but num_q."""
+  order `q_block` gives. Fields are int32 scalars but num_q, an int."""
 
   batch: jax.Array
   kv_head: jax.Array
@@ -698,6 +698,13 @@ class KVOuterScratch(NamedTuple):
   [stages, block_q]. kv_ready: [buffers * 2] barriers of 2 arrivals (K and
   V copies); *_ready: [stages] (TMA); q_consumed (Q, lse), do_consumed (dO,
   delta): [stages], 2 arrivals."""
+
+  @classmethod
+  def take(cls, scratch, *, interpret: bool):
+    """(KVOuterScratch, the interpreter's staging tile or None, the scratch
+    refs after them) from a kernel's scratch, laid out by kv_outer_scratch."""
+    n = len(cls._fields)
+    return cls(*scratch[:n]), scratch[n] if interpret else None, scratch[n + interpret:]
 
   k: Any
   v: Any
