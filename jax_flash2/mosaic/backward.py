@@ -364,23 +364,6 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, confi
 # ---------------------------------------------------------------- entry points
 
 
-_KERNELS = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}
-
-
-def _gradients(names, q, k, v, do, lse, delta, causal, softmax_scale, config, interpret):
-  """The gradients of the kernels `names` ("dkv", "dq") on the checked
-  operands; config None takes the measured default tiling, with dQ in a
-  kernel of its own."""
-  check_operands("the Mosaic GPU dK/dV and dQ kernels (head_dim 256: backward_wide)", HEAD_DIMS, q, k, v, do, lse,
-                 delta)
-  if config is None:
-    config = dataclasses.replace(defaults.mosaic_backward(q.shape[-1]), fused_dq=False)
-  if config.fused_dq:
-    raise ValueError(f"{config}: fused_dq is backward_fused's kernel; the two kernels here need fused_dq=False")
-  return backward_kernels({name: _KERNELS[name] for name in names}, q, k, v, do, lse, delta, causal=causal,
-                          softmax_scale=softmax_scale, config=config, interpret=interpret)
-
-
 def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
         causal: bool = False, softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
         interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array]:
@@ -421,3 +404,18 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.A
     (dq, dk, dv), each like its primal.
   """
   return _gradients(("dkv", "dq"), q, k, v, do, lse, delta, causal, softmax_scale, config, interpret)
+
+
+def _gradients(names, q, k, v, do, lse, delta, causal, softmax_scale, config, interpret):
+  """The gradients of the kernels `names` ("dkv", "dq") on the checked
+  operands; config None takes the measured default tiling, with dQ in a
+  kernel of its own."""
+  check_operands("the Mosaic GPU dK/dV and dQ kernels (head_dim 256: backward_wide)", HEAD_DIMS, q, k, v, do, lse,
+                 delta)
+  if config is None:
+    config = dataclasses.replace(defaults.mosaic_backward(q.shape[-1]), fused_dq=False)
+  if config.fused_dq:
+    raise ValueError(f"{config}: fused_dq is backward_fused's kernel; the two kernels here need fused_dq=False")
+  kernels = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}
+  return backward_kernels({name: kernels[name] for name in names}, q, k, v, do, lse, delta, causal=causal,
+                          softmax_scale=softmax_scale, config=config, interpret=interpret)

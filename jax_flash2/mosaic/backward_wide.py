@@ -537,19 +537,6 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, confi
 # ---------------------------------------------------------------- entry points
 
 
-_KERNELS = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}
-
-
-def _gradients(names, q, k, v, do, lse, delta, causal, softmax_scale, config, interpret):
-  """The gradients of the kernels `names` ("dkv", "dq") on the checked
-  operands; config None takes the measured default tiling."""
-  check_operands("the wide Mosaic GPU backward", HEAD_DIMS, q, k, v, do, lse, delta)
-  config = defaults.mosaic_backward(q.shape[-1]) if config is None else config
-  _check_config(config)
-  return backward_kernels({name: _KERNELS[name] for name in names}, q, k, v, do, lse, delta, causal=causal,
-                          softmax_scale=softmax_scale, config=config, interpret=interpret)
-
-
 def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
         causal: bool = False, softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
         interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array]:
@@ -573,3 +560,14 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.A
   """(dq, dk, dv) at head_dim 256 on one padding of the operands; arguments
   as `dkv`."""
   return _gradients(("dkv", "dq"), q, k, v, do, lse, delta, causal, softmax_scale, config, interpret)
+
+
+def _gradients(names, q, k, v, do, lse, delta, causal, softmax_scale, config, interpret):
+  """The gradients of the kernels `names` ("dkv", "dq") on the checked
+  operands; config None takes the measured default tiling."""
+  check_operands("the wide Mosaic GPU backward", HEAD_DIMS, q, k, v, do, lse, delta)
+  config = defaults.mosaic_backward(q.shape[-1]) if config is None else config
+  _check_config(config)
+  kernels = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}
+  return backward_kernels({name: kernels[name] for name in names}, q, k, v, do, lse, delta, causal=causal,
+                          softmax_scale=softmax_scale, config=config, interpret=interpret)

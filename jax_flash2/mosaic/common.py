@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import heapq
 import math
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -66,7 +67,7 @@ BWD_SMEM_RESERVE = 1024
 # setmaxnreg budgets per thread, by consumer warpgroups: 2 x 240 + 24 and
 # 3 x 160 + 24 (x 128 threads) fit the 64K registers of an SM; the producer
 # only computes addresses.
-CONSUMER_REGISTERS = {2: 240, 3: 160}
+CONSUMER_REGISTERS = types.MappingProxyType({2: 240, 3: 160})
 PRODUCER_REGISTERS = 24
 # Persistent CTAs in Mosaic's interpreter: few, so that each takes several tiles.
 _PERSISTENT_INTERPRET_CTAS = 2
