@@ -143,13 +143,17 @@ def test_bias_and_its_gradient(causal, head_dim):
   bias = jax.random.normal(jax.random.PRNGKey(5), (1, 4, 1024, 1024), jnp.float32).astype(jnp.bfloat16)
 
   def grads(attend):
-    out, vjp = jax.vjp(attend, q, k, v, bias)
-    return (out, *vjp(dout))
+    # The arrays are the jitted function's arguments, not constants it closes
+    # over: XLA would fold a reference over constants at compile time (minutes).
+    def run(q, k, v, bias, dout):
+      out, vjp = jax.vjp(attend, q, k, v, bias)
+      return (out, *vjp(dout))
 
-  got = jax.jit(lambda: grads(lambda q, k, v, b: flash_attention(q, k, v, bias=b, causal=causal,
-                                                                 backend="triton")))()
-  plain = lambda dtype: jax.jit(lambda: grads(lambda q, k, v, b: reference.attention(
-      q, k, v, bias=b, causal=causal, compute_dtype=dtype)[0]))()
+    return jax.jit(run)(q, k, v, bias, dout)
+
+  got = grads(lambda q, k, v, b: flash_attention(q, k, v, bias=b, causal=causal, backend="triton"))
+  plain = lambda dtype: grads(lambda q, k, v, b: reference.attention(q, k, v, bias=b, causal=causal,
+                                                                     compute_dtype=dtype)[0])
   want, base = plain(jnp.float32), plain(jnp.bfloat16)
   for name, x, ref, b in zip(("out", "dq", "dk", "dv", "dbias"), got, want, base):
     err, base_err = rel_err(x, ref), rel_err(b, ref)
