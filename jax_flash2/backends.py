@@ -127,10 +127,10 @@ class Kernels(abc.ABC):
     they are the faster choice."""
 
   @abc.abstractmethod
-  def forward_config(self, problem: Problem, block_sizes: BlockSizes | None, mosaic: MosaicConfig | None): ...
-
-  @abc.abstractmethod
-  def backward_config(self, problem: Problem, block_sizes: BlockSizes | None, mosaic: MosaicConfig | None): ...
+  def config(self, problem: Problem, *, backward: bool, block_sizes: BlockSizes | None,
+             mosaic_config: MosaicConfig | None):
+    """The tiling a pass runs with: the caller's config for this family if
+    given, else the measured default."""
 
   @abc.abstractmethod
   def forward(self, q, k, v, operands: Operands, problem: Problem, config, *, interpret: bool):
@@ -168,16 +168,11 @@ class TritonKernels(Kernels):
   def serves(self, problem, *, backward, auto):
     return None
 
-  def _block_sizes(self, problem: Problem, block_sizes: BlockSizes | None) -> BlockSizes:
+  def config(self, problem, *, backward, block_sizes, mosaic_config):
+    del backward  # one BlockSizes tiles both passes
     if block_sizes is None:
       block_sizes = defaults.block_sizes(problem.head_dim_padded, problem.causal, has_bias=problem.has_bias)
     return block_sizes.fit(problem.seq_q, problem.seq_k)
-
-  def forward_config(self, problem, block_sizes, mosaic):
-    return self._block_sizes(problem, block_sizes)
-
-  def backward_config(self, problem, block_sizes, mosaic):
-    return self._block_sizes(problem, block_sizes)
 
   def forward(self, q, k, v, operands, problem, config, *, interpret):
     return triton_forward.forward(q, k, v, operands, problem, config.fwd, interpret=interpret)
@@ -218,15 +213,13 @@ class MosaicKernels(Kernels):
               f"(padding to whole {defaults.MOSAIC_BLOCK_ROWS}-row blocks costs more than the Mosaic kernels gain)")
     return None
 
-  def forward_config(self, problem, block_sizes, mosaic):
-    if mosaic is not None and mosaic.forward is not None:
-      return mosaic.forward
+  def config(self, problem, *, backward, block_sizes, mosaic_config):
+    given = None if mosaic_config is None else (mosaic_config.backward if backward else mosaic_config.forward)
+    if given is not None:
+      return given
+    if backward:
+      return defaults.mosaic_backward(problem.head_dim)
     return defaults.mosaic_forward(problem.head_dim, seq_q=problem.seq_q, causal=problem.causal)
-
-  def backward_config(self, problem, block_sizes, mosaic):
-    if mosaic is not None and mosaic.backward is not None:
-      return mosaic.backward
-    return defaults.mosaic_backward(problem.head_dim)
 
   def forward(self, q, k, v, operands, problem, config: MosaicForwardConfig, *, interpret):
     del operands  # a plain problem has none
@@ -284,8 +277,8 @@ def xla_attention(q, k, v, operands: Operands, problem: Problem):
       q, k, v, mask=operands.mask, window_size=(mask.left, mask.right), softcap=problem.softcap,
       alibi_slopes=operands.alibi_slopes, q_segment_ids=operands.q_segment_ids,
       kv_segment_ids=operands.kv_segment_ids, softmax_scale=problem.softmax_scale,
-      dropout_rate=problem.dropout_rate, dropout_seed=operands.dropout_seed, dropout_broadcast=problem.dropout_broadcast,
-      bias=operands.bias, compute_dtype=jnp.float32,
+      dropout_rate=problem.dropout_rate, dropout_seed=operands.dropout_seed,
+      dropout_broadcast=problem.dropout_broadcast, bias=operands.bias, compute_dtype=jnp.float32,
   )
 
 
@@ -311,12 +304,12 @@ def choose(problem: Problem, device: Device, backend: Backend, *, block_sizes: B
   if not auto and (why := candidates[0].runs_on(device, auto=False)):
     raise ValueError(f"backend='{backend.value}': {why}; use backend='auto'")
   passes = []
-  for backward, config_of in ((False, "forward_config"), (True, "backward_config")):
+  for backward in (False, True):
     reasons = []
     for family in candidates:
       why = family.runs_on(device, auto=auto) or family.serves(problem, backward=backward, auto=auto)
       if why is None:
-        config = getattr(family, config_of)(problem, block_sizes, mosaic_config)
+        config = family.config(problem, backward=backward, block_sizes=block_sizes, mosaic_config=mosaic_config)
         passes.append(PassPlan(family.name, config, "; ".join(reasons) or None))
         break
       reasons.append(why)
