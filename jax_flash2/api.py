@@ -143,7 +143,7 @@ def flash_attention(
           RuntimeWarning,
           stacklevel=2,
       )
-    out, lse = backends.xla_attention(q, k, v, operands, problem)
+    out, lse = backends.XLA.attention(q, k, v, operands, problem)
   return (out, lse) if _check_flag("return_lse", return_lse) else out
 
 

@@ -111,26 +111,30 @@ class Call:
     return self.plan.interpret
 
 
-class Kernels(abc.ABC):
-  """A family of Pallas kernels serving both passes."""
+class Implementation(abc.ABC):
+  """One backend: where it runs, which problems it serves, and its tiling."""
 
   name: str
 
   @abc.abstractmethod
   def runs_on(self, device: Device, *, auto: bool) -> str | None:
-    """None if the kernels run on `device`, else why not."""
+    """None if the backend runs on `device`, else why not (a sentence)."""
 
   @abc.abstractmethod
   def serves(self, problem: Problem, *, backward: bool, auto: bool) -> str | None:
-    """None if the kernels serve the forward (or the backward) pass of
+    """None if the backend serves the forward (or the backward) pass of
     `problem`, else why not. auto: "auto" asks, which also weighs whether
-    they are the faster choice."""
+    it is the faster choice."""
 
-  @abc.abstractmethod
   def config(self, problem: Problem, *, backward: bool, block_sizes: BlockSizes | None,
              mosaic_config: MosaicConfig | None):
-    """The tiling a pass runs with: the caller's config for this family if
-    given, else the measured default."""
+    """The tiling a pass runs with: the caller's config for this backend if
+    given, else the measured default (None for a backend without one)."""
+    return None
+
+
+class Kernels(Implementation):
+  """A family of Pallas kernels, joined by vjp's custom_vjp."""
 
   @abc.abstractmethod
   def forward(self, q, k, v, operands: Operands, problem: Problem, config, *, interpret: bool):
@@ -245,6 +249,33 @@ class MosaicKernels(Kernels):
     return not interpret
 
 
+class XlaAttention(Implementation):
+  """Plain XLA attention (reference.attention in float32), differentiated by
+  JAX itself: every option, any device, any derivative order, quadratic
+  memory. Never under a custom_vjp: it serves both passes or neither."""
+
+  name = Backend.XLA.value
+
+  def runs_on(self, device, *, auto):
+    if device.interpret:
+      return "interpret=True runs the Pallas kernels; it cannot be combined with backend='xla'"
+    return None
+
+  def serves(self, problem, *, backward, auto):
+    return None
+
+  def attention(self, q, k, v, operands: Operands, problem: Problem):
+    """(out like q, lse float32 [batch, heads, seq_q])."""
+    mask = problem.mask
+    return reference.attention(
+        q, k, v, mask=operands.mask, window_size=(mask.left, mask.right), softcap=problem.softcap,
+        alibi_slopes=operands.alibi_slopes, q_segment_ids=operands.q_segment_ids,
+        kv_segment_ids=operands.kv_segment_ids, softmax_scale=problem.softmax_scale,
+        dropout_rate=problem.dropout_rate, dropout_seed=operands.dropout_seed,
+        dropout_broadcast=problem.dropout_broadcast, bias=operands.bias, compute_dtype=jnp.float32,
+    )
+
+
 def _options(problem: Problem) -> str:
   """The options of `problem` that make it more than full or causal attention."""
   mask = problem.mask
@@ -257,67 +288,51 @@ def _options(problem: Problem) -> str:
   return ", ".join(names)
 
 
-TRITON = TritonKernels()
 MOSAIC = MosaicKernels()
+TRITON = TritonKernels()
+XLA = XlaAttention()
 # The measured order: the first that serves a pass runs it under "auto".
-ORDER: tuple[Kernels, ...] = (MOSAIC, TRITON)
-_BY_NAME = {kernels.name: kernels for kernels in ORDER}
+ORDER: tuple[Implementation, ...] = (MOSAIC, TRITON, XLA)
+_KERNELS = {family.name: family for family in (MOSAIC, TRITON)}
 
 
 def kernels(name: str) -> Kernels:
   """The kernel family of a PassPlan's backend name."""
-  return _BY_NAME[name]
-
-
-def xla_attention(q, k, v, operands: Operands, problem: Problem):
-  """(out, lse) of the plain XLA path (reference.attention in float32),
-  differentiated by JAX itself: quadratic memory, any derivative order."""
-  mask = problem.mask
-  return reference.attention(
-      q, k, v, mask=operands.mask, window_size=(mask.left, mask.right), softcap=problem.softcap,
-      alibi_slopes=operands.alibi_slopes, q_segment_ids=operands.q_segment_ids,
-      kv_segment_ids=operands.kv_segment_ids, softmax_scale=problem.softmax_scale,
-      dropout_rate=problem.dropout_rate, dropout_seed=operands.dropout_seed,
-      dropout_broadcast=problem.dropout_broadcast, bias=operands.bias, compute_dtype=jnp.float32,
-  )
+  return _KERNELS[name]
 
 
 def choose(problem: Problem, device: Device, backend: Backend, *, block_sizes: BlockSizes | None = None,
            mosaic_config: MosaicConfig | None = None) -> Plan:
   """The plan of one call: which backend runs each pass, with which config.
 
-  "auto" takes, for each pass, the first kernel family in ORDER that runs on
-  the device and serves the pass, and XLA if none does (then for both
-  passes: the XLA path differentiates itself). "mosaic" takes the Mosaic
-  kernels where they serve a pass and the Triton kernels for the rest;
-  "triton" the Triton kernels; "xla" XLA.
+  "auto" takes, for each pass, the first backend in ORDER that runs on the
+  device and serves the pass; where that is XLA for one pass, XLA runs both
+  (it differentiates itself). "mosaic" takes the Mosaic kernels where they
+  serve a pass and the Triton kernels for the rest; "triton" and "xla" run
+  where they can.
 
   Raises ValueError when the requested backend cannot run on the device, or
   when a config is given for a kernel family that runs neither pass.
   """
-  if backend is Backend.XLA:
-    if device.interpret:
-      raise ValueError("interpret=True runs the Pallas kernels; it cannot be combined with backend='xla'")
-    return Plan(PassPlan(Backend.XLA.value), PassPlan(Backend.XLA.value))
   auto = backend is Backend.AUTO
-  candidates = {Backend.AUTO: ORDER, Backend.MOSAIC: (MOSAIC, TRITON), Backend.TRITON: (TRITON,)}[backend]
+  candidates = {Backend.AUTO: ORDER, Backend.MOSAIC: (MOSAIC, TRITON), Backend.TRITON: (TRITON,),
+                Backend.XLA: (XLA,)}[backend]
   if not auto and (why := candidates[0].runs_on(device, auto=False)):
-    raise ValueError(f"backend='{backend.value}': {why}; use backend='auto'")
+    raise ValueError(f"backend='{backend.value}': {why}" + ("" if backend is Backend.XLA else "; use backend='auto'"))
   passes = []
   for backward in (False, True):
     reasons = []
     for family in candidates:
-      why = family.runs_on(device, auto=auto) or family.serves(problem, backward=backward, auto=auto)
-      if why is None:
-        config = family.config(problem, backward=backward, block_sizes=block_sizes, mosaic_config=mosaic_config)
-        passes.append(PassPlan(family.name, config, "; ".join(reasons) or None))
-        break
-      reasons.append(why)
+      if why := family.runs_on(device, auto=auto) or family.serves(problem, backward=backward, auto=auto):
+        reasons.append(why)
+        continue
+      config = family.config(problem, backward=backward, block_sizes=block_sizes, mosaic_config=mosaic_config)
+      passes.append(PassPlan(family.name, config, "; ".join(reasons) or None))
+      break
     else:
-      passes.append(PassPlan(Backend.XLA.value, None, "; ".join(reasons)))
-  if Backend.XLA.value in (passes[0].backend, passes[1].backend):
-    reason = passes[0].reason if passes[0].backend == Backend.XLA.value else passes[1].reason
-    passes = [PassPlan(Backend.XLA.value, None, reason)] * 2
+      raise ValueError(f"backend='{backend.value}': {'; '.join(reasons)}")
+  if XLA.name in (passes[0].backend, passes[1].backend):
+    passes = [next(p for p in passes if p.backend == XLA.name)] * 2
   plan = Plan(*passes, interpret=device.interpret)
   if plan.kernels:
     runs = {plan.forward.backend, plan.backward.backend}
