@@ -134,7 +134,7 @@ def flash_attention(
   operands = _operands(q, k, mask=mask, bias=bias, alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
                        kv_segment_ids=kv_segment_ids, dropout_rng=dropout_rng if problem.has_dropout else None)
   if plan.kernels:
-    out, lse = vjp.flash(q, k, v, operands, backends.Call(problem, plan))
+    out, lse = vjp.flash_checked(q, k, v, operands, backends.Call(problem, plan))
   else:
     if requested is Backend.AUTO:
       warnings.warn(
@@ -345,6 +345,8 @@ def _check_dropout(rate, rng) -> float:
   the mask from."""
   if isinstance(rate, jax.core.Tracer):
     raise TypeError("dropout_rate must be a static Python float, not a traced value")
+  if isinstance(rate, (bool, np.bool_)):
+    raise TypeError(f"dropout_rate must be a float, got {type(rate).__name__}")
   try:
     rate = float(rate)
   except (TypeError, ValueError):
@@ -355,12 +357,18 @@ def _check_dropout(rate, rng) -> float:
     return 0.0
   if rng is None:
     raise ValueError(f"dropout_rate={rate} needs dropout_rng, a JAX PRNG key")
-  if not hasattr(rng, "dtype") or not (
-      jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) or (rng.dtype == jnp.uint32 and rng.shape == (2,))
-  ):
+  typed = hasattr(rng, "dtype") and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  raw = hasattr(rng, "dtype") and rng.dtype == jnp.uint32
+  if not (typed or raw):
     raise TypeError(
         f"dropout_rng must be a JAX PRNG key (jax.random.key or jax.random.PRNGKey), got "
         f"{getattr(rng, 'dtype', type(rng).__name__)} {tuple(getattr(rng, 'shape', ()))}"
+    )
+  if tuple(rng.shape) != (() if typed else (2,)):
+    raise ValueError(
+        f"dropout_rng must be a single PRNG key (shape {'()' if typed else '(2,)'} for a "
+        f"{'typed' if typed else 'raw uint32'} key), got shape {tuple(rng.shape)}: one key draws the masks of "
+        "every batch element and head"
     )
   return rate
 
@@ -400,6 +408,8 @@ def _check_positive(name: str, value) -> float:
   """A static, finite, positive float (it is baked into the kernels)."""
   if isinstance(value, jax.core.Tracer):
     raise TypeError(f"{name} must be a static Python float, not a traced value")
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a float, got {type(value).__name__}")
   try:
     number = float(value)
   except (TypeError, ValueError):

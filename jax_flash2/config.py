@@ -21,6 +21,16 @@ def _is_power_of_two(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
 
 
+def _check_fields(owner: str, config, bools: tuple[str, ...], ints: tuple[str, ...]) -> None:
+  for name in bools:
+    if not isinstance(getattr(config, name), bool):
+      raise TypeError(f"{owner}.{name} must be a bool, got {getattr(config, name)!r}")
+  for name in ints:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool):
+      raise TypeError(f"{owner}.{name} must be an int, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
   """Tiling and launch parameters of one Pallas kernel.
@@ -38,13 +48,14 @@ class KernelConfig:
   num_stages: int = 2
 
   def __post_init__(self):
+    _check_fields("KernelConfig", self, (), ("block_q", "block_k", "num_warps", "num_stages"))
     for name in ("block_q", "block_k"):
       value = getattr(self, name)
-      if not isinstance(value, int) or not _is_power_of_two(value) or value < _MIN_BLOCK:
+      if not _is_power_of_two(value) or value < _MIN_BLOCK:
         raise ValueError(f"KernelConfig.{name} must be a power of two >= {_MIN_BLOCK}, got {value!r}")
     if self.num_warps not in _VALID_WARPS:
       raise ValueError(f"KernelConfig.num_warps must be one of {_VALID_WARPS}, got {self.num_warps!r}")
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+    if self.num_stages < 1:
       raise ValueError(f"KernelConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
   def fit(self, seq_q: int, seq_k: int) -> KernelConfig:
@@ -90,16 +101,6 @@ class BlockSizes:
     )
 
 
-
-
-def _check_fields(owner: str, config, bools: tuple[str, ...], ints: tuple[str, ...]) -> None:
-  for name in bools:
-    if not isinstance(getattr(config, name), bool):
-      raise TypeError(f"{owner}.{name} must be a bool, got {getattr(config, name)!r}")
-  for name in ints:
-    value = getattr(config, name)
-    if not isinstance(value, int) or isinstance(value, bool):
-      raise TypeError(f"{owner}.{name} must be an int, got {value!r}")
 
 
 # wgmma works on 64 rows per warpgroup instruction: the Mosaic kernels' row unit.

@@ -22,7 +22,7 @@ import functools
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_flash2 import sharding
+from jax_flash2 import compat, sharding
 from jax_flash2.backends import Call
 from jax_flash2.problem import Operands
 
@@ -100,3 +100,12 @@ def _flash_bwd(call: Call, residuals, cotangents):
 
 
 flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_checked(q, k, v, operands: Operands, call: Call) -> tuple[jax.Array, jax.Array]:
+  """`flash`, with forward-mode differentiation (jax.jvp, jax.jacfwd) of it
+  refused in jax_flash2's words rather than JAX's generic custom_vjp error
+  (which, under jit, comes only at lowering)."""
+  if compat.is_forward_mode(q, k, v, operands):
+    raise NotImplementedError(_SECOND_ORDER.format(what="forward pass"))
+  return flash(q, k, v, operands, call)

@@ -49,6 +49,18 @@ def _bad_input_cases():
   yield "block_sizes", (q, k, v), {"block_sizes": (64, 64)}, TypeError, "block_sizes"
   yield "causal", (q, k, v), {"causal": "yes"}, TypeError, "causal"
   yield "not_array", ([[1.0]], k, v), {}, TypeError, "q must be an array"
+  # Flags and numbers that are not what they claim: never read as truthy or as 1.0.
+  for flag in ("return_lse", "interpret", "dropout_broadcast"):
+    yield f"{flag}_str", (q, k, v), {flag: "no"}, TypeError, f"{flag} must be a bool"
+  yield "scale_bool", (q, k, v), {"softmax_scale": True}, TypeError, "softmax_scale must be a float, got bool"
+  yield "softcap_bool", (q, k, v), {"softcap": True}, TypeError, "softcap must be a float, got bool"
+  yield "rate_bool", (q, k, v), {"dropout_rate": True}, TypeError, "dropout_rate must be a float, got bool"
+  keys = jax.random.split(jax.random.key(0), 3)
+  yield "rng_batch", (q, k, v), {"dropout_rate": 0.1, "dropout_rng": keys}, ValueError, r"dropout_rng must be a single PRNG key \(shape \(\)"
+  raw = jax.random.split(jax.random.PRNGKey(0), 3)
+  yield "rng_raw_batch", (q, k, v), {"dropout_rate": 0.1, "dropout_rng": raw}, ValueError, r"shape \(2,\) for a raw uint32 key\), got shape \(3, 2\)"
+  yield "triton_without_gpu", (q, k, v), {"backend": "triton"}, ValueError, "backend='triton': the Triton kernels need an NVIDIA GPU"
+  yield "mosaic_without_hopper", (q, k, v), {"backend": "mosaic"}, ValueError, "backend='mosaic': the Mosaic kernels need a Hopper GPU"
 
 
 @pytest.mark.parametrize("args, kwargs, error, message", [c[1:] for c in _bad_input_cases()],
@@ -59,13 +71,15 @@ def test_bad_input_raises_naming_the_argument(args, kwargs, error, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
+    (dict(block_q=16, block_k=16, num_warps=4.0), "num_warps must be an int"),
+    (dict(block_q=16, block_k=16, num_stages=True), "num_stages must be an int"),
     (dict(block_q=24, block_k=16), "block_q must be a power of two"),
     (dict(block_q=8, block_k=16), "block_q must be a power of two >= 16"),
     (dict(block_q=16, block_k=16, num_warps=3), "num_warps"),
     (dict(block_q=16, block_k=16, num_stages=0), "num_stages"),
 ])
 def test_kernel_config_validates(kwargs, message):
-  with pytest.raises(ValueError, match=message):
+  with pytest.raises((TypeError, ValueError), match=message):
     KernelConfig(**kwargs)
 
 
