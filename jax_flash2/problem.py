@@ -31,6 +31,9 @@ class Problem:
     dropout_rate: dropout on the probabilities (0.0: none), drawn by
       jax_flash2.dropout's hash from an int32 [2] seed.
     dropout_broadcast: one dropout mask shared by every batch and head.
+    dropout_batch: where vmap folded a mapped axis into batch, the batch of
+      one mapped element: dropout's hash takes batch indices modulo it, so
+      each element draws the mask an unbatched call would (None: as they are).
     has_bias: an additive bias ([batch or 1, heads or 1, seq_q, seq_k]) on
       the scores, after softcap and ALiBi.
   """
@@ -44,6 +47,7 @@ class Problem:
   has_alibi: bool = False
   dropout_rate: float = 0.0
   dropout_broadcast: bool = False
+  dropout_batch: int | None = None
   has_bias: bool = False
 
   @property

@@ -368,9 +368,14 @@ def _with_vmap(partitioned: Callable, num_arrays: int, call: Call) -> Callable:
         x if i == _SEED else _fold_mask(x, axis_size, b, batch)
         for i, (x, b) in enumerate(zip(optional, in_batched[num_arrays:]))
     ]
-    # fn, not partitioned: under nested vmaps this runs inside the outer one,
-    # whose axis is folded in turn.
-    outs = fn(*folded, *optional)
+    # Dropout's hash keeps the batch indices of one instance (b mod batch),
+    # so that each mapped element draws the mask an unbatched call draws.
+    problem = call.problem
+    if problem.has_dropout and problem.dropout_batch is None:
+      problem = dataclasses.replace(problem, dropout_batch=batch)
+    # Under vmap again, not partitioned: under nested vmaps this runs inside
+    # the outer one, whose axis is folded in turn.
+    outs = _with_vmap(partitioned, num_arrays, dataclasses.replace(call, problem=problem))(*folded, *optional)
     if not isinstance(outs, tuple):
       return _unfold(outs, axis_size), True
     return tuple(_unfold(x, axis_size) for x in outs), (True,) * len(outs)

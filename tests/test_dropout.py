@@ -95,14 +95,27 @@ def test_keys_and_the_xla_backend():
   np.testing.assert_array_equal(xla(RNG), xla(jax.random.wrap_key_data(RNG)))
 
 
-def test_vmap_folds_the_batch_and_refuses_a_mapped_key():
-  q, k, v, _ = random_inputs(2, 3, 24, 24, 2, 16)
+def test_vmap_draws_each_element_the_unbatched_mask_and_refuses_a_mapped_key():
+  """With one key, vmap(f)(xs)[i] is f(xs[i]) (to rounding: a mask drawn for
+  other batch indices would differ at O(1)), and the XLA backend's: the
+  kernels' hash takes each element's own batch indices, not those of the
+  folded batch (nested vmaps too)."""
+  q, k, v, dout = random_inputs(2, 6, 24, 24, 2, 16)
+  q, k, v, dout = (x.reshape(3, 2, *x.shape[1:]) for x in (q, k, v, dout))  # 3 elements of batch 2
   f = lambda q, k, v: _flash(q, k, v, 0.3, block_sizes=SMALL)[0]
-  mapped = jax.jit(jax.vmap(f))(q[:, None], k[:, None], v[:, None])
-  assert mapped.shape == (3, 1, 24, 2, 16) and np.isfinite(np.asarray(mapped)).all()
+  grad = lambda q, k, v, dout: jax.vjp(f, q, k, v)[1](dout)
+  mapped, mapped_grads = jax.jit(jax.vmap(f))(q, k, v), jax.jit(jax.vmap(grad))(q, k, v, dout)
+  nested = jax.jit(jax.vmap(jax.vmap(f)))(q[:, None], k[:, None], v[:, None])[:, 0]
+  xla = lambda q, k, v: flash_attention(q, k, v, dropout_rate=0.3, dropout_rng=RNG, backend="xla")
+  for i in range(3):
+    alone = f(q[i], k[i], v[i])
+    assert rel_err(mapped[i], alone) < 1e-6 and rel_err(nested[i], alone) < 1e-6, i
+    for got, want in zip(mapped_grads, grad(q[i], k[i], v[i], dout[i])):
+      assert rel_err(got[i], want) < 1e-6, i
+    assert rel_err(alone, xla(q[i], k[i], v[i])) < 1e-5, i
   keys = jax.random.split(RNG, 3)
   with pytest.raises(NotImplementedError, match="dropout_rng"):
-    jax.vmap(lambda q, key: _flash(q, k[:1], v[:1], 0.3, rng=key, block_sizes=SMALL)[0])(q[:, None], keys)
+    jax.vmap(lambda q, key: _flash(q, k[0], v[0], 0.3, rng=key, block_sizes=SMALL)[0])(q, keys)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -110,7 +123,7 @@ def test_vmap_folds_the_batch_and_refuses_a_mapped_key():
     (dict(dropout_rate=1.0, dropout_rng=RNG), ValueError, r"\[0, 1\)"),
     (dict(dropout_rate=-0.1, dropout_rng=RNG), ValueError, r"\[0, 1\)"),
     (dict(dropout_rate="a", dropout_rng=RNG), TypeError, "dropout_rate"),
-    (dict(dropout_rate=0.1, dropout_rng=jnp.zeros((3,), jnp.uint32)), TypeError, "dropout_rng"),
+    (dict(dropout_rate=0.1, dropout_rng=jnp.zeros((3,), jnp.uint32)), ValueError, "dropout_rng must be a single"),
     (dict(dropout_rate=0.1, dropout_rng=7), TypeError, "dropout_rng"),
 ])
 def test_bad_dropout_arguments(kwargs, error, match):

@@ -370,9 +370,12 @@ def extra_visible(
 def dropout_head(problem: Problem, batch_index, head_index, heads) -> Any:
   """The flat (batch, query head) index that dropout's hash takes: every
   problem draws its own mask, or all share one when broadcast. Indices are
-  those of the kernel's own operands (a shard's, under sharding)."""
+  those of the kernel's own operands (a shard's, under sharding), batch
+  taken modulo problem.dropout_batch where vmap folded a mapped axis in."""
   if problem.dropout_broadcast:
     return jnp.int32(0)
+  if problem.dropout_batch is not None:
+    batch_index = lax.rem(batch_index, jnp.int32(problem.dropout_batch))
   return batch_index * heads + head_index
 
 
