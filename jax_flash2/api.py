@@ -138,8 +138,9 @@ def flash_attention(
   else:
     if requested is Backend.AUTO:
       warnings.warn(
-          f"jax_flash2: no kernel runs here ({plan.forward.reason}); flash_attention is running the plain XLA "
-          "attention (quadratic memory), not the flash kernel. Pass backend='xla' to silence this.",
+          "jax_flash2: no NVIDIA GPU of compute capability 8.0 or newer here, so flash_attention runs the plain "
+          "XLA attention (quadratic memory), not the flash kernels (jax_flash2.plan() says why). Pass "
+          "backend='xla' to silence this.",
           RuntimeWarning,
           stacklevel=2,
       )

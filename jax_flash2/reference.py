@@ -107,11 +107,12 @@ def attention(
     s = jnp.where(same, s, -jnp.inf)
   # A row that sees nothing has max -inf; shifting by 0 instead keeps exp() at
   # 0 rather than NaN, and the guarded divide and log keep its gradient finite.
+  # A row with a NaN or a +inf score comes out NaN, lse included.
   m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  m = jnp.where(m == -jnp.inf, 0.0, m)
   p = jnp.exp(s - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
-  seen = l > 0
+  seen = l != 0
   l_safe = jnp.where(seen, l, 1.0)
   probs = p / l_safe
   if dropout_rate > 0.0:

@@ -103,7 +103,7 @@ def test_auto_backend_falls_back_to_xla_with_one_warning(monkeypatch):
   fallback = [w for w in caught if "not the flash kernel" in str(w.message)]
   assert len(fallback) == 1
   assert fallback[0].filename == __file__
-  assert "Hopper" in str(fallback[0].message) and "Triton" in str(fallback[0].message)
+  assert "no NVIDIA GPU" in str(fallback[0].message) and "plan()" in str(fallback[0].message)
   assert rel_err(out, reference_with_grads(q, k, v, q)[0]) < 1e-5
 
 

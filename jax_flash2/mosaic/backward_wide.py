@@ -408,7 +408,7 @@ def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, conf
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-    q_ready, k_ready, v_ready, k_consumed, v_consumed, ds_smem, staged, free,
+    q_ready, k_ready, v_ready, k_consumed, v_consumed, ds_smem, staged, free, rows_read,
     *, mask: Mask, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, softmax_scale: float,
     stages: int, interpret: bool,
 ):
@@ -417,7 +417,9 @@ def _dq_kernel(
   # lse_smem, delta_smem: [64]; k_smem, v_smem: [stages, 64, D]; ds_smem:
   # [64 queries, 64 keys]. q_ready: a barrier of 6 arrivals (both halves of
   # Q and dO, lse, delta); k_ready, v_ready: [stages] (TMA); k_consumed,
-  # v_consumed: [stages], 2 arrivals; staged, free: 2 arrivals.
+  # v_consumed: [stages], 2 arrivals; staged, free: 2 arrivals; rows_read: 2
+  # arrivals (both consumers have passed the tile's q_ready and read its lse
+  # and delta).
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   half, halves = _halves(head_dim)
@@ -449,6 +451,11 @@ def _dq_kernel(
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
     lse = plgpu.load(lse_smem, layout=row_layout) * LOG2_E
     delta = plgpu.load(delta_smem, layout=row_layout)
+    # Neither consumer may load the next tile's rows before the other has
+    # read this tile's: a tile whose queries see no key (causal, seq_q >
+    # seq_k) has no step at which they meet otherwise.
+    plgpu.barrier_arrive(rows_read)
+    plgpu.barrier_wait(rows_read)
     full_hi, hi = mask.kv_blocks_right(tile.q_start, ROWS, ROWS)
     keys = pl.ds(wg * COLS, COLS)  # this consumer's key columns of a K/V block
     my_half = pl.ds(wg * half, half)
@@ -523,6 +530,7 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, confi
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # K consumed
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # V consumed
       *_shared_tile_scratch(1, dtype),  # dS; staged, free
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # rows read
   ]
   num_q_blocks = pl.cdiv(mask.seq_q, ROWS)  # 64-row blocks holding a real query
   schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.dq_persistent,

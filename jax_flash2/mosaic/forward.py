@@ -281,7 +281,7 @@ def _forward_kernel(
     staged in shared memory (q_tile, whose Q every wgmma has read by now)."""
     # One division per row at the end (a reciprocal, then multiplies).
     if may_see_nothing:
-      seen = l_i > 0.0
+      seen = l_i != 0.0  # a row with a NaN has l_i = NaN: its lse stays NaN
       l_i = jnp.where(seen, l_i, 1.0)  # rows that saw no key: zeros, lse = -inf
     out = acc * lax.broadcast_in_dim(1.0 / l_i, acc.shape, [0])
     lse = (m_i + jnp.log2(l_i)) * LN_2

@@ -43,10 +43,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   q_rows = q_idx < seq_q if ragged_q else None
 
   q = common.load_tile(q_ref, q_rows, cols)
-  # The softmax scale and the change to base 2 fold into one factor. Scores
-  # stay unscaled; m_i is kept scaled, so each score costs a single FMA
-  # (s * qk_scale - m) on its way into exp2. A softcap, ALiBi or a bias needs
-  # the scaled score, so there the scores are taken to base 2 up front.
+  # The softmax scale and the change to base 2 fold into one factor. Plain
+  # scores stay unscaled, and so does the running max m_i: the factor applies
+  # after the subtraction, so the row's largest score gives exactly exp2(0)
+  # at any magnitude (scaling first, the rounding of s * qk_scale against an
+  # exact fused multiply-add could put a row's terms at inf or 0). A softcap,
+  # ALiBi or a bias needs the scaled score, so there the scores are taken to
+  # base 2 up front.
   qk_scale = problem.softmax_scale * LOG2_E
   log2_domain = (lambda s: s) if problem.modifies_scores else (lambda s: s * qk_scale)
   slope = opt.slopes[...] if opt.slopes is not None else None
@@ -68,14 +71,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
       if extra is not None:
         visible &= extra
       s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m_i, log2_domain(jnp.max(s, axis=1)))
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     if masked or problem.has_bias:
       # A row that has seen only masked scores so far (or a bias of -inf)
       # keeps m = -inf; shift it by 0 so that exp2 gives 0 instead of
       # exp2(-inf + inf) = NaN.
       m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-    p = jnp.exp2(log2_domain(s) - m_new[:, None])
+    alpha = jnp.exp2(log2_domain(m_i - m_new))  # rescales what was accumulated under the old max
+    p = jnp.exp2(log2_domain(s - m_new[:, None]))
     l_i = l_i * alpha + jnp.sum(p, axis=1)
     v = common.load_tile(v_ref.at[pl.ds(k_start, block_k), :], k_rows, cols)
     # Dropout thins what reaches the output, not the normaliser: l_i (and the
@@ -97,12 +100,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
 
   # Rows that saw no key (outside the band, e.g. causal with seq_q > seq_k,
   # or under a dense mask) have l_i = 0: they get zeros and lse = -inf
-  # rather than 0/0.
-  seen = l_i > 0.0
+  # rather than 0/0. A row with a NaN (or an infinite score) has l_i = NaN:
+  # its output and lse are NaN.
+  seen = l_i != 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
   out = acc / l_safe[:, None]
   common.store_tile(o_ref, out.astype(o_ref.dtype), q_rows, cols)
-  lse = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN_2, -jnp.inf)
+  lse = jnp.where(seen, (log2_domain(m_i) + jnp.log2(l_safe)) * LN_2, -jnp.inf)
   common.store(lse_ref, lse, q_rows)
 
 
