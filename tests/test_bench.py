@@ -1,21 +1,34 @@
-"""The benchmark CLI (jax_flash2.bench) on CPU: parsing, FLOPs, output schema, a tiny run."""
+"""The benchmark CLI (jax_flash2.bench) on CPU: parsing, FLOPs, output schema,
+kernel-time traces, tokamax (a stand-in module, and the real one where
+installed), a tiny run."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
 import dataclasses
+import datetime
+import gzip
+import importlib.metadata
+import importlib.util
 import io
 import json
 import os
+import sys
+import types
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 
-from jax_flash2.bench import check, cli, flops, impls, report, timing
-from jax_flash2.bench.spec import CELL_FIELDS, CellResult, CheckResult, Shape
+from jax_flash2.bench import check, cli, flops, impls, kernel_trace, report, sweep, timing
+from jax_flash2.bench.spec import CELL_FIELDS, CellResult, CheckResult, LeftOut, Shape
+
+HAS_TOKAMAX = importlib.util.find_spec("tokamax") is not None
+NO_TOKAMAX = LeftOut("tokamax", "tokamax is not installed (pip install tokamax)", requested=False)
 
 
 def _shape(**kw) -> Shape:
@@ -23,19 +36,61 @@ def _shape(**kw) -> Shape:
   return Shape(**(base | kw))
 
 
+# ------------------------------------------------------------------ tokamax
+
+type _Implementation = Literal["mosaic", "triton", "cudnn", "xla", "xla_chunked"]
+
+
+def _fake_tokamax(calls: list[dict], implementations=_Implementation) -> types.ModuleType:
+  """A stand-in for tokamax: its dot_product_attention signature and
+  `DotProductAttentionImplementation` alias, jax.nn's XLA attention inside,
+  NotImplementedError for the GPU kernels as on a CPU; records each call's
+  keyword arguments in `calls`."""
+  module = types.ModuleType("tokamax")
+
+  def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                            local_window_size=None, implementation=None, **kwargs):
+    calls.append(dict(mask=mask, is_causal=is_causal, local_window_size=local_window_size,
+                      implementation=implementation))
+    if implementation in ("mosaic", "triton"):
+      raise NotImplementedError("Not supported on cpu.")
+    return jax.nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                                        local_window_size=local_window_size, implementation="xla")
+
+  module.dot_product_attention = dot_product_attention
+  module.DotProductAttentionImplementation = implementations
+  return module
+
+
+@pytest.fixture
+def fake_tokamax(monkeypatch) -> list[dict]:
+  """Installs `_fake_tokamax` as `tokamax`; returns its list of calls."""
+  calls: list[dict] = []
+  monkeypatch.setitem(sys.modules, "tokamax", _fake_tokamax(calls))
+  return calls
+
+
+@pytest.fixture
+def no_tokamax(monkeypatch) -> None:
+  """Makes `import tokamax` fail, as where it is not installed."""
+  monkeypatch.setitem(sys.modules, "tokamax", None)
+
+
 # ------------------------------------------------------------------ parsing
 
 
-def test_gpu_defaults():
+def test_gpu_defaults(no_tokamax):
   cfg = cli.parse([], "gpu")
   assert cfg.seqlens == (512, 1024, 2048, 4096, 8192, 16384)
   assert cfg.head_dims == (64, 128)
   assert cfg.causal == (False, True)
   assert cfg.dtypes == ("bfloat16",)
   assert cfg.modes == ("fwd", "bwd", "fwd+bwd")
-  assert cfg.impls == ("flash2", "cudnn", "xla")
-  assert (cfg.warmup, cfg.iters, cfg.check, cfg.interpret, cfg.tiny) == (3, 20, True, False, False)
-  assert (cfg.out, cfg.plot, cfg.memory) == (None, False, False)
+  # tokamax is a default where it is installed; here it is not, and the run leaves it out without a word.
+  assert cfg.impls == ("flash2", "cudnn", "xla") and cfg.left_out == (NO_TOKAMAX,)
+  assert (cfg.warmup, cfg.iters, cfg.check, cfg.interpret, cfg.tiny, cfg.kernel_time) == (3, 20, True, False, False,
+                                                                                          True)
+  assert (cfg.save, cfg.out, cfg.plot, cfg.memory) == (True, None, True, False)
   # 16k tokens, hidden 2048.
   s = cfg.shape("bfloat16", 64, True, 512)
   assert (s.batch, s.heads, s.kv_heads) == (32, 32, 32)
@@ -44,9 +99,12 @@ def test_gpu_defaults():
   assert cfg.num_cells() == 6 * 2 * 2 * 3 * 3
 
 
-def test_cpu_defaults_are_tiny():
+def test_cpu_defaults_are_tiny(no_tokamax):
   cfg = cli.parse([], "cpu")
-  assert cfg.tiny and cfg.interpret
+  assert cfg.tiny and cfg.interpret and not cfg.kernel_time
+  # No GPU: cuDNN is left out of the defaults (not a column of "unsupported"), silently.
+  assert cfg.impls == ("flash2", "xla")
+  assert cfg.left_out == (LeftOut("cudnn", "needs an NVIDIA GPU", requested=False), NO_TOKAMAX)
   assert cfg.seqlens == (64, 128) and cfg.head_dims == (64,)
   assert cfg.shape("bfloat16", 64, False, 128) == Shape(1, 128, 2, 2, 64, False, "bfloat16")
   assert cfg.causal == (False, True) and cfg.modes == ("fwd", "bwd", "fwd+bwd")
@@ -67,8 +125,9 @@ def test_overrides():
           "--warmup", "0",
           "--iters", "5",
           "--no-check",
+          "--no-kernel-time",
           "--out", "somewhere",
-          "--plot",
+          "--no-plot",
           "--memory",
           "--memory-max-seqlen", "8k",
       ],
@@ -80,8 +139,10 @@ def test_overrides():
   assert cfg.dtypes == ("float16", "float32")
   assert cfg.modes == ("fwd", "fwd+bwd")
   assert cfg.impls == ("xla", "flash2-mosaic")
-  assert (cfg.warmup, cfg.iters, cfg.check) == (0, 5, False)
-  assert (cfg.out, cfg.plot, cfg.memory, cfg.memory_max_seqlen) == ("somewhere", True, True, 8192)
+  assert (cfg.warmup, cfg.iters, cfg.check, cfg.kernel_time, cfg.left_out) == (0, 5, False, False, ())
+  assert (cfg.save, cfg.out, cfg.plot, cfg.memory, cfg.memory_max_seqlen) == (True, "somewhere", False, True, 8192)
+  # --plot is the default, still accepted as recorded commands spell it.
+  assert cli.parse(["--plot", "--out", "d"], "gpu").plot and not cli.parse(["--no-save"], "gpu").save
   assert cfg.shape("float16", 256, True, 2048) == Shape(4, 2048, 8, 2, 256, True, "float16")
   assert cli.parse(["--causal", "false"], "gpu").causal == (False,)
   assert cli.parse(["--causal", "true", "false"], "gpu").causal == (True, False)
@@ -102,7 +163,7 @@ def test_window_and_segments_flags():
   assert cli.parse(["--window", "512"], "gpu").windows == ((512, 0),)  # a lone LEFT means LEFT,0
   assert cli.parse(["--window", "0,0"], "gpu").windows == ((0, 0),)
   # Each window x segments pair is one more group of every (dtype, head_dim, causal).
-  assert cfg.num_cells() == 6 * 2 * 2 * 5 * 3 * 3 * 3
+  assert cfg.num_cells() == 6 * 2 * 2 * 5 * 3 * 3 * len(cfg.impls)
   assert len(cfg.groups()) == 2 * 2 * 5 * 3
   s = cfg.shape("bfloat16", 128, True, 16384, (1024, 0), 8)
   assert s == Shape(1, 16384, 16, 16, 128, True, "bfloat16", window_left=1024, window_right=0, segments=8)
@@ -145,7 +206,7 @@ def test_bad_window_and_segments_exit_2(argv, capsys):
         ["--dtype", "int8"],
         ["--modes", "sideways"],
         ["--causal", "maybe"],
-        ["--plot"],  # needs --out
+        ["--no-save", "--out", "somewhere"],
         ["--heads", "8", "--kv-heads", "3"],
         ["--head-dims", "60"],
         ["--seqlens", "abc"],
@@ -155,6 +216,23 @@ def test_bad_flags_exit_2(argv, capsys):
   with pytest.raises(SystemExit) as exc:
     cli.parse(argv, "gpu")
   assert exc.value.code == 2
+
+
+def test_requested_impls_that_cannot_run_here(capsys):
+  """Named in --impls but unable to run on the machine: left out, with the
+  reason (the CLI prints it); none left is a usage error that says why."""
+  cfg = cli.parse(["--impls", "cudnn", "xla", "cudnn-deterministic"], "cpu")
+  assert cfg.impls == ("xla",)
+  assert cfg.left_out == (LeftOut("cudnn", "needs an NVIDIA GPU", requested=True),
+                          LeftOut("cudnn-deterministic", "needs an NVIDIA GPU", requested=True))
+  # On a GPU they run; flash2-mosaic runs on a CPU too (Mosaic's interpreter).
+  assert cli.parse(["--impls", "cudnn", "xla"], "gpu").impls == ("cudnn", "xla")
+  assert cli.parse(["--impls", "flash2-mosaic"], "cpu").impls == ("flash2-mosaic",)
+  with pytest.raises(SystemExit) as exc:
+    cli.parse(["--impls", "cudnn"], "cpu")
+  assert exc.value.code == 2 and "cudnn: needs an NVIDIA GPU" in capsys.readouterr().err
+  with pytest.raises(ValueError):
+    LeftOut("cudnn", "", requested=True)
 
 
 # -------------------------------------------------------------------- FLOPs
@@ -300,7 +378,10 @@ def _masked_attention(q, k, v, visible):
   return np.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-@pytest.mark.parametrize("impl", ["flash2-triton", "xla"])
+@pytest.mark.parametrize(
+    "impl", ["flash2-triton", "xla",
+             pytest.param("tokamax-xla", marks=pytest.mark.skipif(not HAS_TOKAMAX, reason="tokamax is not installed"))],
+)
 @pytest.mark.parametrize(
     "mask", [dict(causal=True, window_left=5, window_right=0), dict(window_left=3, window_right=2),
              dict(causal=True, segments=2), dict(window_left=None, window_right=1, segments=4)],
@@ -322,6 +403,83 @@ def test_impls_apply_window_and_segments(impl, mask):
   np.testing.assert_allclose(np.asarray(want[0]), np.asarray(got), atol=2e-5, rtol=2e-5)
   plain = check.reference_fwd_bwd_jit(x.q, x.k, x.v, x.dout, causal=shape.causal)
   assert not np.allclose(np.asarray(plain[0]), np.asarray(got), atol=1e-3)
+
+
+def test_tokamax_availability(no_tokamax):
+  """Without tokamax every tokamax implementation says so, and is left out of the defaults silently."""
+  cpu, gpu = impls.Options(platform="cpu", interpret=True), impls.Options(platform="gpu")
+  for name in ("tokamax", "tokamax-mosaic", "tokamax-triton", "tokamax-xla"):
+    assert impls.get(name).available(gpu) == NO_TOKAMAX.reason
+    assert impls.get(name).supports(_shape(), cpu) == NO_TOKAMAX.reason
+  assert cli.parse(["--impls", "xla", "tokamax-xla"], "gpu").left_out == (dataclasses.replace(NO_TOKAMAX,
+                                                                                               impl="tokamax-xla",
+                                                                                               requested=True),)
+
+
+def test_tokamax_impls_on_a_stand_in(fake_tokamax, monkeypatch):
+  """Which tokamax implementations run where, and what tokamax.dot_product_attention is given."""
+  cpu, gpu = impls.Options(platform="cpu", interpret=True), impls.Options(platform="gpu")
+  assert [n for n in impls.DEFAULT_IMPLS if n.startswith("tokamax")] == ["tokamax"]
+  for name in ("tokamax", "tokamax-xla"):
+    assert impls.get(name).available(cpu) is None and impls.get(name).supports(_shape(kv_heads=2), cpu) is None
+  assert impls.get("tokamax-mosaic").available(cpu) == "tokamax's Mosaic kernels need an NVIDIA GPU"
+  assert impls.get("tokamax-triton").available(cpu) == "tokamax's Triton kernels need an NVIDIA GPU"
+  for name in ("tokamax", "tokamax-mosaic", "tokamax-triton", "tokamax-xla"):
+    assert impls.get(name).available(gpu) is None
+    assert "multiple" in impls.get(name).supports(_shape(kv_heads=3), gpu)
+  assert cli.parse([], "cpu").impls == ("flash2", "xla", "tokamax")
+  assert cli.parse([], "gpu").impls == ("flash2", "cudnn", "xla", "tokamax")
+
+  shape = _shape(batch=2, seqlen=32, heads=4, kv_heads=2, head_dim=16, dtype="float32", causal=True,
+                 window_left=None, window_right=4, segments=2)
+  x = timing.make_inputs(shape, 0)
+  got = impls.get("tokamax-xla").factory(shape, cpu)(x.q, x.k, x.v)
+  (call,) = fake_tokamax
+  # An unbounded side becomes seqlen (tokamax takes two ints); the segments a dense [batch, 1, seq, seq] mask.
+  assert (call["implementation"], call["is_causal"], call["local_window_size"]) == ("xla", True, (32, 4))
+  assert call["mask"].shape == (2, 1, 32, 32) and call["mask"].dtype == jnp.bool_
+  want = check.reference_fwd_bwd_jit(x.q, x.k, x.v, x.dout, causal=True, window=(None, 4), segments=2)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want[0]), atol=2e-5, rtol=2e-5)
+  plain = _shape(batch=1, seqlen=16, heads=2, kv_heads=2, head_dim=8)
+  y = timing.make_inputs(plain, 1)
+  impls.get("tokamax").factory(plain, cpu)(y.q, y.k, y.v)
+  assert fake_tokamax[-1] == dict(mask=None, is_causal=False, local_window_size=None, implementation=None)
+
+  # An implementation this tokamax does not declare.
+  type Fewer = Literal["xla", "cudnn"]
+  monkeypatch.setitem(sys.modules, "tokamax", _fake_tokamax([], implementations=Fewer))
+  assert impls.get("tokamax-triton").available(gpu) == "this tokamax has no implementation 'triton' (it has xla, cudnn)"
+  assert impls.get("tokamax").available(gpu) is None
+
+
+def test_tokamax_cells_on_a_stand_in(fake_tokamax):
+  """tokamax through the sweep: checked against the float32 reference like
+  the others; its GPU kernels, named in --impls, left out on a CPU."""
+  cfg = cli.parse(["--impls", "tokamax", "tokamax-mosaic", "tokamax-xla", "--seqlens", "32", "--causal", "false",
+                   "--modes", "fwd", "fwd+bwd", "--iters", "1", "--warmup", "0"], "cpu")
+  assert cfg.impls == ("tokamax", "tokamax-xla")
+  assert cfg.left_out == (LeftOut("tokamax-mosaic", "tokamax's Mosaic kernels need an NVIDIA GPU", requested=True),)
+  cells, checks = sweep.run_sweep(cfg)
+  assert [(r.impl, r.status) for r in checks] == [("tokamax", "ok"), ("tokamax-xla", "ok")]
+  assert all(r.rel_err_out < 2e-2 and r.rel_err_grad < 2e-2 for r in checks)
+  assert [(c.impl, c.mode, c.status) for c in cells] == [
+      ("tokamax", "fwd", "ok"), ("tokamax", "fwd+bwd", "ok"), ("tokamax-xla", "fwd", "ok"),
+      ("tokamax-xla", "fwd+bwd", "ok")]
+  assert {c["implementation"] for c in fake_tokamax} == {None, "xla"}
+
+
+@pytest.mark.skipif(not HAS_TOKAMAX, reason="tokamax is not installed")
+def test_real_tokamax_on_cpu():
+  """The installed tokamax: its XLA implementation (and its own choice, XLA
+  on a CPU) pass the accuracy check; its GPU kernels are not offered here."""
+  cpu = impls.Options(platform="cpu", interpret=True)
+  shape = _shape(batch=1, seqlen=32, heads=4, kv_heads=2, head_dim=16, causal=True)
+  x = timing.make_inputs(shape, 0)
+  for name in ("tokamax", "tokamax-xla"):
+    result, _ = sweep.run_check(impls.get(name), shape, x, cpu, seed=0)
+    assert result.status == "ok" and result.rel_err_out < 2e-2 and result.rel_err_grad < 2e-2, result
+  assert impls.get("tokamax-mosaic").available(cpu) is not None
+  assert impls.get("tokamax-triton").available(cpu) is not None
 
 
 def test_check_shape_keeps_segments_equal():
@@ -359,11 +517,13 @@ _TYPES = {
     "error": (str, type(None)),
     "ms": (float, type(None)),
     "ms_min": (float, type(None)),
+    "kernel_ms": (float, type(None)),
     "iters": (int, type(None)),
     "flops": (int, type(None)),
     "flops_convention": (str, type(None)),
     "visible_fraction": (float, type(None)),
     "tflops": (float, type(None)),
+    "kernel_tflops": (float, type(None)),
     "speed_vs_cudnn": (float, type(None)),
     "compiled_bytes": (int, type(None)),
     "compiled_temp_bytes": (int, type(None)),
@@ -389,15 +549,18 @@ def _check_cell_record(rec: dict) -> None:
     assert (rec["flops_convention"] == "visible") == (not plain)
   if rec["status"] == "ok":
     assert rec["ms"] > 0 and rec["tflops"] > 0
+    assert (rec["kernel_ms"] is None) == (rec["kernel_tflops"] is None)
+    if rec["kernel_ms"] is not None:
+      assert rec["kernel_tflops"] == pytest.approx(rec["flops"] / (rec["kernel_ms"] * 1e-3) / 1e12)
   else:
-    assert rec["ms"] is None and rec["error"]
+    assert rec["ms"] is None and rec["kernel_ms"] is None and rec["error"]
 
 
 def test_json_and_csv_schema(tmp_path):
   cfg = cli.parse(["--out", str(tmp_path)], "cpu")
   ok = CellResult(
-      impl="xla", mode="fwd+bwd", status="ok", ms=1.5, ms_min=1.4, iters=3, flops=10**9, tflops=0.6667,
-      speed_vs_cudnn=0.9, compiled_bytes=1000, compiled_temp_bytes=10, device_peak_bytes=None,
+      impl="xla", mode="fwd+bwd", status="ok", ms=1.5, ms_min=1.4, kernel_ms=1.25, iters=3, flops=10**9,
+      tflops=0.6667, kernel_tflops=0.8, speed_vs_cudnn=0.9, compiled_bytes=1000, compiled_temp_bytes=10, device_peak_bytes=None,
       device_peak_new=None, min_bytes=500, rel_err_out=1e-3, rel_err_grad=float("nan"),
       **dict(dtype="bfloat16", batch=1, heads=2, kv_heads=2, seqlen=64, head_dim=64, causal=True),
   )
@@ -418,10 +581,21 @@ def test_json_and_csv_schema(tmp_path):
   path = tmp_path / "r.json"
   report.write_json(str(path), meta, cfg, [ok, bad, win], [check], [])
   doc = json.loads(path.read_text())  # strict JSON: the NaN became null
-  assert doc["schema_version"] == report.SCHEMA_VERSION
+  assert doc["schema_version"] == report.SCHEMA_VERSION == 3
   for key in ("date_utc", "command", "gpu_name", "driver_version", "jax_version", "jaxlib_version",
-              "python_version", "device_kind", "backend"):
+              "python_version", "device_kind", "backend", "cuda_runtime_version", "cudnn_version", "cupti_version",
+              "jax_cuda_plugin", "jax_cuda_plugin_version", "tokamax_version"):
     assert key in doc["metadata"]
+  # No CUDA plugin here: no CUDA, cuDNN or plugin versions; jaxlib's is there.
+  assert doc["metadata"]["cudnn_version"] is None and doc["metadata"]["jax_cuda_plugin"] is None
+  assert doc["metadata"]["jaxlib_version"] == jaxlib.__version__
+  try:
+    tokamax_version = importlib.metadata.version("tokamax")
+  except importlib.metadata.PackageNotFoundError:
+    tokamax_version = None
+  assert doc["metadata"]["tokamax_version"] == tokamax_version
+  assert datetime.datetime.fromisoformat(doc["metadata"]["date_utc"]).utcoffset() == datetime.timedelta(0)
+  assert "kernel_ms" in doc["notes"] and "kernel_tflops" in doc["notes"]
   assert doc["metadata"]["command"] == f"jax-flash2-bench --out {tmp_path}"
   assert doc["config"]["seqlens"] == [64, 128]
   for rec in doc["cells"]:
@@ -441,14 +615,20 @@ def test_json_and_csv_schema(tmp_path):
     rows = list(csv.DictReader(f))
   assert tuple(rows[0]) == CELL_FIELDS
   assert rows[0]["impl"] == "xla" and float(rows[0]["ms"]) == 1.5 and int(rows[0]["flops"]) == 10**9
+  assert float(rows[0]["kernel_ms"]) == 1.25 and float(rows[0]["kernel_tflops"]) == 0.8
+  assert rows[2]["kernel_ms"] == rows[2]["kernel_tflops"] == ""
   assert rows[0]["window_left"] == rows[0]["window_right"] == "" and rows[0]["segments"] == "1"
   assert rows[1]["status"] == "unsupported" and rows[1]["ms"] == ""
   assert (rows[2]["window_left"], rows[2]["window_right"], rows[2]["segments"]) == ("16", "0", "2")
   assert rows[2]["flops_convention"] == "visible" and float(rows[2]["visible_fraction"]) == pytest.approx(100 / 64**2)
-  # The table names the mask of each block.
+  # The table names the mask of each block; kernel figures where traced, "-" where not.
   table = report.format_table([ok, win], ["xla"])
   assert "== fwd+bwd  head_dim 64  causal  bf16 ==" in table
   assert "== fwd  head_dim 64  causal window 16,0 2 segments  bf16 ==" in table
+  assert list(table.splitlines()[4].split("|")[1].split()) == ["ms", "kern", "ms", "TFLOP/s", "kern", "TF/s"]
+  assert [line.split("|")[1].split() for line in table.splitlines() if line.startswith("    64")] == [
+      ["1.500", "1.250", "0.67", "0.80"], ["0.500", "-", "0.10", "-"]]
+  assert "vs cuDNN" not in table and "vs cuDNN" in report.format_table([ok, bad], ["xla", "cudnn"])
 
 
 # ----------------------------------------------------------- end to end
@@ -456,14 +636,16 @@ def test_json_and_csv_schema(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-  """(output dir, printed text, results.json) of one tiny CPU run of the CLI,
-  shared by the end-to-end tests below: every mode and the default impls at
-  two lengths, checks, --memory and --plot, with 4 query heads over 2 K/V
-  heads (GQA). One run instead of one per test: each run compiles its
-  kernels anew."""
+  """(output dir, printed text, results.json) of one tiny CPU run of the CLI:
+  every mode of flash2 and XLA (cuDNN asked for too, and left out), checks
+  and the plots, with 4 query heads over 2 K/V heads (GQA). One run, and one
+  test reading it (pytest-xdist would run the fixture again for a test on
+  another worker): each run compiles its kernels anew, seconds each in
+  interpret mode. The memory probe runs in
+  test_compiler_options_reach_every_executable."""
   out = tmp_path_factory.mktemp("bench")
-  argv = ["--seqlens", "32", "64", "--heads", "4", "--kv-heads", "2", "--causal", "true", "--iters", "2",
-          "--warmup", "0", "--out", str(out), "--plot", "--no-progress", "--memory", "--memory-max-seqlen", "64"]
+  argv = ["--seqlens", "32", "--heads", "4", "--kv-heads", "2", "--causal", "true", "--iters", "2", "--warmup",
+          "0", "--impls", "flash2", "cudnn", "xla", "--out", str(out), "--no-progress"]
   printed = io.StringIO()
   with contextlib.redirect_stdout(printed):
     assert cli.main(argv) == 0
@@ -472,48 +654,46 @@ def tiny_run(tmp_path_factory):
 
 def test_cli_tiny_cpu_run(tiny_run):
   out, printed, doc = tiny_run
-  assert "NOT GPU figures" in printed
-  assert "Accuracy vs float32 reference" in printed and "Memory probe" in printed
+  assert "NOT GPU figures" in printed and "Accuracy vs float32 reference" in printed
+  # cuDNN was asked for: one line says why it is left out, and it has no column.
+  assert "left out cudnn: needs an NVIDIA GPU\n" in printed and "unsupported" not in printed
+  assert doc["config"]["impls"] == ["flash2", "xla"]
+  assert doc["config"]["left_out"] == [dict(impl="cudnn", reason="needs an NVIDIA GPU", requested=True)]
+  assert f"results in {out}{os.sep}: results.json, results.csv, tflops_bf16.png" in printed
   for name in ("results.json", "results.csv", "tflops_bf16.png"):
     assert (out / name).is_file() and os.path.getsize(out / name) > 0
-  assert doc["metadata"]["backend"] == "cpu"
+  assert doc["metadata"]["backend"] == "cpu" and doc["metadata"]["cudnn_version"] is None
+  assert doc["config"]["kernel_time"] is False
   cells = doc["cells"]
-  assert len(cells) == 2 * 3 * 3  # seqlens x modes x impls
+  assert len(cells) == 3 * 2  # modes x impls
   for rec in cells:
     _check_cell_record(rec)
-    if rec["impl"] in ("flash2", "xla"):
-      assert rec["status"] == "ok", rec
-      assert rec["rel_err_out"] < 2e-2 and rec["rel_err_grad"] < 2e-2
-      if rec["mode"] == "fwd+bwd":
-        assert rec["compiled_bytes"] >= rec["min_bytes"] > 0
-    else:
-      assert rec["impl"] == "cudnn" and rec["status"] == "unsupported"
-  assert {r["impl"]: r["status"] for r in doc["checks"]} == {
-      "flash2": "ok", "cudnn": "unsupported", "xla": "ok"
-  }
-  probe = {(r["impl"], r["seqlen"]): r["status"] for r in doc["memory_probe"]}
-  assert probe[("flash2", 64)] == "ok" and probe[("xla", 64)] == "ok"
+    assert rec["status"] == "ok", rec
+    assert rec["rel_err_out"] < 2e-2 and rec["rel_err_grad"] < 2e-2
+    # No GPU, no device kernels: no kernel time, a "-" in the table.
+    assert rec["kernel_ms"] is None and rec["kernel_tflops"] is None
+    if rec["mode"] == "fwd+bwd":
+      assert rec["compiled_bytes"] >= rec["min_bytes"] > 0
+  # Three timing rows (a mode each), then the fwd+bwd memory row.
+  rows = [line.split("|") for line in printed.splitlines() if line.startswith("    32")]
+  assert len(rows) == 3 + 1 and all(part.split()[1::2] == ["-", "-"] for row in rows[:3] for part in row[1:])
+  assert {r["impl"]: r["status"] for r in doc["checks"]} == {"flash2": "ok", "xla": "ok"}
+  assert doc["memory_probe"] == []
   with open(out / "results.csv") as f:
     assert len(list(csv.DictReader(f))) == len(cells)
 
-
-def test_cli_runs_gqa(tiny_run):
-  """Grouped-query shapes (4 query heads, 2 K/V heads) through both impls: the
-  shared run's cells and checks."""
-  _, printed, doc = tiny_run
+  # Grouped-query shapes (4 query heads, 2 K/V heads) through both impls.
   assert "heads 4, kv_heads 2" in printed
   for impl in ("flash2", "xla"):
-    cells = [r for r in doc["cells"] if r["impl"] == impl]
-    assert len(cells) == 2 * 3
-    for rec in cells:
-      assert rec["status"] == "ok" and (rec["heads"], rec["kv_heads"]) == (4, 2), rec
+    assert all((rec["heads"], rec["kv_heads"]) == (4, 2) for rec in cells if rec["impl"] == impl)
     check = [r for r in doc["checks"] if r["impl"] == impl][0]
     assert check["status"] == "ok" and check["kv_heads"] == 2 and check["rel_err_out"] < 2e-2
 
 
 def test_cli_runs_window_and_segments(tmp_path, capsys):
   argv = ["--seqlens", "32", "--causal", "true", "--window", "none", "8,0", "--segments", "2", "--modes",
-          "fwd+bwd", "--iters", "1", "--warmup", "0", "--no-progress", "--out", str(tmp_path)]
+          "fwd+bwd", "--impls", "xla", "--iters", "1", "--warmup", "0", "--no-progress", "--no-plot",
+          "--out", str(tmp_path)]
   assert cli.main(argv) == 0
   printed = capsys.readouterr().out
   assert "windows ['none', '8,0'], segments [2]" in printed
@@ -522,7 +702,7 @@ def test_cli_runs_window_and_segments(tmp_path, capsys):
   doc = json.loads((tmp_path / "results.json").read_text())
   assert doc["config"]["windows"] == [None, [8, 0]] and doc["config"]["segments"] == [2]
   cells = doc["cells"]
-  assert len(cells) == 2 * 3  # masks x impls
+  assert len(cells) == 2  # masks
   for rec in cells:
     _check_cell_record(rec)
     assert rec["segments"] == 2 and rec["flops_convention"] == "visible"
@@ -531,20 +711,16 @@ def test_cli_runs_window_and_segments(tmp_path, capsys):
     pairs = _brute_visible(32, True, None if window == (None, None) else window, 2)
     assert rec["visible_fraction"] == pytest.approx(pairs / 32**2)
     assert rec["flops"] == 4 * 64 * 2 * pairs * 7 // 2
-    if rec["impl"] == "cudnn":
-      assert rec["status"] == "unsupported"
-    else:
-      assert rec["status"] == "ok", rec
-      assert rec["rel_err_out"] < 2e-2 and rec["rel_err_grad"] < 2e-2
+    assert rec["status"] == "ok", rec
+    assert rec["rel_err_out"] < 2e-2 and rec["rel_err_grad"] < 2e-2
   checks = {(r["impl"], r["window_left"]): r for r in doc["checks"]}
-  assert len(checks) == 6 and checks[("xla", 8)]["status"] == "ok" and checks[("flash2", 8)]["segments"] == 2
+  assert len(checks) == 2 and checks[("xla", 8)]["status"] == "ok" and checks[("xla", 8)]["segments"] == 2
   with open(tmp_path / "results.csv") as f:
     rows = list(csv.DictReader(f))
   assert {(r["window_left"], r["window_right"], r["segments"]) for r in rows} == {("", "", "2"), ("8", "0", "2")}
 
 
 def test_failures_become_cells_and_the_sweep_goes_on(monkeypatch):
-  from jax_flash2.bench import sweep
 
   def raising(exc):
     def factory(shape, opts):
@@ -557,11 +733,11 @@ def test_failures_become_cells_and_the_sweep_goes_on(monkeypatch):
       RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 123 bytes")), lambda s, o: None))
   monkeypatch.setitem(impls.REGISTRY, "boom", impls.Impl("boom", "raises", raising(ValueError("kaput")),
                                                           lambda s, o: None))
-  cfg = cli.parse(["--impls", "oom", "boom", "xla", "--seqlens", "32", "--causal", "false", "--iters", "1",
-                   "--warmup", "0"], "cpu")
+  cfg = cli.parse(["--impls", "oom", "boom", "xla", "--seqlens", "32", "--causal", "false", "--modes", "fwd",
+                   "fwd+bwd", "--iters", "1", "--warmup", "0"], "cpu")
   cells, checks = sweep.run_sweep(cfg)
   by = {(c.impl, c.mode): c for c in cells}
-  assert len(cells) == 3 * 3
+  assert len(cells) == 3 * 2
   for mode in cfg.modes:
     assert by[("oom", mode)].status == "OOM"
     assert by[("boom", mode)].status == "error" and by[("boom", mode)].error == "ValueError: kaput"
@@ -600,7 +776,9 @@ def test_compiler_options_reach_every_executable(tmp_path, capsys):
     impls.register(dataclasses.replace(xla, name=name, compiler_options=options))
   try:
     argv = ["--seqlens", "32", "--causal", "false", "--modes", "fwd", "fwd+bwd", "--impls", "xla-deterministic",
-            "xla-bad-option", "--iters", "1", "--warmup", "0", "--memory", "--no-progress", "--out", str(tmp_path)]
+            "xla-bad-option", "--iters", "1", "--warmup", "0", "--memory", "--memory-max-seqlen", "64",
+            "--no-progress", "--no-plot",
+            "--out", str(tmp_path)]
     assert cli.main(argv) == 0
   finally:
     for name in ("xla-bad-option", "xla-deterministic"):
@@ -613,3 +791,142 @@ def test_compiler_options_reach_every_executable(tmp_path, capsys):
   assert {r["impl"]: r["status"] for r in doc["checks"]} == {"xla-deterministic": "ok", "xla-bad-option": "error"}
   probe = {r["impl"]: r["status"] for r in doc["memory_probe"]}
   assert probe["xla-deterministic"] == "ok" and probe["xla-bad-option"] != "ok", probe
+  assert "Memory probe: longest fwd+bwd sequence" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------ kernel time
+
+
+def _write_trace(path, trace: dict) -> None:
+  path.parent.mkdir(parents=True)
+  with gzip.open(path, "wt") as f:
+    json.dump(trace, f)
+
+
+def _gpu_trace() -> dict:
+  """A trace as jax.profiler writes it on a GPU: GPU 0 with a compute and a
+  memset stream and the per-op timelines a converter may add over the same
+  work, GPU 1 with one kernel, and the host with its launches."""
+  meta = lambda pid, name, tid=None, kind="process_name": dict(
+      ph="M", pid=pid, name=kind, args=dict(name=name), **({} if tid is None else dict(tid=tid)))
+  kernel = lambda pid, tid, name, ts, dur: dict(
+      ph="X", pid=pid, tid=tid, name=name, ts=ts, dur=dur,
+      args=dict(device_id=str(pid - 1), stream_id=str(tid), correlation_id="7"))
+  return dict(
+      displayTimeUnit="ns",
+      metadata=dict(highres_ticks=True),
+      traceEvents=[
+          meta(1, "/device:GPU:0"), dict(ph="M", pid=1, name="process_sort_index", args=dict(sort_index=1)),
+          meta(1, "Stream #13(Compute)", 13, "thread_name"), meta(1, "Stream #14(Memset)", 14, "thread_name"),
+          meta(1, "XLA Ops", 2, "thread_name"), meta(1, "XLA Modules", 1, "thread_name"),
+          meta(2, "/device:GPU:1"), meta(2, "Stream #7(Compute)", 7, "thread_name"),
+          meta(701, "/host:CPU"), meta(701, "python", 99, "thread_name"),
+          kernel(1, 13, "flash2_fwd_mosaic", 10.0, 30.0), kernel(1, 14, "Memset", 5.0, 2.0),
+          kernel(1, 13, "flash2_fwd_mosaic", 50.0, 32.0), kernel(2, 7, "nccl", 0.0, 6.0),
+          dict(ph="X", pid=1, tid=2, name="fusion.1", ts=10.0, dur=30.0),  # the same work, per HLO op
+          dict(ph="X", pid=1, tid=1, name="jit_attn", ts=5.0, dur=77.0),  # ... per module
+          dict(ph="X", pid=701, tid=99, name="PjitFunction(attn)", ts=0.0, dur=99.0),  # the host's launch
+          dict(ph="i", pid=1, tid=13, name="marker", ts=1.0),
+      ],
+  )
+
+
+def test_kernel_trace_reads_the_gpu_streams(tmp_path, monkeypatch):
+  """The device activities of a GPU trace: the complete events on the GPU
+  streams, not the per-op timelines over them nor the host's; the newest
+  trace of the folder; per call, their summed duration."""
+  _write_trace(tmp_path / "plugins" / "profile" / "old" / "host.trace.json.gz", dict(traceEvents=[]))
+  os.utime(tmp_path / "plugins" / "profile" / "old" / "host.trace.json.gz", (1, 1))
+  path = tmp_path / "plugins" / "profile" / "2026_12_02_03_12_32" / "host.trace.json.gz"
+  _write_trace(path, _gpu_trace())
+  assert kernel_trace.newest_trace_file(tmp_path) == path
+  assert kernel_trace.newest_trace_file(tmp_path / "nothing") is None
+  got = kernel_trace.device_activities(kernel_trace.read_trace(path))
+  assert got == [
+      kernel_trace.DeviceActivity("flash2_fwd_mosaic", "/device:GPU:0", "Stream #13(Compute)", 10.0, 30.0),
+      kernel_trace.DeviceActivity("Memset", "/device:GPU:0", "Stream #14(Memset)", 5.0, 2.0),
+      kernel_trace.DeviceActivity("flash2_fwd_mosaic", "/device:GPU:0", "Stream #13(Compute)", 50.0, 32.0),
+      kernel_trace.DeviceActivity("nccl", "/device:GPU:1", "Stream #7(Compute)", 0.0, 6.0),
+  ]
+  assert kernel_trace.device_activities({}) == []
+  # Two profiled calls of 70 us: 0.035 ms each.
+  monkeypatch.setattr(kernel_trace, "profile", lambda call, calls, log_dir: path)
+  assert kernel_trace.device_ms_per_call(lambda i: None, calls=2) == pytest.approx(0.035)
+  monkeypatch.setattr(kernel_trace, "profile", lambda call, calls, log_dir: None)
+  assert kernel_trace.device_ms_per_call(lambda i: None, calls=2) is None
+
+
+def test_kernel_trace_of_a_cpu_run_has_no_kernels(tmp_path):
+  """A real jax.profiler trace on this CPU: the file where jax writes it,
+  host events in it, no device activity, so no kernel time."""
+  f = jax.jit(lambda x: jnp.tanh(x @ x))
+  x = jnp.ones((32, 32))
+  jax.block_until_ready(f(x))
+  path = kernel_trace.profile(lambda i: f(x), 3, tmp_path)
+  assert path is not None and path.relative_to(tmp_path).parts[:2] == ("plugins", "profile")
+  trace = kernel_trace.read_trace(path)
+  names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+  assert "/host:CPU" in names and not any(n.startswith("/device:GPU") for n in names)
+  assert any(e.get("ph") == "X" for e in trace["traceEvents"])
+  assert kernel_trace.device_activities(trace) == []
+  assert kernel_trace.device_ms_per_call(lambda i: f(x), 2) is None
+
+
+def test_cells_carry_the_kernel_time(monkeypatch):
+  """With kernel_time on, a cell's kernel_ms is the traced figure and
+  kernel_tflops its flops over it; a profiler that fails costs only those.
+  Off (as without a GPU), no trace is taken."""
+  cfg = dataclasses.replace(cli.parse(["--impls", "xla", "--iters", "1", "--warmup", "0"], "cpu"), kernel_time=True)
+  shape = cfg.shape("bfloat16", 64, False, 32)
+  inputs = [timing.make_inputs(shape, 0)]
+  opts = impls.Options(platform="cpu", interpret=True)
+  traced = []
+
+  def fake_trace(call, calls):
+    traced.append(calls)
+    return 0.004
+
+  monkeypatch.setattr(kernel_trace, "device_ms_per_call", fake_trace)
+  cell = sweep.run_cell(impls.get("xla"), shape, "fwd", inputs, opts, cfg)
+  assert cell.status == "ok" and traced == [timing.CALLS_PER_ROUND]
+  assert cell.kernel_ms == 0.004 and cell.kernel_tflops == pytest.approx(flops.tflops_per_s(cell.flops, 0.004))
+  assert cell.ms != cell.kernel_ms
+
+  def failing(call, calls):
+    raise RuntimeError("CUPTI_ERROR_INSUFFICIENT_PRIVILEGES")
+
+  monkeypatch.setattr(kernel_trace, "device_ms_per_call", failing)
+  cell = sweep.run_cell(impls.get("xla"), shape, "fwd", inputs, opts, cfg)
+  assert cell.status == "ok" and cell.ms > 0 and cell.kernel_ms is None and cell.kernel_tflops is None
+  monkeypatch.setattr(kernel_trace, "device_ms_per_call", fake_trace)
+  cell = sweep.run_cell(impls.get("xla"), shape, "fwd", inputs, opts, dataclasses.replace(cfg, kernel_time=False))
+  assert cell.kernel_ms is None and traced == [timing.CALLS_PER_ROUND]
+
+
+# ------------------------------------------------------------------ output
+
+
+def test_results_go_to_a_dated_folder_unless_told_otherwise(tmp_path, monkeypatch, capsys):
+  """By default: bench_results/<UTC date-time>/ under the current directory,
+  its path printed; --no-save writes nothing."""
+  monkeypatch.chdir(tmp_path)
+  argv = ["--impls", "xla", "--seqlens", "32", "--causal", "false", "--modes", "fwd", "--iters", "1", "--warmup",
+          "0", "--no-check", "--no-progress", "--no-plot"]
+  assert cli.main(argv + ["--no-save"]) == 0
+  assert "results in" not in capsys.readouterr().out and not list(tmp_path.iterdir())
+  before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+  assert cli.main(argv) == 0
+  (folder,) = (tmp_path / "bench_results").iterdir()
+  started = datetime.datetime.strptime(folder.name, "%Y%m%dT%H%M%SZ").replace(tzinfo=datetime.timezone.utc)
+  assert before <= started <= datetime.datetime.now(datetime.timezone.utc)
+  assert sorted(p.name for p in folder.iterdir()) == ["results.csv", "results.json"]
+  assert f"results in {os.path.join('bench_results', folder.name)}{os.sep}: results.json, results.csv" in (
+      capsys.readouterr().out)
+  doc = json.loads((folder / "results.json").read_text())
+  assert datetime.datetime.fromisoformat(doc["metadata"]["date_utc"]) == started
+  assert doc["config"]["out"] == os.path.join("bench_results", folder.name)
+  # Two runs in one second get two folders.
+  now = datetime.datetime(2026, 12, 2, 3, 15, 32, tzinfo=datetime.timezone.utc)
+  made = [report.make_dated_dir(str(tmp_path / "runs"), now) for _ in range(3)]
+  assert [os.path.basename(m) for m in made] == ["20261202T031532Z", "20261202T031532Z-2", "20261202T031532Z-3"]
+  assert all(os.path.isdir(m) for m in made)

@@ -1,15 +1,21 @@
-"""``jax-flash2-bench``: time jax_flash2 against cuDNN and XLA attention.
+"""``jax-flash2-bench``: time jax_flash2 against cuDNN, XLA and tokamax attention.
 
 On a GPU the default sweep is batch x seq = 16384 tokens, hidden 2048
 (heads = 2048 / head_dim), seq 512..16384, head_dim 64 and 128, causal and
-non-causal, modes fwd, bwd and fwd+bwd, bf16. Without a GPU it runs a tiny
-sweep through the Pallas interpret mode and XLA, to show the bench works;
-those figures say nothing about GPU speed.
+non-causal, modes fwd, bwd and fwd+bwd, bf16. Each cell reports the wall
+clock per call and the GPU's kernel time per call from a profiler trace,
+and TFLOP/s from each. Without a GPU it runs a tiny sweep through the Pallas
+interpret mode and XLA, to show the bench works; those figures say nothing
+about GPU speed, and there are no kernel times. Implementations that cannot
+run on the machine are left out. Results (JSON, CSV, plots) go to
+bench_results/<UTC date-time>/ unless --out or --no-save says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
 import os
 import sys
 from typing import Sequence
@@ -26,6 +32,8 @@ GPU_DEFAULTS = dict(
     iters=20,
 )
 CPU_DEFAULTS = dict(seqlens=(64, 128), head_dims=(64,), batch=1, heads=2, warmup=1, iters=3)
+# Where results go without --out: one folder per run beneath it, named by its UTC start.
+RESULTS_DIR = "bench_results"
 
 CPU_NOTICE = (
     "NOTE: no GPU found (jax backend: {backend}). These are CPU / Pallas-interpret figures, "
@@ -154,9 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument(
       "--impls",
       nargs="+",
-      default=list(impls_lib.DEFAULT_IMPLS),
       metavar="IMPL",
-      help=f"implementations (default {' '.join(impls_lib.DEFAULT_IMPLS)}; known: {', '.join(impls_lib.REGISTRY)})",
+      help=f"implementations (default {' '.join(impls_lib.DEFAULT_IMPLS)}, those of them that can run here; "
+      f"known: {', '.join(impls_lib.REGISTRY)}; --list-impls describes them)",
   )
   t = p.add_argument_group("timing and checks")
   t.add_argument("--warmup", type=int, help="untimed runs per cell (default 3; 1 on CPU)")
@@ -165,9 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--no-check", action="store_true", help="skip the accuracy check against the float32 reference")
   t.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode (automatic without a GPU)")
   t.add_argument("--seed", type=int, default=0, help="PRNG seed of the inputs (default 0)")
+  t.add_argument("--no-kernel-time", action="store_true",
+                 help="skip the profiler trace that reads each cell's GPU kernel time (none without a GPU anyway)")
   o = p.add_argument_group("output")
-  o.add_argument("--out", metavar="DIR", help="write results.json and results.csv (and plots) here")
-  o.add_argument("--plot", action="store_true", help="write TFLOP/s plots (PNG) into --out")
+  o.add_argument("--out", metavar="DIR",
+                 help=f"write results.json, results.csv and plots here (default {RESULTS_DIR}/<UTC date-time>/ under the "
+                 "current directory)")
+  o.add_argument("--no-save", action="store_true", help="write no files, only print")
+  o.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
+                 help="with the results, TFLOP/s plots (PNG; needs matplotlib; default on)")
   o.add_argument("--memory", action="store_true", help="after the sweep, probe the longest fwd+bwd sequence per impl")
   o.add_argument("--memory-only", action="store_true", help="run only the --memory probe, no sweep")
   o.add_argument("--memory-max-seqlen", metavar="N", help="longest sequence the probe tries (default 128k; 256 on CPU)")
@@ -217,18 +231,24 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
       raise UsageError(f"--modes: unknown {m!r}; choose from {', '.join(MODES)}")
     if m not in modes:
       modes.append(m)
-  impls = []
-  for name in _split(ns.impls) or []:
+  requested = ns.impls is not None
+  names = []
+  for name in _split(ns.impls) if requested else impls_lib.DEFAULT_IMPLS:
     if name not in impls_lib.REGISTRY:
       raise UsageError(f"--impls: unknown {name!r}; known: {', '.join(impls_lib.REGISTRY)}")
-    if name not in impls:
-      impls.append(name)
+    if name not in names:
+      names.append(name)
+  interpret = bool(ns.interpret or tiny)
+  impls, left_out = impls_lib.select(names, impls_lib.Options(platform=platform, interpret=interpret),
+                                     requested=requested)
+  if not impls:
+    raise UsageError("--impls: none can run here: " + "; ".join(f"{lo.impl}: {lo.reason}" for lo in left_out))
   warmup = ns.warmup if ns.warmup is not None else d["warmup"]
   iters = ns.iters if ns.iters is not None else d["iters"]
   if warmup < 0 or iters < 1 or ns.input_sets < 1:
     raise UsageError("--warmup must be >= 0, --iters and --input-sets >= 1")
-  if ns.plot and not ns.out:
-    raise UsageError("--plot writes into --out DIR; pass --out")
+  if ns.no_save and ns.out:
+    raise UsageError("--no-save writes nothing; --out names where to write")
   max_seq = _ints([ns.memory_max_seqlen], "--memory-max-seqlen")[0] if ns.memory_max_seqlen else None
   return SweepConfig(
       seqlens=seqlens,
@@ -236,7 +256,7 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
       causal=_causal(ns.causal),
       dtypes=tuple(dtypes),
       modes=tuple(modes),
-      impls=tuple(impls),
+      impls=impls,
       tokens=ns.tokens,
       hidden=ns.hidden,
       batch=batch,
@@ -248,8 +268,11 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
       iters=iters,
       input_sets=ns.input_sets,
       check=not ns.no_check,
-      interpret=bool(ns.interpret or tiny),
+      interpret=interpret,
       platform=platform,
+      left_out=left_out,
+      kernel_time=not (ns.no_kernel_time or tiny),
+      save=not ns.no_save,
       out=ns.out,
       plot=ns.plot,
       memory=bool(ns.memory or ns.memory_only),
@@ -284,6 +307,7 @@ def _describe(cfg: SweepConfig) -> str:
       f"causal {list(cfg.causal)}{masks}, dtypes {list(cfg.dtypes)}, modes {list(cfg.modes)}, impls {list(cfg.impls)}, "
       f"warmup {cfg.warmup}, iters {cfg.iters} (median), input sets {cfg.input_sets}"
       + (", Pallas interpret mode" if cfg.interpret else "")
+      + (", kernel times from a profiler trace" if cfg.kernel_time else "")
   )
 
 
@@ -294,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if ns.list_impls:
     for impl in impls_lib.REGISTRY.values():
       default = " (default)" if impl.name in impls_lib.DEFAULT_IMPLS else ""
-      print(f"{impl.name:<15} {impl.description}{default}")
+      print(f"{impl.name:<19} {impl.description}{default}")
     return 0
 
   import jax
@@ -302,16 +326,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   from jax_flash2.bench import memory, report, sweep
   from jax_flash2.bench.progress import Progress
 
+  started = datetime.datetime.now(datetime.timezone.utc)
   backend = jax.default_backend()
   cfg = parse(argv, backend)
   device = jax.devices()[0]
   print(f"jax-flash2-bench: {device.device_kind} ({backend}), jax {jax.__version__}")
   if cfg.tiny:
     print(CPU_NOTICE.format(backend=backend))
+  for lo in cfg.left_out:
+    if lo.requested:
+      print(f"left out {lo.impl}: {lo.reason}")
   if not cfg.memory_only:
     print("sweep: " + _describe(cfg))
   sys.stdout.flush()
-  meta = report.metadata(argv)
+  meta = report.metadata(argv, started)
   show_progress = not ns.no_progress
 
   cells, checks = [], []
@@ -338,17 +366,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress.close()
     print(report.format_memory_probe(steps))
 
-  if cfg.out:
-    os.makedirs(cfg.out, exist_ok=True)
-    written = [os.path.join(cfg.out, "results.json"), os.path.join(cfg.out, "results.csv")]
-    report.write_json(written[0], meta, cfg, cells, checks, steps)
-    report.write_csv(written[1], cells)
-    if cfg.plot and cells:
-      try:
-        written += report.write_plots(cfg.out, cells, cfg.impls, title=meta["device_kind"] + (" (CPU/interpret, not GPU figures)" if cfg.tiny else ""))
-      except ImportError:
-        print("--plot: matplotlib is not installed (pip install 'jax_flash2[bench]'); no plots written.")
-    print("wrote " + ", ".join(written))
+  if cfg.save:
+    # The folder chosen here goes into the JSON's config too.
+    cfg = dataclasses.replace(cfg, out=cfg.out or report.make_dated_dir(RESULTS_DIR, started))
+    written, no_plots = report.write_results(cfg.out, meta, cfg, cells, checks, steps)
+    if no_plots:
+      print(f"plots: {no_plots}")
+    print(f"results in {cfg.out}{os.sep}: " + ", ".join(os.path.basename(path) for path in written))
   if cfg.tiny:
     print(CPU_NOTICE.format(backend=backend))
   return 0

@@ -2,8 +2,10 @@
 
 Each entry has a `factory` building a jitted ``attn(q, k, v) -> out`` for one
 shape (layout [batch, seq, heads, head_dim]; k and v may have fewer heads
-when kv_heads != heads) and a `supports` check returning None when the shape
-can run, else a short reason shown as "unsupported". Adding an
+when kv_heads != heads), an `available` check returning None when it can run
+on this machine at all, else a short reason (the run leaves it out), and a
+`supports` check returning None when a shape can run, else a short reason
+shown as "unsupported" (`supports` includes `available`). Adding an
 implementation is one `register(Impl(...))` call.
 
 A shape's window and segments (spec.Shape) are part of the problem: every
@@ -15,13 +17,15 @@ no input and XLA folds them to constants.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import importlib
+import typing
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from jax_flash2.bench.spec import Shape
+from jax_flash2.bench.spec import LeftOut, Shape
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -34,9 +38,13 @@ class Options:
   interpret: bool = False  # run Pallas kernels in interpret mode
 
 
+def _runs_anywhere(opts: Options) -> str | None:
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Impl:
-  """One implementation: how to build it and which shapes it takes."""
+  """One implementation: how to build it, where it runs, which shapes it takes."""
 
   name: str
   description: str
@@ -46,10 +54,14 @@ class Impl:
   # (`jax.stages.Lowered.compile(compiler_options=...)`), e.g. one that asks
   # cuDNN for its deterministic backward; None: XLA's defaults.
   compiler_options: Mapping[str, Any] | None = None
+  available: Callable[[Options], str | None] = _runs_anywhere
 
 
 REGISTRY: dict[str, Impl] = {}
-DEFAULT_IMPLS: tuple[str, ...] = ("flash2", "cudnn", "xla")
+# What a run compares unless --impls says otherwise; those that cannot run
+# on the machine (cuDNN without a GPU, tokamax where it is not installed)
+# are left out without a word.
+DEFAULT_IMPLS: tuple[str, ...] = ("flash2", "cudnn", "xla", "tokamax")
 
 
 def register(impl: Impl) -> Impl:
@@ -64,12 +76,48 @@ def get(name: str) -> Impl:
     raise ValueError(f"unknown implementation {name!r}; known: {', '.join(REGISTRY)}") from None
 
 
+def select(names: Iterable[str], opts: Options, *, requested: bool) -> tuple[tuple[str, ...], tuple[LeftOut, ...]]:
+  """(the `names` that can run under `opts`, the others with the reason).
+
+  `requested`: the names came from --impls rather than the defaults.
+  """
+  kept, left_out = [], []
+  for name in names:
+    reason = get(name).available(opts)
+    if reason is None:
+      kept.append(name)
+    else:
+      left_out.append(LeftOut(impl=name, reason=reason, requested=requested))
+  return tuple(kept), tuple(left_out)
+
+
 def segment_ids(batch: int, seqlen: int, segments: int) -> jax.Array | None:
   """int32 [batch, seqlen]: position // (seqlen // segments); None for one segment."""
   if segments <= 1:
     return None
   ids = jnp.arange(seqlen, dtype=jnp.int32) // (seqlen // segments)
   return jnp.broadcast_to(ids, (batch, seqlen))
+
+
+def _gqa_ok(shape: Shape) -> str | None:
+  if shape.heads % shape.kv_heads:
+    return f"heads {shape.heads} not a multiple of kv_heads {shape.kv_heads}"
+  return None
+
+
+def _segment_mask(shape: Shape) -> jax.Array | None:
+  """bool [batch, 1, seq, seq]: ids_q == ids_k, for APIs without segment ids; None for one segment."""
+  ids = segment_ids(shape.batch, shape.seqlen, shape.segments)
+  return None if ids is None else ids[:, None, :, None] == ids[:, None, None, :]
+
+
+def _bounded_window(shape: Shape) -> tuple[int, int] | None:
+  """`shape`'s window with unbounded sides as seqlen, for APIs whose two sides
+  are ints (key j visible to query i iff i - left <= j <= i + right, seq_q == seq_k)."""
+  if shape.window is None:
+    return None
+  left, right = shape.window
+  return (shape.seqlen if left is None else left, shape.seqlen if right is None else right)
 
 
 # ---------------------------------------------------------------- jax_flash2
@@ -97,16 +145,25 @@ def _flash2_factory(backend: str) -> Callable[[Shape, Options], AttentionFn]:
   return factory
 
 
-def _flash2_supports(backend: str) -> Callable[[Shape, Options], str | None]:
-  def supports(shape: Shape, opts: Options) -> str | None:
+def _flash2_available(backend: str) -> Callable[[Options], str | None]:
+  def available(opts: Options) -> str | None:
     if backend not in _flash2_backends():
       return f"backend {backend!r} not in this jax_flash2"
+    if opts.platform != "gpu" and not opts.interpret:
+      return "needs a GPU (or --interpret)"
+    return None
+
+  return available
+
+
+def _flash2_supports(backend: str) -> Callable[[Shape, Options], str | None]:
+  def supports(shape: Shape, opts: Options) -> str | None:
+    if (reason := _flash2_available(backend)(opts)) is not None:
+      return reason
     if (gqa := _gqa_ok(shape)) is not None:
       return gqa
     if shape.head_dim % 8 or not 8 <= shape.head_dim <= 256:
       return "head_dim must be a multiple of 8 in [8, 256]"
-    if opts.platform != "gpu" and not opts.interpret:
-      return "needs a GPU (or --interpret)"
     if backend == "mosaic":
       return _mosaic_serves(shape, opts)
     return None
@@ -137,6 +194,7 @@ register(
         "kernels where they measured faster)",
         factory=_flash2_factory("auto"),
         supports=_flash2_supports("auto"),
+        available=_flash2_available("auto"),
     )
 )
 register(
@@ -145,6 +203,7 @@ register(
         description="jax_flash2.flash_attention, Pallas kernels lowered through Triton",
         factory=_flash2_factory("triton"),
         supports=_flash2_supports("triton"),
+        available=_flash2_available("triton"),
     )
 )
 register(
@@ -153,6 +212,7 @@ register(
         description="jax_flash2.flash_attention(backend='mosaic'): the Mosaic GPU kernels (Hopper)",
         factory=_flash2_factory("mosaic"),
         supports=_flash2_supports("mosaic"),
+        available=_flash2_available("mosaic"),
     )
 )
 
@@ -181,12 +241,11 @@ def _dpa_window(shape: Shape, implementation: str) -> tuple[bool, tuple[int, int
   """(is_causal, local_window_size) passing `shape`'s mask to jax.nn.dot_product_attention."""
   if shape.window is None:
     return shape.causal, None
-  left, right = shape.window
+  left, _ = shape.window
   if implementation == "cudnn":
     # Only reached for right == 0 or causal (see _cudnn_supports): causal plus a left bound.
     return True, (left, 0) if left is not None else None
-  unbounded = shape.seqlen
-  return shape.causal, (unbounded if left is None else left, unbounded if right is None else right)
+  return shape.causal, _bounded_window(shape)
 
 
 def _dpa_factory(implementation: str) -> Callable[[Shape, Options], AttentionFn]:
@@ -194,10 +253,9 @@ def _dpa_factory(implementation: str) -> Callable[[Shape, Options], AttentionFn]
     is_causal, window = _dpa_window(shape, implementation)
 
     def attn(q, k, v):
-      ids = segment_ids(shape.batch, shape.seqlen, shape.segments)
-      mask = None if ids is None else ids[:, None, :, None] == ids[:, None, None, :]
       return jax.nn.dot_product_attention(
-          q, k, v, mask=mask, is_causal=is_causal, local_window_size=window, implementation=implementation
+          q, k, v, mask=_segment_mask(shape), is_causal=is_causal, local_window_size=window,
+          implementation=implementation,
       )
 
     return jax.jit(attn)
@@ -205,15 +263,13 @@ def _dpa_factory(implementation: str) -> Callable[[Shape, Options], AttentionFn]
   return factory
 
 
-def _gqa_ok(shape: Shape) -> str | None:
-  if shape.heads % shape.kv_heads:
-    return f"heads {shape.heads} not a multiple of kv_heads {shape.kv_heads}"
-  return None
+def _cudnn_available(opts: Options) -> str | None:
+  return None if opts.platform == "gpu" else "needs an NVIDIA GPU"
 
 
 def _cudnn_supports(shape: Shape, opts: Options) -> str | None:
-  if opts.platform != "gpu":
-    return "needs an NVIDIA GPU"
+  if (reason := _cudnn_available(opts)) is not None:
+    return reason
   if jnp.dtype(shape.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return "cuDNN takes fp16/bf16 only"
   if shape.head_dim % 8 or shape.head_dim > 256:
@@ -231,6 +287,7 @@ register(
         description='jax.nn.dot_product_attention(implementation="cudnn")',
         factory=_dpa_factory("cudnn"),
         supports=_cudnn_supports,
+        available=_cudnn_available,
     )
 )
 # cuDNN's default backward sums dQ across K/V tiles with reduce-adds in
@@ -247,6 +304,7 @@ register(
         factory=_dpa_factory("cudnn"),
         supports=_cudnn_supports,
         compiler_options={"xla_gpu_deterministic_ops": True},
+        available=_cudnn_available,
     )
 )
 register(
@@ -257,3 +315,93 @@ register(
         supports=lambda shape, opts: _gqa_ok(shape),
     )
 )
+
+# ------------------------------------------------------------------- tokamax
+
+
+# tokamax.dot_product_attention (openxla/tokamax, tokamax/_src/ops/attention/
+# api.py, 0.0.17) takes jax.nn.dot_product_attention's arguments and layout
+# ([batch, seq, heads, head_dim]; k and v may have fewer heads) and returns
+# the output like q. `implementation=` picks "mosaic" (its Mosaic GPU
+# kernels, Ampere to Blackwell; the backward Hopper and Blackwell only),
+# "triton" (its Pallas Triton kernels), "xla", "xla_chunked" or "cudnn"
+# (jax.nn's again); None tries "mosaic", "triton", "xla" in turn and runs the
+# first that does not raise NotImplementedError, so it is tokamax as users
+# call it (XLA on a CPU). A named implementation raises NotImplementedError
+# where it cannot serve a shape, which the bench reports as "unsupported".
+# local_window_size=(left, right) is the band of spec.Shape with ints on both
+# sides, combined with is_causal. It has no segment ids: a dense boolean mask
+# [batch, 1, seq, seq], as for jax.nn.dot_product_attention.
+
+
+def _tokamax_available(implementation: str | None) -> Callable[[Options], str | None]:
+  def available(opts: Options) -> str | None:
+    try:
+      tokamax = importlib.import_module("tokamax")
+    except ImportError:
+      return "tokamax is not installed (pip install tokamax)"
+    if implementation is None:
+      return None
+    # The names its API declares (a `type` alias of a Literal), where it declares them.
+    alias = getattr(tokamax, "DotProductAttentionImplementation", None)
+    known = typing.get_args(getattr(alias, "__value__", alias))
+    if known and implementation not in known:
+      return f"this tokamax has no implementation {implementation!r} (it has {', '.join(known)})"
+    if implementation in ("mosaic", "triton") and opts.platform != "gpu":
+      return f"tokamax's {implementation.capitalize()} kernels need an NVIDIA GPU"
+    return None
+
+  return available
+
+
+def _tokamax_supports(implementation: str | None) -> Callable[[Shape, Options], str | None]:
+  def supports(shape: Shape, opts: Options) -> str | None:
+    return _tokamax_available(implementation)(opts) or _gqa_ok(shape)
+
+  return supports
+
+
+def _tokamax_factory(implementation: str | None) -> Callable[[Shape, Options], AttentionFn]:
+  def factory(shape: Shape, opts: Options) -> AttentionFn:
+    import tokamax
+
+    window = _bounded_window(shape)
+
+    def attn(q, k, v):
+      return tokamax.dot_product_attention(
+          q, k, v, mask=_segment_mask(shape), is_causal=shape.causal, local_window_size=window,
+          implementation=implementation,
+      )
+
+    return jax.jit(attn)
+
+  return factory
+
+
+def _tokamax_impl(name: str, implementation: str | None, description: str) -> Impl:
+  return Impl(
+      name=name,
+      description=description,
+      factory=_tokamax_factory(implementation),
+      supports=_tokamax_supports(implementation),
+      available=_tokamax_available(implementation),
+  )
+
+
+register(
+    _tokamax_impl(
+        "tokamax", None, "tokamax.dot_product_attention as users call it (implementation=None: its Mosaic GPU "
+        "kernels, else Triton, else XLA, the first that serves the shape)",
+    )
+)
+register(
+    _tokamax_impl(
+        "tokamax-mosaic", "mosaic", 'tokamax.dot_product_attention(implementation="mosaic"): its Mosaic GPU kernels'
+    )
+)
+register(
+    _tokamax_impl(
+        "tokamax-triton", "triton", 'tokamax.dot_product_attention(implementation="triton"): its Pallas Triton kernels'
+    )
+)
+register(_tokamax_impl("tokamax-xla", "xla", 'tokamax.dot_product_attention(implementation="xla")'))

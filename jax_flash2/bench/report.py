@@ -5,10 +5,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,7 +29,10 @@ from jax_flash2.bench.spec import (
 
 # 2: cells, checks and memory steps gained window_left, window_right and
 # segments; cells gained flops_convention and visible_fraction.
-SCHEMA_VERSION = 2
+# 3: cells gained kernel_ms and kernel_tflops; config gained left_out,
+# kernel_time and save; metadata gained the CUDA, cuDNN, CUDA plugin and
+# tokamax versions.
+SCHEMA_VERSION = 3
 _MIB = 1 << 20
 
 
@@ -53,18 +58,50 @@ def _nvidia_smi() -> dict[str, str] | None:
   return {"name": name, "driver_version": driver, "memory_total": memory}
 
 
-def metadata(argv: list[str]) -> dict[str, Any]:
-  """Where and how the run happened: device, versions, date, command line."""
+def _package_version(name: str) -> str | None:
+  try:
+    return importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def _cuda_plugin() -> tuple[str | None, str | None]:
+  """(distribution, version) of jax's CUDA plugin, or (None, None) without one."""
+  for name in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
+    if (version := _package_version(name)) is not None:
+      return name, version
+  return None, None
+
+
+def _cuda_versions() -> dict[str, int | None]:
+  """The CUDA runtime, cuDNN and CUPTI versions jax's CUDA plugin loaded
+  (their integer encodings, e.g. cuDNN 9.10.2 as 91002), None without it."""
+  from jax._src.lib import cuda_versions  # None where no CUDA plugin is installed
+
+  out: dict[str, int | None] = {}
+  for key, fn in (("cuda_runtime_version", "cuda_runtime_get_version"), ("cudnn_version", "cudnn_get_version"),
+                  ("cupti_version", "cupti_get_version")):
+    try:
+      out[key] = int(getattr(cuda_versions, fn)())
+    except Exception:  # noqa: BLE001 - no plugin, an older one without the function, or no library
+      out[key] = None
+  return out
+
+
+def metadata(argv: list[str], now: datetime.datetime | None = None) -> dict[str, Any]:
+  """Where and how the run happened: device, driver, library versions, date (UTC), command line."""
   import jax
   import jaxlib
 
   import jax_flash2
 
+  now = now or datetime.datetime.now(datetime.timezone.utc)
   devices = jax.devices()
   smi = _nvidia_smi()
+  plugin, plugin_version = _cuda_plugin()
   return {
-      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "command": " ".join(["jax-flash2-bench", *argv]),
+      "date_utc": now.astimezone(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "command": shlex.join(["jax-flash2-bench", *argv]),
       "backend": jax.default_backend(),
       "device_kind": devices[0].device_kind,
       "device_count": len(devices),
@@ -72,9 +109,13 @@ def metadata(argv: list[str]) -> dict[str, Any]:
       "gpu_name": smi["name"] if smi else (devices[0].device_kind if jax.default_backend() == "gpu" else None),
       "driver_version": smi["driver_version"] if smi else None,
       "gpu_memory_total": smi["memory_total"] if smi else None,
+      **_cuda_versions(),
       "jax_version": jax.__version__,
       "jaxlib_version": jaxlib.__version__,
+      "jax_cuda_plugin": plugin,
+      "jax_cuda_plugin_version": plugin_version,
       "jax_flash2_version": jax_flash2.__version__,
+      "tokamax_version": _package_version("tokamax"),
       "python_version": sys.version.split()[0],
       "platform": platform.platform(),
       "hostname": platform.node(),
@@ -106,12 +147,15 @@ def _fmt_mib(b: int | None) -> str:
   return "-" if b is None else f"{b / _MIB:.1f}"
 
 
-def _cell_text(c: CellResult | None) -> tuple[str, str, str] | str:
+def _cell_text(c: CellResult | None) -> tuple[str, ...] | str:
+  """(ms, kernel ms, TFLOP/s, kernel TFLOP/s, vs cuDNN) of an ok cell, else what happened."""
   if c is None:
     return "-"
   if c.status == "ok":
     ratio = "-" if c.speed_vs_cudnn is None else f"{c.speed_vs_cudnn:.2f}x"
-    return (_fmt_ms(c.ms), _fmt_tflops(c.tflops), ratio)
+    kernel_ms = "-" if c.kernel_ms is None else _fmt_ms(c.kernel_ms)
+    kernel_tflops = "-" if c.kernel_tflops is None else _fmt_tflops(c.kernel_tflops)
+    return (_fmt_ms(c.ms), kernel_ms, _fmt_tflops(c.tflops), kernel_tflops, ratio)
   if c.status == "error":
     return f"error: {c.error or ''}"
   return c.status
@@ -132,29 +176,37 @@ def _group(cells: Iterable[CellResult]) -> dict[tuple, dict[tuple[int, int, int]
   return groups
 
 
+# Widths of format_table's columns: ms, kernel ms, TFLOP/s, kernel TFLOP/s, vs cuDNN.
+_TABLE_COLUMNS = (("ms", 9), ("kern ms", 9), ("TFLOP/s", 8), ("kern TF/s", 9), ("vs cuDNN", 8))
+TABLE_LEGEND = ("ms: wall clock per call (median); kern: GPU kernel time per call, from a profiler trace "
+                "('-': none traced); TFLOP/s from each")
+
+
 def format_table(cells: list[CellResult], impls: Iterable[str]) -> str:
   """One block per (dtype, head_dim, mask, mode); implementations side by side.
 
-  Each implementation shows ms (median), TFLOP/s and its speed relative to
-  cuDNN (cuDNN ms / its ms: above 1 is faster than cuDNN), or the reason the
-  cell did not run.
+  Each implementation shows its wall-clock ms (median) and kernel ms, the
+  TFLOP/s of each and, when cuDNN is in the run, its speed relative to cuDNN
+  (cuDNN ms / its ms: above 1 is faster than cuDNN), or the reason the cell
+  did not run.
   """
   impls = list(impls)
-  width = 27
-  lines = []
+  columns = _TABLE_COLUMNS if "cudnn" in impls else _TABLE_COLUMNS[:-1]
+  width = sum(w for _, w in columns) + len(columns) - 1
+  lines = [TABLE_LEGEND, ""]
   for (dtype, head_dim, mask, mode), rows in _group(cells).items():
     lines.append(f"== {mode}  head_dim {head_dim}  {mask}  {SHORT_DTYPE.get(dtype, dtype)} ==")
     left = f"{'seq':>6} {'batch':>5} {'heads':>7}"
     lines.append(left + " | " + " | ".join(f"{name:^{width}}" for name in impls))
-    sub = f"{'ms':>9} {'TFLOP/s':>8} {'vs cuDNN':>8}"
-    lines.append(" " * len(left) + " | " + " | ".join(f"{sub:>{width}}" for _ in impls))
+    sub = " ".join(f"{title:>{w}}" for title, w in columns)
+    lines.append(" " * len(left) + " | " + " | ".join(sub for _ in impls))
     for (seqlen, batch, heads, kv_heads), by_impl in rows.items():
       h = f"{heads}" if heads == kv_heads else f"{heads}/{kv_heads}"
       parts = []
       for name in impls:
         text = _cell_text(by_impl.get(name))
         if isinstance(text, tuple):
-          parts.append(f"{text[0]:>9} {text[1]:>8} {text[2]:>8}")
+          parts.append(" ".join(f"{t:>{w}}" for t, (_, w) in zip(text, columns)))
         else:
           parts.append(f"{text[:width]:>{width}}")
       lines.append(f"{seqlen:>6} {batch:>5} {h:>7} | " + " | ".join(parts))
@@ -275,6 +327,12 @@ def write_json(
       "notes": {
           "tiny_cpu_run": cfg.tiny,
           "ms": "median over iters rounds of the per-call time of timing.CALLS_PER_ROUND back-to-back calls, synchronised once per round",
+          "kernel_ms": "GPU time per call: the summed durations of the kernels, memsets and copies on the GPU's "
+          "streams in a jax.profiler trace of timing.CALLS_PER_ROUND back-to-back calls after the timed rounds, "
+          "divided by the calls; null without a GPU (config.kernel_time false) or where the trace holds none",
+          "kernel_tflops": "flops / kernel_ms",
+          "config.left_out": "implementations asked for (requested) or defaults that cannot run on this machine, "
+          "and why",
           "tflops": "flops / ms; flops by the cell's flops_convention: dense = fwd 4*B*H*S*S*D, causal-half = "
           "half that (plain causal, FlashAttention convention), visible = 4*D*B*H per visible (query, key) pair "
           "(windows, segments); bwd 2.5x fwd, fwd+bwd 3.5x",
@@ -306,8 +364,9 @@ def write_csv(path: str, cells: list[CellResult]) -> None:
 
 def write_plots(out_dir: str, cells: list[CellResult], impls: Iterable[str], title: str = "") -> list[str]:
   """TFLOP/s against sequence length: one panel per head_dim x mask (causal,
-  window, segments) x mode, one line per implementation. One PNG per dtype.
-  Returns the files written."""
+  window, segments) x mode, one line per implementation (solid: wall clock;
+  dashed: kernel time, where traced). One PNG per dtype. Returns the files
+  written."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -327,9 +386,13 @@ def write_plots(out_dir: str, cells: list[CellResult], impls: Iterable[str], tit
         ax = axes[i][j]
         panel = [c for c in dcells if c.head_dim == head_dim and _mask(c) == mask and c.mode == mode]
         for name in impls:
-          pts = sorted((c.seqlen, c.tflops) for c in panel if c.impl == name and c.status == "ok")
-          if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+          ok = sorted((c for c in panel if c.impl == name and c.status == "ok"), key=lambda c: c.seqlen)
+          if not ok:
+            continue
+          (line,) = ax.plot([c.seqlen for c in ok], [c.tflops for c in ok], marker="o", label=name)
+          if kernel := [c for c in ok if c.kernel_tflops is not None]:
+            ax.plot([c.seqlen for c in kernel], [c.kernel_tflops for c in kernel], marker=".", linestyle="--",
+                    color=line.get_color(), label=f"{name} (kernel)")
         ax.set_xscale("log", base=2)
         seqs = sorted({c.seqlen for c in panel})
         ax.set_xticks(seqs, [f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s) for s in seqs])
@@ -346,3 +409,44 @@ def write_plots(out_dir: str, cells: list[CellResult], impls: Iterable[str], tit
     plt.close(fig)
     written.append(path)
   return written
+
+
+# ------------------------------------------------------------------ folders
+
+
+def make_dated_dir(parent: str, now: datetime.datetime) -> str:
+  """Creates `parent`/<UTC date-time of `now`> (20261202T031532Z; -2, -3, ...
+  appended where a run of the same second took the name) and returns it."""
+  base = os.path.join(parent, now.astimezone(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
+  path, n = base, 1
+  while True:
+    try:
+      os.makedirs(path)
+      return path
+    except FileExistsError:
+      n += 1
+      path = f"{base}-{n}"
+
+
+def write_results(
+    out_dir: str,
+    meta: dict[str, Any],
+    cfg: SweepConfig,
+    cells: list[CellResult],
+    checks: list[CheckResult],
+    memory_steps: list[MemoryStep],
+) -> tuple[list[str], str | None]:
+  """Writes results.json, results.csv and (cfg.plot, matplotlib installed)
+  the plots into `out_dir`; returns (the files written, why plots were not)."""
+  os.makedirs(out_dir, exist_ok=True)
+  written = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.csv")]
+  write_json(written[0], meta, cfg, cells, checks, memory_steps)
+  write_csv(written[1], cells)
+  if not (cfg.plot and cells):
+    return written, None
+  title = meta["device_kind"] + (" (CPU/interpret, not GPU figures)" if cfg.tiny else "")
+  try:
+    written += write_plots(out_dir, cells, cfg.impls, title=title)
+  except ImportError:
+    return written, "matplotlib is not installed (pip install 'jax_flash2[bench]'): no plots"
+  return written, None

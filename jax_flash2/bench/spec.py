@@ -103,12 +103,28 @@ class Shape:
 
 
 @dataclasses.dataclass(frozen=True)
+class LeftOut:
+  """An implementation a run leaves out because it cannot run on this machine."""
+
+  impl: str
+  reason: str  # e.g. "needs an NVIDIA GPU", "tokamax is not installed"
+  requested: bool  # named in --impls (the run says why), not only a default
+
+  def __post_init__(self):
+    if not self.reason:
+      raise ValueError(f"LeftOut({self.impl!r}) needs a reason")
+
+
+@dataclasses.dataclass(frozen=True)
 class SweepConfig:
   """The grid of a run plus how to time it. Built by `cli.config_from_args`.
 
   `batch` None means tokens // seqlen; `heads` None means hidden // head_dim;
   `kv_heads` None means heads. `windows` holds None for no window; `segments`
-  1 for no segment ids.
+  1 for no segment ids. `impls` are those that run here; `left_out` those
+  asked for (or defaults) that cannot. `kernel_time`: also read each cell's
+  GPU kernel time from a profiler trace. `save`: write results into `out`
+  (None: a dated folder the CLI picks); `plot`: with them, the PNG plots.
   """
 
   seqlens: tuple[int, ...]
@@ -130,8 +146,11 @@ class SweepConfig:
   check: bool = True
   interpret: bool = False
   platform: str = "gpu"
+  left_out: tuple[LeftOut, ...] = ()
+  kernel_time: bool = False
+  save: bool = True
   out: str | None = None
-  plot: bool = False
+  plot: bool = True
   memory: bool = False
   memory_only: bool = False
   memory_max_seqlen: int | None = None
@@ -187,6 +206,12 @@ class SweepConfig:
 class CellResult:
   """One (implementation, shape, mode) cell of the sweep.
 
+  ms: wall clock per call, the median over rounds (timing.py); ms_min the
+  fastest round. kernel_ms: the GPU's own time per call, the summed durations
+  of the device activities (kernels, memsets, copies) a profiler trace of a
+  few calls records (kernel_trace.py); None without a GPU or a trace.
+  tflops / kernel_tflops: flops over ms / kernel_ms.
+
   Memory fields are filled for mode fwd+bwd only (None elsewhere):
     compiled_bytes: argument + output + temp - alias bytes of the compiled
       executable, from XLA's `memory_analysis()`; per function, reliable.
@@ -224,11 +249,13 @@ class CellResult:
   error: str | None = None
   ms: float | None = None
   ms_min: float | None = None
+  kernel_ms: float | None = None
   iters: int | None = None
   flops: int | None = None
   flops_convention: str | None = None
   visible_fraction: float | None = None
   tflops: float | None = None
+  kernel_tflops: float | None = None
   speed_vs_cudnn: float | None = None
   compiled_bytes: int | None = None
   compiled_temp_bytes: int | None = None

@@ -9,7 +9,7 @@ from typing import Any
 from jax_flash2.bench import check as check_lib
 from jax_flash2.bench import flops as flops_lib
 from jax_flash2.bench import impls as impls_lib
-from jax_flash2.bench import timing
+from jax_flash2.bench import kernel_trace, timing
 from jax_flash2.bench.progress import Progress
 from jax_flash2.bench.spec import CellResult, CheckResult, Shape, SweepConfig
 
@@ -70,6 +70,19 @@ def _shape_fields(shape: Shape) -> dict[str, Any]:
   )
 
 
+def _kernel_ms(prepared: timing.Prepared) -> float | None:
+  """GPU time per call from a profiler trace of one round, or None.
+
+  Run after the timed rounds, so that the profiler's overhead stays out of
+  them; a profiler that fails (CUPTI unavailable, another trace running)
+  costs the cell its kernel time only, not its wall-clock time.
+  """
+  try:
+    return kernel_trace.device_ms_per_call(prepared, timing.CALLS_PER_ROUND)
+  except Exception:  # noqa: BLE001 - see the docstring
+    return None
+
+
 def run_cell(
     impl: impls_lib.Impl,
     shape: Shape,
@@ -95,6 +108,7 @@ def run_cell(
     peak_before = timing.device_peak_bytes()
     times = timing.time_calls(prepared, cfg.warmup, cfg.iters)
     peak_after = timing.device_peak_bytes()
+    kernel_ms = _kernel_ms(prepared) if cfg.kernel_time else None
     if mode == "fwd+bwd":
       total, temp = timing.compiled_memory(prepared.compiled)
       memory_fields.update(compiled_bytes=total, compiled_temp_bytes=temp, device_peak_bytes=peak_after)
@@ -112,8 +126,10 @@ def run_cell(
       ms=ms,
       ms_min=min(times) * 1e3,
       iters=len(times),
+      kernel_ms=kernel_ms,
       flops=flops,
       tflops=flops_lib.tflops_per_s(flops, ms),
+      kernel_tflops=flops_lib.tflops_per_s(flops, kernel_ms) if kernel_ms is not None else None,
       **fields,
       **memory_fields,
   )
