@@ -66,15 +66,14 @@ def device_activities(trace: Mapping[str, Any]) -> list[DeviceActivity]:
       continue
     name = e.get("args", {}).get("name", "")
     if e.get("name") == "process_name" and name.startswith(_DEVICE_PREFIX):
-      devices[e["pid"]] = name
+      devices[e.get("pid")] = name
     elif e.get("name") == "thread_name":
       threads[e.get("pid"), e.get("tid")] = name
   streams = {key: name for key, name in threads.items() if key[0] in devices and name.startswith(_STREAM_PREFIX)}
   return [
-      DeviceActivity(e.get("name", ""), devices[e["pid"]], streams[e["pid"], e.get("tid")], float(e.get("ts", 0.0)),
-                     float(e.get("dur", 0.0)))
+      DeviceActivity(e.get("name", ""), devices[key[0]], streams[key], float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
       for e in events
-      if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams
+      if e.get("ph") == "X" and (key := (e.get("pid"), e.get("tid"))) in streams
   ]
 
 
