@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import math
 from typing import Any
 
 import jax
@@ -29,6 +30,8 @@ from jax_flash2.problem import Operands, Problem
 from jax_flash2.triton import backward as triton_backward
 from jax_flash2.triton import forward as triton_forward
 
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
 # The Pallas Triton lowering supports NVIDIA GPUs from this compute capability on.
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
@@ -110,6 +113,17 @@ class Call:
   def interpret(self) -> bool:
     return self.plan.interpret
 
+  def natural_lse(self, lse: jax.Array) -> jax.Array:
+    """The forward kernels' lse in natural log, as flash_attention returns it."""
+    return lse * LN_2 if kernels(self.plan.forward.backend).lse_log2 else lse
+
+  def backward_lse(self, lse: jax.Array) -> jax.Array:
+    """The forward kernels' lse in the base the backward kernels read."""
+    forward, backward = (kernels(p.backend).lse_log2 for p in (self.plan.forward, self.plan.backward))
+    if forward == backward:
+      return lse
+    return lse * LN_2 if forward else lse * LOG2_E
+
 
 class Implementation(abc.ABC):
   """One backend: where it runs, which problems it serves, and its tiling."""
@@ -134,7 +148,12 @@ class Implementation(abc.ABC):
 
 
 class Kernels(Implementation):
-  """A family of Pallas kernels, joined by vjp's custom_vjp."""
+  """A family of Pallas kernels, joined by vjp's custom_vjp.
+
+  lse_log2: the base of the lse its forward writes and its backward reads:
+  base 2 (True) or natural (False)."""
+
+  lse_log2: bool
 
   @abc.abstractmethod
   def forward(self, q, k, v, operands: Operands, problem: Problem, config, *, interpret: bool):
@@ -161,6 +180,7 @@ class TritonKernels(Kernels):
   Ampere on, and Pallas interpret mode anywhere."""
 
   name = Backend.TRITON.value
+  lse_log2 = True
 
   def runs_on(self, device, *, auto):
     capability = device.compute_capability
@@ -195,6 +215,7 @@ class MosaicKernels(Kernels):
   padded to whole blocks inside), no other option."""
 
   name = Backend.MOSAIC.value
+  lse_log2 = False
 
   def runs_on(self, device, *, auto):
     if device.interpret:

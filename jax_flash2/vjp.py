@@ -56,6 +56,8 @@ def _first_order_only(fn, what: str):
 
 
 def _forward(q, k, v, operands: Operands, call: Call):
+  """(out, lse) of the forward kernels, lse in the base they write it (the
+  residual the backward reads; backends.Call.natural_lse makes it natural)."""
   guarded = _first_order_only(lambda q, k, v, operands: sharding.forward(q, k, v, operands, call), "forward pass")
   out, lse = guarded(q, k, v, operands)
   return checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
@@ -67,22 +69,25 @@ def flash(q: jax.Array, k: jax.Array, v: jax.Array, operands: Operands, call: Ca
 
   q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim];
   operands: the call's optional arrays (problem.Operands).
-  Returns out like q and lse float32 [batch, heads, seq_q].
+  Returns out like q and lse float32 [batch, heads, seq_q], natural log.
   """
-  return _forward(q, k, v, operands, call)
+  out, lse = _forward(q, k, v, operands, call)
+  return out, call.natural_lse(lse)
 
 
 def _flash_fwd(q, k, v, operands: Operands, call: Call):
   # The kernels directly, not flash(): a custom_vjp called inside its own fwd
   # would meet a second-order JVP with JAX's generic custom_vjp error.
   out, lse = _forward(q, k, v, operands, call)
-  return (out, lse), (q, k, v, operands, out, lse)
+  return (out, call.natural_lse(lse)), (q, k, v, operands, out, lse)
 
 
 def _flash_bwd(call: Call, residuals, cotangents):
   q, k, v, operands, out, lse = residuals
   do, dlse = cotangents
-  arrays = (q, k, v, out, lse, do, dlse)
+  # dlse is the natural lse's cotangent: d lse / d s = P in natural units
+  # either way, so it folds into delta whatever base the kernels' lse is in.
+  arrays = (q, k, v, out, call.backward_lse(lse), do, dlse)
   backward = _first_order_only(lambda *args: sharding.backward(*args[:7], args[7], call), "backward pass")
   dq, dk, dv = backward(*arrays, operands)
   dbias = None

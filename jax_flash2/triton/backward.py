@@ -45,10 +45,10 @@ def _delta_kernel(o_ref, do_ref, delta_ref, *, problem: Problem, block_q: int):
 
 
 def _lse_log2(lse_ref, rows) -> jax.Array:
-  """Loads lse in the log2 domain. Rows that saw no key (lse = -inf) and rows
-  past seq_q read +inf, so that their recomputed P is exp2(s - inf) = 0."""
+  """Loads the forward's base-2 lse. Rows that saw no key (lse = -inf) and
+  rows past seq_q read +inf, so that their recomputed P is exp2(s - inf) = 0."""
   lse = common.load(lse_ref, rows, other=jnp.inf)
-  return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2_E)
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse)
 
 
 def _probabilities(qk: jax.Array, lse_log2: jax.Array, problem: Problem, q_idx, k_idx, slope, bias=None):
@@ -427,8 +427,8 @@ def backward(
   Args:
     q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads, head_dim].
     out, do: like q (the forward output and its cotangent).
-    lse, dlse: float32 [batch, heads, seq_q] (the forward's log-sum-exp and its
-      cotangent).
+    lse, dlse: float32 [batch, heads, seq_q]: the forward's log-sum-exp, in
+      base 2 as `forward` writes it, and the cotangent of the natural one.
     operands: the mask, segment ids, ALiBi slopes, dropout seed and bias the
       problem has (see Operands).
 

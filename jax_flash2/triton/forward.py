@@ -4,7 +4,8 @@ Grid: (Q blocks, batch, heads). Each program owns one block of queries, keeps
 it on chip together with the running row max `m_i`, the running row sum `l_i`
 and the unnormalised output `acc`, and streams the K/V blocks of its (batch,
 K/V head) past it. The output is divided by `l_i` once, at the end, and the
-log-sum-exp of each row is written for the backward pass.
+log-sum-exp of each row is written for the backward pass, in base 2: the
+base the backward's exponentials take, so that no conversion rounds it.
 
 The loop visits only the K/V blocks inside the causal or window band
 (`common.kv_block_range`) and, with segment ids, inside the Q block's
@@ -24,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax_flash2.config import KernelConfig
 from jax_flash2.problem import Operands, Problem
 from jax_flash2.triton import common
-from jax_flash2.triton.common import LN_2, LOG2_E
+from jax_flash2.triton.common import LOG2_E
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, block_k: int):
@@ -106,7 +107,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   l_safe = jnp.where(seen, l_i, 1.0)
   out = acc / l_safe[:, None]
   common.store_tile(o_ref, out.astype(o_ref.dtype), q_rows, cols)
-  lse = jnp.where(seen, (log2_domain(m_i) + jnp.log2(l_safe)) * LN_2, -jnp.inf)
+  lse = jnp.where(seen, log2_domain(m_i) + jnp.log2(l_safe), -jnp.inf)  # base 2, as the backward reads it
   common.store(lse_ref, lse, q_rows)
 
 
@@ -128,7 +129,8 @@ def forward(
       problem has (see Operands).
 
   Returns:
-    out: like q. lse: float32 [batch, heads, seq_q], natural log.
+    out: like q. lse: float32 [batch, heads, seq_q], base 2 (log2 of the sum
+      of exp2 of the base-2 scores; natural log = lse * ln 2).
   """
   batch, seq_q, heads, _ = q.shape
   seq_k = k.shape[1]
