@@ -383,6 +383,25 @@ def _with_vmap(partitioned: Callable, num_arrays: int, call: Call) -> Callable:
   return fn
 
 
+def check_auto_sharded(q, k, v, operands: Operands) -> None:
+  """Refuses inputs sharded over explicit mesh axes (sharding in types,
+  jax.sharding.AxisType.Explicit): the kernels' custom_partitioning rules
+  speak to the partitioner of Auto axes only."""
+  for name, x in (("q", q), ("k", k), ("v", v), *zip(Operands._fields, operands)):
+    sharding = None if x is None else getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+    used = {a for entry in getattr(sharding, "spec", ()) if entry is not None
+            for a in (entry if isinstance(entry, tuple) else (entry,))}
+    explicit = sorted(a for a in used if types.get(a) == jax.sharding.AxisType.Explicit)
+    if explicit:
+      raise NotImplementedError(
+          f"jax_flash2: {name} is sharded over explicit mesh axes {explicit} (jax.sharding.AxisType.Explicit, "
+          "jax.make_mesh's default); the kernels are partitioned over Auto axes only: build the mesh with "
+          "axis_types=(jax.sharding.AxisType.Auto, ...), or pass backend='xla'"
+      )
+
+
 def _unpartitioned(pass_plan, interpret: bool) -> bool:
   """Whether a pass's kernels are called directly (unsharded), their
   family being one that custom_partitioning cannot wrap in this mode."""

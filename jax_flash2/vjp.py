@@ -113,4 +113,5 @@ def flash_checked(q, k, v, operands: Operands, call: Call) -> tuple[jax.Array, j
   (which, under jit, comes only at lowering)."""
   if compat.is_forward_mode(q, k, v, operands):
     raise NotImplementedError(_SECOND_ORDER.format(what="forward pass"))
+  sharding.check_auto_sharded(q, k, v, operands)
   return flash(q, k, v, operands, call)

@@ -188,6 +188,31 @@ def test_sharded_sequence_is_gathered():
   assert rel_err(got, flash_attention(q, k, v, causal=True, backend="xla")) < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["xla", "triton", "mosaic"])
+def test_sharded_sequence_outside_jit_is_gathered(backend):
+  """Outside jit too, on every backend: inputs whose sequence axis is
+  sharded give the unsharded answer (the kernels run on gathered operands)."""
+  mesh = _mesh((2, 4))
+  dtype = jnp.bfloat16 if backend == "mosaic" else jnp.float32
+  q, k, v = (x.astype(dtype) for x in _inputs(seq=128 if backend == "mosaic" else 32, heads=4)[:3])
+  kwargs = dict(backend=backend) if backend == "xla" else dict(backend=backend, interpret=True)
+  if backend == "triton":
+    kwargs["block_sizes"] = SMALL
+  seq = NamedSharding(mesh, P("data", "model"))
+  got = flash_attention(*(jax.device_put(x, seq) for x in (q, k, v)), causal=True, **kwargs)
+  want = flash_attention(q, k, v, causal=True, backend="xla")
+  assert rel_err(got, want) < (1e-2 if dtype == jnp.bfloat16 else 1e-5)
+
+
+def test_explicit_mesh_axes_are_refused_with_advice():
+  devices = jax.devices()[:2]
+  mesh = jax.make_mesh((2,), ("x",), (AxisType.Explicit,), devices=devices)
+  q, k, v = _inputs(batch=2)[:3]
+  sharded = [jax.device_put(x, NamedSharding(mesh, P("x"))) for x in (q, k, v)]
+  with pytest.raises(NotImplementedError, match=r"explicit mesh axes \['x'\].*AxisType.Auto"):
+    flash_attention(*sharded, interpret=True, block_sizes=SMALL)
+
+
 @pytest.mark.parametrize("kernel", MODES)
 def test_vmap_inside_sharded_jit(kernel):
   """A vmapped axis is folded into the kernels' batch: still no all-gather."""
