@@ -10,10 +10,11 @@
 # traceback of where a hung one stood. XLA's GEMM autotuning is off: the
 # tests' plain-jnp references are compiled, not timed, and autotuning their
 # dots kept every core busy for minutes (2026-12-02: 4 tests per process in
-# 500 s with it on). Logs and the test ids go to $OUT.
+# 500 s with it on). The summary and the outcomes go to $OUT, the shard logs
+# into $OUT/shards.tgz (the device returns at most 8 files).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
+mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 n=${SHARDS:-6}
@@ -31,10 +32,11 @@ for ((i = 0; i < n; i++)); do
   mapfile -t ids < <(awk -v n="$n" -v i="$i" 'NR % n == i' "$OUT/ids.txt")
   ((${#ids[@]})) || continue
   timeout -s INT "${SHARD_LIMIT:-420}" python -m pytest -m gpu -v -rfE -p no:cacheprovider --durations=0 \
-    -o timeout="${TEST_LIMIT:-240}" "${ids[@]}" >"$OUT/shard_$i.log" 2>&1 &
+    -o timeout="${TEST_LIMIT:-240}" "${ids[@]}" >"$OUT/logs/shard_$i.log" 2>&1 &
 done
 wait
-grep -hE " PASSED| FAILED| ERROR" "$OUT"/shard_*.log | sed -E 's/ +\[ *[0-9]+%\]//' | sort >"$OUT/outcomes.txt"
+grep -hE " PASSED| FAILED| ERROR" "$OUT"/logs/shard_*.log | sed -E 's/ +\[ *[0-9]+%\]//' | sort >"$OUT/outcomes.txt"
 echo "passed $(grep -c ' PASSED' "$OUT/outcomes.txt"), failed $(grep -c ' FAILED' "$OUT/outcomes.txt"), errors $(grep -c ' ERROR' "$OUT/outcomes.txt") of $(wc -l <"$OUT/ids.txt")"
 grep -hE "FAILED|ERROR" "$OUT/outcomes.txt" | head -40
-tail -qn 1 "$OUT"/shard_*.log
+tail -qn 1 "$OUT"/logs/shard_*.log
+tar czf "$OUT/shards.tgz" -C "$OUT" logs && rm -r "$OUT/logs"
