@@ -195,7 +195,8 @@ class TritonKernels(Kernels):
   def config(self, problem, *, backward, block_sizes, mosaic_config):
     del backward  # one BlockSizes tiles both passes
     if block_sizes is None:
-      block_sizes = defaults.block_sizes(problem.head_dim_padded, problem.causal, has_bias=problem.has_bias)
+      block_sizes = defaults.block_sizes(problem.head_dim_padded, problem.causal, has_bias=problem.has_bias,
+                                           itemsize=jnp.dtype(problem.dtype).itemsize)
     return block_sizes.fit(problem.seq_q, problem.seq_k)
 
   def forward(self, q, k, v, operands, problem, config, *, interpret):

@@ -31,14 +31,43 @@ _TRITON_TILES: dict[tuple[int, bool], tuple[KernelConfig, KernelConfig, KernelCo
 BIAS_MAX_STAGES = 2
 
 
-def block_sizes(head_dim_padded: int, causal: bool, *, has_bias: bool = False) -> BlockSizes:
+# float32 tiles take twice the shared memory of the measured 16-bit ones
+# (on an H200, 2026-12-02, the head_dim-128 causal forward asked for 352 KiB
+# of the 227 available); they are cut down until the tiles they hold fit
+# this budget, leaving room for the compiler's own scratch.
+FLOAT32_SMEM_BUDGET = 160 * 1024
+
+
+def _fit_float32(config: KernelConfig, head_dim_padded: int, *, streams_kv: bool) -> KernelConfig:
+  """Shrinks a 16-bit tiling for float32: fewer stages first, then the
+  streamed tile, then the resident one. The forward and dQ kernels hold a
+  Q tile (and dO) and stream K and V; the dK/dV kernel the other way round."""
+
+  def smem(c: KernelConfig) -> int:
+    resident, streamed = (c.block_q, c.block_k) if streams_kv else (c.block_k, c.block_q)
+    return 4 * head_dim_padded * (2 * resident + 2 * streamed * max(1, c.num_stages - 1))
+
+  config = dataclasses.replace(config, num_stages=min(config.num_stages, 2))
+  stream, hold = ("block_k", "block_q") if streams_kv else ("block_q", "block_k")
+  for name in (stream, hold, stream, hold):
+    if smem(config) <= FLOAT32_SMEM_BUDGET:
+      break
+    config = dataclasses.replace(config, **{name: max(16, getattr(config, name) // 2)})
+  return config
+
+
+def block_sizes(head_dim_padded: int, causal: bool, *, has_bias: bool = False, itemsize: int = 2) -> BlockSizes:
   """The Triton kernels' tiles for a head_dim (padded to a power of two),
-  mask and whether a bias is read. Head dims under 64 take the head_dim-64
-  tiles."""
+  mask, whether a bias is read and the inputs' bytes per element. Head
+  dims under 64 take the head_dim-64 tiles."""
   configs = _TRITON_TILES[max(64, head_dim_padded), bool(causal)]
   if has_bias:
     configs = [dataclasses.replace(c, num_stages=min(c.num_stages, BIAS_MAX_STAGES)) for c in configs]
   fwd, dkv, dq = configs
+  if itemsize > 2:
+    fwd = _fit_float32(fwd, head_dim_padded, streams_kv=True)
+    dkv = _fit_float32(dkv, head_dim_padded, streams_kv=False)
+    dq = _fit_float32(dq, head_dim_padded, streams_kv=True)
   return BlockSizes(fwd=fwd, dkv=dkv, dq=dq)
 
 

@@ -159,3 +159,19 @@ def test_bias_caps_the_pipeline_depth():
     a, b = getattr(plain, name), getattr(biased, name)
     assert b.num_stages == min(a.num_stages, 2)
     assert (b.block_q, b.block_k, b.num_warps) == (a.block_q, a.block_k, a.num_warps)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_tiles_fit_shared_memory(head_dim, causal):
+  # The 16-bit tilings need twice their shared memory in float32 (the H200
+  # refused 352 KiB for head_dim 128's causal forward); float32 gets tiles
+  # cut to the budget, 16-bit inputs keep the measured ones.
+  measured = defaults.block_sizes(head_dim, causal)
+  assert defaults.block_sizes(head_dim, causal, itemsize=2) == measured
+  fp32 = defaults.block_sizes(head_dim, causal, itemsize=4)
+  for name, streams_kv in (("fwd", True), ("dkv", False), ("dq", True)):
+    c, m = getattr(fp32, name), getattr(measured, name)
+    resident, streamed = (c.block_q, c.block_k) if streams_kv else (c.block_k, c.block_q)
+    assert 4 * head_dim * 2 * (resident + streamed * (c.num_stages - 1)) <= defaults.FLOAT32_SMEM_BUDGET
+    assert c.num_stages <= 2 and c.block_q <= m.block_q and c.block_k <= m.block_k and c.num_warps == m.num_warps
