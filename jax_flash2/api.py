@@ -109,7 +109,8 @@ def flash_attention(
     dropout_rng: a JAX PRNG key (typed, or a raw uint32 [2] key).
     dropout_broadcast: one dropout mask for every batch element and head
       (Flax's broadcast_dropout=True).
-    return_lse: also return the log-sum-exp of each row's scaled scores.
+    return_lse: also return the log-sum-exp of each row's scaled scores
+      (and of its head's sink, with sinks).
     backend: a `Backend` or its name. "auto": each pass on the first backend
       that serves it, in measured order: the Mosaic GPU kernels on Hopper
       (bf16/fp16, head_dim 64/128/256, full or causal attention, GQA; ragged
