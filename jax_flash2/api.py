@@ -37,6 +37,7 @@ def flash_attention(
     alibi_slopes: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    sinks: jax.Array | None = None,
     softmax_scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
@@ -74,7 +75,7 @@ def flash_attention(
           1 1 1 1 1
 
       A query row that sees no key (possible when seq_q > seq_k) returns
-      zeros, lse = -inf, and zero gradients.
+      zeros, lse = -inf (the sink with sinks), and zero gradients.
     window_size: (left, right): local attention, key j visible to query i iff
       i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right; None on a
       side leaves it unbounded. Blocks wholly outside the band are skipped,
@@ -89,6 +90,12 @@ def flash_attention(
     q_segment_ids, kv_segment_ids: int32 [batch, seq_q] and [batch, seq_k],
       both or neither: for packed sequences, query i sees key j only if
       their ids are equal. Tiles whose id ranges do not meet are skipped.
+    sinks: float [heads]: attention sinks (gpt-oss), one learned logit per
+      query head that joins each row's softmax denominator and carries no
+      value: p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij)). lse then
+      includes it, and a row that sees no key returns zeros and lse = sink_h.
+      Differentiable (dsinks sums over batch and rows). Joined to the
+      kernels' output outside them, so every backend and option serves it.
     softmax_scale: multiplies q.k before the softmax; defaults to
       1 / sqrt(head_dim).
     dropout_rate: probability of dropping each attention probability (the
@@ -102,7 +109,8 @@ def flash_attention(
     dropout_rng: a JAX PRNG key (typed, or a raw uint32 [2] key).
     dropout_broadcast: one dropout mask for every batch element and head
       (Flax's broadcast_dropout=True).
-    return_lse: also return the log-sum-exp of each row's scaled scores.
+    return_lse: also return the log-sum-exp of each row's scaled scores
+      (and of its head's sink, with sinks).
     backend: a `Backend` or its name. "auto": each pass on the first backend
       that serves it, in measured order: the Mosaic GPU kernels on Hopper
       (bf16/fp16, head_dim 64/128/256, full or causal attention, GQA; ragged
@@ -126,13 +134,14 @@ def flash_attention(
   """
   problem = _problem(q, k, v, mask=mask, bias=bias, causal=causal, window_size=window_size, softcap=softcap,
                      alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                     softmax_scale=softmax_scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                     sinks=sinks, softmax_scale=softmax_scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                      dropout_broadcast=dropout_broadcast)
   requested = _check_backend(backend)
   plan = _plan(problem, requested, Device(backends.default_compute_capability(), _check_flag("interpret", interpret)),
                block_sizes, mosaic_config)
   operands = _operands(q, k, mask=mask, bias=bias, alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
-                       kv_segment_ids=kv_segment_ids, dropout_rng=dropout_rng if problem.has_dropout else None)
+                       kv_segment_ids=kv_segment_ids, sinks=sinks,
+                       dropout_rng=dropout_rng if problem.has_dropout else None)
   if plan.kernels:
     out, lse = vjp.flash_checked(q, k, v, operands, backends.Call(problem, plan))
   else:
@@ -198,9 +207,10 @@ def _plan(problem: Problem, backend: Backend, device: Device, block_sizes, mosai
 
 
 def _problem(q, k, v, *, mask=None, bias=None, causal=False, window_size=None, softcap=None, alibi_slopes=None,
-             q_segment_ids=None, kv_segment_ids=None, softmax_scale=None, dropout_rate=0.0, dropout_rng=None,
-             dropout_broadcast=False) -> Problem:
-  """The static description of a call, every argument checked."""
+             q_segment_ids=None, kv_segment_ids=None, sinks=None, softmax_scale=None, dropout_rate=0.0,
+             dropout_rng=None, dropout_broadcast=False) -> Problem:
+  """The static description of a call, every argument checked. (Sinks
+  change nothing static: they join outside the kernels, see vjp.py.)"""
   _check_arrays(q, k, v)
   head_dim = q.shape[-1]
   softmax_scale = _check_scale(softmax_scale, head_dim)
@@ -215,6 +225,8 @@ def _problem(q, k, v, *, mask=None, bias=None, causal=False, window_size=None, s
     _check_bias(bias, q, k)
   if alibi_slopes is not None:
     _check_slopes(alibi_slopes, q)
+  if sinks is not None:
+    _check_sinks(sinks, q)
   segments = _check_segments(q_segment_ids, kv_segment_ids, q, k)
   dropout_rate = _check_dropout(dropout_rate, dropout_rng)
   visibility = Mask(q.shape[1], k.shape[1], causal=bool(causal), window_left=left, window_right=right,
@@ -233,7 +245,7 @@ def _problem(q, k, v, *, mask=None, bias=None, causal=False, window_size=None, s
   )
 
 
-def _operands(q, k, *, mask, bias, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_rng) -> Operands:
+def _operands(q, k, *, mask, bias, alibi_slopes, q_segment_ids, kv_segment_ids, sinks, dropout_rng) -> Operands:
   """The optional arrays of a checked call, in the forms the kernels read."""
   return Operands(
       # int8, not bool: the kernels load it.
@@ -244,6 +256,8 @@ def _operands(q, k, *, mask, bias, alibi_slopes, q_segment_ids, kv_segment_ids, 
           jnp.reshape(alibi_slopes, (-1, q.shape[2])).astype(jnp.float32)),
       dropout_seed=None if dropout_rng is None else jax.lax.stop_gradient(dropout.seed_words(dropout_rng)),
       bias=None if bias is None else _per_score(bias, _per_score_shape("bias", bias, q, k), q, k),
+      # float32, by a differentiable cast: dsinks returns in the caller's dtype.
+      sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
   )
 
 
@@ -386,6 +400,17 @@ def _check_slopes(slopes, q) -> None:
     )
   if not jnp.issubdtype(slopes.dtype, jnp.floating):
     raise TypeError(f"alibi_slopes must be floating point, got dtype {slopes.dtype}")
+
+
+def _check_sinks(sinks, q) -> None:
+  """Attention sinks: float [heads], q's heads."""
+  if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+    raise TypeError(f"sinks must be an array, got {type(sinks).__name__}")
+  heads = q.shape[2]
+  if tuple(sinks.shape) != (heads,):
+    raise ValueError(f"sinks must have shape [heads] = ({heads},) (q's heads), got {tuple(sinks.shape)}")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise TypeError(f"sinks must be floating point, got dtype {sinks.dtype}")
 
 
 def _check_window(window_size) -> tuple[int | None, int | None]:

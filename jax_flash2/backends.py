@@ -113,9 +113,14 @@ class Call:
   def interpret(self) -> bool:
     return self.plan.interpret
 
+  @property
+  def lse_log2(self) -> bool:
+    """Whether the forward kernels write their lse in base 2 (else natural)."""
+    return kernels(self.plan.forward.backend).lse_log2
+
   def natural_lse(self, lse: jax.Array) -> jax.Array:
     """The forward kernels' lse in natural log, as flash_attention returns it."""
-    return lse * LN_2 if kernels(self.plan.forward.backend).lse_log2 else lse
+    return lse * LN_2 if self.lse_log2 else lse
 
   def backward_lse(self, lse: jax.Array) -> jax.Array:
     """The forward kernels' lse in the base the backward kernels read."""
@@ -294,7 +299,8 @@ class XlaAttention(Implementation):
         alibi_slopes=operands.alibi_slopes, q_segment_ids=operands.q_segment_ids,
         kv_segment_ids=operands.kv_segment_ids, softmax_scale=problem.softmax_scale,
         dropout_rate=problem.dropout_rate, dropout_seed=operands.dropout_seed,
-        dropout_broadcast=problem.dropout_broadcast, bias=operands.bias, compute_dtype=jnp.float32,
+        dropout_broadcast=problem.dropout_broadcast, bias=operands.bias, sinks=operands.sinks,
+        compute_dtype=jnp.float32,
     )
 
 

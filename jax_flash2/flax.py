@@ -51,6 +51,23 @@ What maps onto what (the keywords the modules pass, as of flax 0.12):
   broadcastable to it), nonzero = visible: passed to the kernels.
 - ``bias``, broadcastable like the mask: added to the scores inside the
   kernels, with its gradient.
+- ``sinks`` ``[heads]``: attention sinks (see ``flash_attention``), with
+  their gradient. Flax's modules pass none, so the model's own module holds
+  them as a parameter and binds them. Linen, inside ``@nn.compact``::
+
+      sinks = self.param("sinks", nn.initializers.zeros, (8,))
+      attend = functools.partial(attention_fn, sinks=sinks)
+      y = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=attend)(x)
+
+  NNX: the attention_fn is itself a module holding the parameter::
+
+      class WithSinks(nnx.Module):
+        def __init__(self, heads):
+          self.sinks = nnx.Param(jnp.zeros((heads,)))
+        def __call__(self, *args, **kwargs):
+          return attention_fn(*args, sinks=self.sinks[...], **kwargs)
+
+      layer = nnx.MultiHeadAttention(..., num_heads=8, attention_fn=WithSinks(8))
 - ``is_causal`` (NNX): with q_length == kv_length the kernel's causal flag;
   otherwise Flax's top-left ``tril(ones((q_length, kv_length)))`` is applied
   as a mask, as Flax does. (NNX turns it off in decode mode itself.)
@@ -162,6 +179,7 @@ class FlashAttentionFn:
       module: Any = None,
       force_fp32_for_softmax: bool = False,
       *,
+      sinks: jax.Array | None = None,
       is_causal: bool = False,
       input_positions: jax.Array | None = None,
       qk_attn_weights_einsum: Any = None,
@@ -185,6 +203,8 @@ class FlashAttentionFn:
       precision: ignored (the kernels fix their precision).
       module: must be None (attention weights are never materialised).
       force_fp32_for_softmax: ignored (the softmax is always float32).
+      sinks: float [heads]: attention sinks, one logit per query head in
+        each row's softmax denominator (jax_flash2.flash_attention).
       is_causal: NNX's causal flag (top-left aligned, as in Flax).
       input_positions: must be None (no position embedding is applied here).
       qk_attn_weights_einsum, attn_weights_value_einsum: must be None.
@@ -210,9 +230,9 @@ class FlashAttentionFn:
       else:
         mask = _and_masks(mask, jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_)))
     out = flash_attention(
-        q, k, v, mask=mask, bias=bias, causal=causal, softmax_scale=self.softmax_scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, dropout_broadcast=broadcast_dropout, backend=self.backend, interpret=self.interpret,
-        block_sizes=self.block_sizes, mosaic_config=self.mosaic_config,
+        q, k, v, mask=mask, bias=bias, causal=causal, sinks=sinks, softmax_scale=self.softmax_scale,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, dropout_broadcast=broadcast_dropout, backend=self.backend,
+        interpret=self.interpret, block_sizes=self.block_sizes, mosaic_config=self.mosaic_config,
     )
     return out.reshape(batch_shape + out.shape[1:])
 

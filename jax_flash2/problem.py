@@ -93,6 +93,9 @@ class Operands(NamedTuple):
   alibi_slopes: float32 [batch or 1, heads].
   dropout_seed: int32 [2] (jax_flash2.dropout.seed_words).
   bias: float [batch or 1, heads or 1, seq_q, seq_k], added to the scores.
+  sinks: float32 [heads], one logit per query head in every row's softmax
+    denominator. The kernels never read it: vjp.py joins it to their output
+    and lse, so the kernels (and sharding's partitioned calls) get None.
   """
 
   mask: jax.Array | None = None
@@ -101,3 +104,4 @@ class Operands(NamedTuple):
   alibi_slopes: jax.Array | None = None
   dropout_seed: jax.Array | None = None
   bias: jax.Array | None = None
+  sinks: jax.Array | None = None

@@ -50,6 +50,7 @@ def attention(
     dropout_seed: jax.Array | None = None,
     dropout_broadcast: bool = False,
     bias: jax.Array | None = None,
+    sinks: jax.Array | None = None,
     compute_dtype: jnp.dtype | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Exact softmax attention and its log-sum-exp.
@@ -72,6 +73,9 @@ def attention(
     dropout_broadcast: one dropout mask for every batch element and head.
     bias: broadcastable to [batch, heads, seq_q, seq_k]; added to the scores
       after softcap and ALiBi.
+    sinks: [heads]: attention sinks (gpt-oss), one logit per head that joins
+      each row's softmax denominator and carries no value:
+      p_ij = exp(s_ij) / (exp(sink) + sum_j exp(s_ij)).
     compute_dtype: dtype of the arithmetic; defaults to q's dtype promoted to
       at least float32 (so float64 inputs give a float64 reference).
 
@@ -79,7 +83,8 @@ def attention(
     out: [batch, seq_q, heads, head_dim] in q's dtype. Rows that see no key
       are zero.
     lse: [batch, heads, seq_q] in compute_dtype, the natural log of the sum of
-      exp(scaled scores) of each row; -inf for rows that see no key.
+      exp(scaled scores) of each row (and of exp(sink)); -inf for rows that
+      see no key (the sink where there are sinks).
   """
   if softmax_scale is None:
     softmax_scale = q.shape[-1] ** -0.5
@@ -108,10 +113,17 @@ def attention(
   # A row that sees nothing has max -inf; shifting by 0 instead keeps exp() at
   # 0 rather than NaN, and the guarded divide and log keep its gradient finite.
   # A row with a NaN or a +inf score comes out NaN, lse included.
-  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  m = jnp.max(s, axis=-1, keepdims=True)
+  if sinks is not None:
+    # The sink column: in the max and the denominator, not in the values.
+    sink = jnp.broadcast_to(sinks.astype(s.dtype)[None, :, None, None], m.shape)
+    m = jnp.maximum(m, sink)
+  m = jax.lax.stop_gradient(m)
   m = jnp.where(m == -jnp.inf, 0.0, m)
   p = jnp.exp(s - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
+  if sinks is not None:
+    l = l + jnp.exp(sink - m)
   seen = l != 0
   l_safe = jnp.where(seen, l, 1.0)
   probs = p / l_safe

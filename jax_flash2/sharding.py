@@ -49,6 +49,9 @@ def _present(problem: Problem) -> tuple[str, ...]:
   has = {
       "mask": problem.mask.dense, "q_segment_ids": problem.mask.segments, "kv_segment_ids": problem.mask.segments,
       "alibi_slopes": problem.has_alibi, "dropout_seed": problem.has_dropout, "bias": problem.has_bias,
+      # The sinks join the kernels' output outside them (vjp.py), in plain
+      # JAX that the partitioner shards like the lse it combines with.
+      "sinks": False,
   }
   return tuple(name for name in _OPERANDS if has[name])
 

@@ -122,47 +122,50 @@ def rel_err(x, ref, floor: float = 0.0) -> float:
 
 def reference_with_grads(
     q, k, v, dout, dlse=None, *, mask=None, causal=False, window=(None, None), softcap=None,
-    alibi_slopes=None, segment_ids=None, softmax_scale=None, dropout=None, dtype=jnp.float64,
+    alibi_slopes=None, segment_ids=None, bias=None, sinks=None, softmax_scale=None, dropout=None, dtype=jnp.float64,
 ):
-  """(out, lse, dq, dk, dv) of the plain-jnp reference, all arithmetic in `dtype`.
+  """(out, lse, dq, dk, dv) of the plain-jnp reference, all arithmetic in
+  `dtype`, and dsinks after them when sinks are given (the bias takes no
+  gradient here: test_bias.py checks dbias).
 
   dropout: None, or (rate, int32 [2] seed, broadcast)."""
   if dlse is None:
     dlse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
   rate, seed, broadcast = dropout if dropout is not None else (0.0, None, False)
   return _reference_with_grads(
-      q, k, v, dout, dlse, mask, alibi_slopes, segment_ids, seed, causal, tuple(window), softcap, softmax_scale,
-      jnp.dtype(dtype), rate, broadcast,
+      q, k, v, dout, dlse, mask, alibi_slopes, segment_ids, seed, bias, sinks, causal, tuple(window), softcap,
+      softmax_scale, jnp.dtype(dtype), rate, broadcast,
   )
 
 
-@functools.partial(jax.jit, static_argnums=tuple(range(9, 16)))
+@functools.partial(jax.jit, static_argnums=tuple(range(11, 18)))
 def _reference_with_grads(
-    q, k, v, dout, dlse, mask, alibi_slopes, segment_ids, seed, causal, window, softcap, softmax_scale, dtype,
-    rate, broadcast,
+    q, k, v, dout, dlse, mask, alibi_slopes, segment_ids, seed, bias, sinks, causal, window, softcap,
+    softmax_scale, dtype, rate, broadcast,
 ):
   q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
   # Jitted: op-by-op dispatch of the reference at GPU test sizes compiled every
   # op for every shape, which dominated the GPU suite's time.
-  args = [x.astype(dtype) for x in (q, k, v)]
+  args = [x.astype(dtype) for x in (q, k, v) + (() if sinks is None else (sinks,))]
   (out, lse), vjp = jax.vjp(
-      lambda q, k, v: reference.attention(
+      lambda q, k, v, *sinks: reference.attention(
           q, k, v, mask=mask, causal=causal, window_size=window, softcap=softcap,
-          alibi_slopes=alibi_slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+          alibi_slopes=alibi_slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids, bias=bias,
+          sinks=sinks[0] if sinks else None,
           softmax_scale=softmax_scale, dropout_rate=rate, dropout_seed=seed, dropout_broadcast=broadcast,
           compute_dtype=dtype,
       ),
       *args,
   )
-  dq, dk, dv = vjp((dout.astype(dtype), dlse.astype(lse.dtype)))
-  return out, lse, dq, dk, dv
+  return (out, lse, *vjp((dout.astype(dtype), dlse.astype(lse.dtype))))
 
 
-def flash_with_grads(q, k, v, dout, dlse=None, *, bias_grad=False, **kwargs):
+def flash_with_grads(q, k, v, dout, dlse=None, *, wrt=(), **kwargs):
   """(out, lse, dq, dk, dv) of flash_attention(q, k, v, return_lse=True,
-  interpret=True, **kwargs) with output cotangents (dout, dlse), plus dbias
-  when bias_grad. One jitted program: array arguments (mask, bias, slopes,
-  segment ids, dropout key) are its operands, the rest static. Much cheaper
+  interpret=True, **kwargs) (interpret=False may override) with output cotangents (dout, dlse), then the
+  gradients of the array arguments named in `wrt` (e.g. ("bias",)), in
+  order. One jitted program: array arguments (mask, bias, slopes, segment
+  ids, sinks, dropout key) are its operands, the rest static. Much cheaper
   to compile than the same calls op by op (the eager path keeps its own
   tests: test_api.test_jit_matches_eager, test_kernels.test_gradients_are_deterministic).
 
@@ -171,29 +174,32 @@ def flash_with_grads(q, k, v, dout, dlse=None, *, bias_grad=False, **kwargs):
     dlse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
   arrays = {name: x for name, x in kwargs.items() if isinstance(x, (jax.Array, np.ndarray))}
   static = tuple(sorted((name, x) for name, x in kwargs.items() if name not in arrays))
-  return _flash_with_grads(q, k, v, dout, dlse, arrays, static, bias_grad)
+  return _flash_with_grads(q, k, v, dout, dlse, arrays, static, tuple(wrt))
 
 
 @functools.partial(jax.jit, static_argnums=(6, 7))
-def _flash_with_grads(q, k, v, dout, dlse, arrays, static, bias_grad):
+def _flash_with_grads(q, k, v, dout, dlse, arrays, static, wrt):
   from jax_flash2 import flash_attention
 
   arrays = dict(arrays)
-  bias = arrays.pop("bias") if bias_grad else None
+  differentiated = [arrays.pop(name) for name in wrt]
 
-  def f(q, k, v, *bias_arg):
-    extra = {"bias": bias_arg[0]} if bias_arg else {}
-    return flash_attention(q, k, v, return_lse=True, interpret=True, **arrays, **extra, **dict(static))
+  def f(q, k, v, *differentiated):
+    # interpret=True unless the static options say otherwise (backend="xla").
+    options = {"interpret": True, **dict(static)}
+    return flash_attention(q, k, v, return_lse=True, **arrays, **dict(zip(wrt, differentiated)), **options)
 
-  (out, lse), vjp = jax.vjp(f, q, k, v, *(() if bias is None else (bias,)))
+  (out, lse), vjp = jax.vjp(f, q, k, v, *differentiated)
   return (out, lse, *vjp((dout, dlse)))
 
 
 def assert_matches_reference(got, want, dout, tol: float = 1e-5) -> None:
-  """(out, lse, dq, dk, dv) against the reference: relative error under tol,
-  gradients with a floor of 0.1 * ||dout|| (see rel_err)."""
+  """(out, lse, dq, dk, dv) (and dsinks where given) against the reference:
+  relative error under tol, gradients with a floor of 0.1 * ||dout|| (see
+  rel_err)."""
+  assert len(got) == len(want)
   floor = 0.1 * float(jnp.linalg.norm(dout))
-  for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+  for name, x, ref in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, want):
     assert x.shape == ref.shape, name
     err = rel_err(x, ref, floor=floor if name.startswith("d") else 0.0)
     assert err < tol, f"{name}: relative error {err:.3g}"

@@ -50,12 +50,14 @@ def _options(name: str, q, k) -> dict:
       "segments": dict(q_segment_ids=ids[0], kv_segment_ids=ids[1]),
       "dropout": dict(dropout_rate=0.1, dropout_rng=jax.ShapeDtypeStruct((2,), jnp.uint32)),
       "scale": dict(softmax_scale=0.3, causal=True),
+      # Joined outside the kernels: the Mosaic kernels serve them too.
+      "sinks": dict(sinks=jax.ShapeDtypeStruct((heads,), jnp.float32), causal=True),
   }[name]
 
 
 OPTIONS = ["none", "causal", "mask", "bias", "window", "window_as_causal", "softcap", "alibi", "segments",
-           "dropout", "scale"]
-PLAIN = {"none", "causal", "window_as_causal", "scale"}
+           "dropout", "scale", "sinks"]
+PLAIN = {"none", "causal", "window_as_causal", "scale", "sinks"}
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -200,6 +202,8 @@ def test_plan_takes_arrays_and_checks_like_flash_attention():
     plan(q[..., :12], k[..., :12], v[..., :12])
   with pytest.raises(TypeError, match="compute_capability"):
     plan(q, k, v, compute_capability="9.0")
+  with pytest.raises(ValueError, match=r"sinks must have shape \[heads\] = \(2,\)"):
+    plan(q, k, v, sinks=jnp.zeros((3,)))
 
 
 def test_layers_share_one_kernel_lowering(monkeypatch):

@@ -235,6 +235,44 @@ def test_requested_impls_that_cannot_run_here(capsys):
     LeftOut("cudnn", "", requested=True)
 
 
+def test_sinks_flag_runs_the_jax_flash2_impls_only(no_tokamax, capsys):
+  """--sinks: the implementations without attention sinks are left out, the
+  defaults silently, those asked for with the reason; none left is a usage
+  error that says why."""
+  assert not cli.parse([], "gpu").sinks
+  cfg = cli.parse(["--sinks"], "gpu")
+  assert cfg.sinks and cfg.impls == ("flash2",)
+  no_sinks = "has no attention sinks (--sinks)"
+  assert cfg.left_out == (LeftOut("cudnn", no_sinks, requested=False), LeftOut("xla", no_sinks, requested=False),
+                          NO_TOKAMAX)
+  assert "attention sinks" in cli._describe(cfg) and "sinks" not in cli._describe(cli.parse([], "gpu"))
+  cfg = cli.parse(["--sinks", "--impls", "flash2-triton", "cudnn"], "gpu")
+  assert cfg.impls == ("flash2-triton",) and cfg.left_out == (LeftOut("cudnn", no_sinks, requested=True),)
+  with pytest.raises(SystemExit) as exc:
+    cli.parse(["--sinks", "--impls", "xla"], "cpu")
+  assert exc.value.code == 2 and f"xla: {no_sinks}" in capsys.readouterr().err
+
+
+def test_tokamax_has_no_sinks(fake_tokamax):
+  sinks = impls.Options(platform="gpu", sinks=True)
+  for name in ("tokamax", "tokamax-mosaic", "tokamax-triton", "tokamax-xla"):
+    assert impls.get(name).available(sinks) == "has no attention sinks (--sinks)"
+    assert impls.get(name).supports(_shape(), sinks) == "has no attention sinks (--sinks)"
+
+
+def test_flash2_takes_the_sinks_of_the_check_reference():
+  """A --sinks run's check: flash2 (interpret) against the float32 reference
+  with the same sink logits, which change the output."""
+  shape = _shape(batch=1, seqlen=32, heads=2, kv_heads=2, head_dim=16, causal=True, dtype="float32")
+  x = timing.make_inputs(shape, 0)
+  result, _ = sweep.run_check(impls.get("flash2-triton"), shape, x,
+                              impls.Options(platform="cpu", interpret=True, sinks=True), seed=0)
+  assert result.status == "ok" and result.rel_err_out < 1e-5 and result.rel_err_grad < 1e-5
+  with_sinks, without = (check.reference_fwd_bwd_jit(x.q, x.k, x.v, x.dout, causal=True, sinks=sinks)[0]
+                         for sinks in (True, False))
+  assert not np.allclose(np.asarray(with_sinks), np.asarray(without), atol=1e-2)
+
+
 # -------------------------------------------------------------------- FLOPs
 
 

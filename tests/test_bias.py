@@ -34,7 +34,7 @@ def _reference_jit(q, k, v, dout, bias, arrays, static):
 
 def _flash(q, k, v, dout, bias, **kwargs):
   """(out, lse, dq, dk, dv, dbias) of the kernels, one jitted program."""
-  return flash_with_grads(q, k, v, dout, bias=bias, bias_grad=True, block_sizes=MIXED, **kwargs)
+  return flash_with_grads(q, k, v, dout, bias=bias, wrt=("bias",), block_sizes=MIXED, **kwargs)
 
 
 def _check(got, want, dout):

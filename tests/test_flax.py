@@ -301,6 +301,56 @@ def test_bias_matches_flax_with_its_gradient():
     assert rel_err(x, w) < TOL
 
 
+class _LinenWithSinks(nn.Module):
+  """A model's own module: learned sinks, bound into the attention_fn."""
+
+  attention: FlashAttentionFn
+
+  @nn.compact
+  def __call__(self, x):
+    sinks = self.param("sinks", nn.initializers.normal(2.0), (HEADS,))
+    attend = functools.partial(self.attention, sinks=sinks)
+    return nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=attend)(x, mask=_causal_mask((BATCH,)))
+
+
+class _NnxSinks(nnx.Module):
+  """An attention_fn that is itself a module holding the sinks parameter."""
+
+  def __init__(self, attention: FlashAttentionFn):
+    self.attention = attention
+    self.sinks = nnx.Param(2.0 * jax.random.normal(jax.random.PRNGKey(4), (HEADS,)))
+
+  def __call__(self, *args, **kwargs):
+    return self.attention(*args, sinks=self.sinks[...], **kwargs)
+
+
+def test_sinks_from_a_linen_module_with_their_gradient():
+  """The kernels against jax_flash2's XLA path (the reference, with the sink
+  column): outputs and every parameter's gradient, the sinks' included."""
+  x, dout = _inputs()
+  params = _LinenWithSinks(FLASH).init(jax.random.PRNGKey(0), x)
+
+  def out_and_grads(attention):
+    loss = lambda p: (lambda out: (jnp.sum(out * dout), out))(_LinenWithSinks(attention).apply(p, x))
+    return jax.jit(jax.value_and_grad(loss, has_aux=True), compiler_options=FAST_COMPILE)(params)
+
+  (_, out), grads = out_and_grads(FLASH)
+  (_, want_out), want_grads = out_and_grads(make_attention_fn(backend="xla"))
+  assert rel_err(out, want_out) < TOL
+  _assert_trees_close(grads, want_grads)
+  assert float(jnp.abs(grads["params"]["sinks"]).min()) > 0
+
+
+def test_sinks_from_an_nnx_module_with_their_gradient():
+  x, dout = _inputs()
+  ours, theirs = (_nnx_layer(_NnxSinks(fn), num_kv_heads=1) for fn in (FLASH, make_attention_fn(backend="xla")))
+  out, grads = _nnx_out_and_grads(ours, x, dout, is_causal=True)
+  want_out, want_grads = _nnx_out_and_grads(theirs, x, dout, is_causal=True)
+  assert rel_err(out, want_out) < TOL
+  _assert_trees_close(grads, want_grads)
+  assert float(jnp.abs(grads["attention_fn"]["sinks"][...]).min()) > 0
+
+
 def test_custom_einsum_raises():
   q = jnp.zeros((BATCH, SEQ, HEADS, HEAD_DIM))
   with pytest.raises(ValueError, match="einsum"):

@@ -41,37 +41,50 @@ def _poison():
 
 
 def _flash(q, k, v, dout, mask, slopes, segment_ids, rng, causal, window=None, softcap=None, rate=0.0,
-           backend="triton"):
+           backend="triton", *, sinks=None, dlse=None):
+  """(out, lse, dq, dk, dv), and dsinks with sinks; dlse None means zeros."""
   q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
 
-  def f(q, k, v):
+  def f(q, k, v, *sinks):
     return flash_attention(q, k, v, mask=mask, causal=causal, window_size=window, softcap=softcap,
                            alibi_slopes=slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                           dropout_rate=rate, dropout_rng=rng, return_lse=True, backend=backend)
+                           sinks=sinks[0] if sinks else None, dropout_rate=rate, dropout_rng=rng, return_lse=True,
+                           backend=backend)
 
-  (out, lse), vjp = jax.vjp(f, q, k, v)
-  return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+  (out, lse), vjp = jax.vjp(f, q, k, v, *(() if sinks is None else (sinks,)))
+  return (out, lse, *vjp((dout, jnp.zeros_like(lse) if dlse is None else dlse)))
 
 
 _flash_jit = jax.jit(_flash, static_argnums=(8, 9, 10, 11, 12))
 
 
 def _check(shape, dtype, causal, mask=None, kv_heads=None, window=None, softcap=None, slopes=None,
-           segment_ids=None, dropout_rate=0.0, backend="triton"):
+           segment_ids=None, dropout_rate=0.0, backend="triton", sinks=False):
+  """sinks: with random sinks and a random lse cotangent, dsinks checked too."""
   batch, seq_q, seq_k, heads, head_dim = shape
   q, k, v, dout = random_inputs(hash((shape, causal)) % 2**31, batch, seq_q, seq_k, heads, head_dim, dtype)
   if kv_heads is not None:
     k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+  extra = {}
+  if sinks:
+    draw = np.random.default_rng(seq_q)
+    # Around log(seq_k): the sink takes a sizeable share of each row.
+    extra = dict(sinks=jnp.asarray(np.log(seq_k) + draw.standard_normal(heads, np.float32), jnp.float32),
+                 dlse=jnp.asarray(draw.standard_normal((batch, heads, seq_q), np.float32)))
   _poison().block_until_ready()
   rng = jax.random.PRNGKey(3)
-  got = _flash_jit(q, k, v, dout, mask, slopes, segment_ids, rng, causal, window, softcap, dropout_rate, backend)
+  got = _flash_jit(q, k, v, dout, mask, slopes, segment_ids, rng, causal, window, softcap, dropout_rate, backend,
+                   **extra)
   ref = dict(mask=mask, causal=causal, window=window or (None, None), softcap=softcap, alibi_slopes=slopes,
-             segment_ids=segment_ids)
+             segment_ids=segment_ids, **extra)
   if dropout_rate:
     ref["dropout"] = (dropout_rate, dropout.seed_words(rng), False)
-  want = reference_with_grads(q, k, v, dout, dtype=jnp.float32, **ref)
-  plain = reference_with_grads(q, k, v, dout, dtype=dtype, **ref)
-  for name, x, ref, base in zip(("out", "lse", "dq", "dk", "dv"), got, want, plain):
+  dlse = ref.pop("dlse", None)
+  want = reference_with_grads(q, k, v, dout, dlse, dtype=jnp.float32, **ref)
+  if sinks:
+    ref["sinks"] = ref["sinks"].astype(dtype)
+  plain = reference_with_grads(q, k, v, dout, dlse, dtype=dtype, **ref)
+  for name, x, ref, base in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, want, plain):
     err, base_err = rel_err(x, ref), rel_err(base, ref)
     factor = 2.0 if name in ("out", "lse") else 3.0
     assert err < 1e-2, f"{name}: relative error {err:.3g}"
@@ -132,6 +145,21 @@ def test_packed_segments():
 def test_dropout(causal):
   """The hash mask compiled by the Triton lowering matches the reference's."""
   _check((2, 1000, 1000, 4, 64), jnp.bfloat16, causal, kv_heads=2, dropout_rate=0.2)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, shape, kv_heads", [
+    (jnp.bfloat16, (1, 2048, 2048, 8, 128), 2),
+    (jnp.float16, (1, 1537, 1000, 3, 128), None),  # ragged; causal leaves rows with no key (lse = sink)
+    (jnp.bfloat16, (2, 1024, 1024, 4, 64), None),
+], ids=["bf16_gqa_2048", "fp16_ragged", "bf16_d64"])
+def test_sinks(dtype, shape, kv_heads, causal):
+  """Attention sinks with their gradient (dsinks held to the same rule)."""
+  _check(shape, dtype, causal, kv_heads=kv_heads, sinks=True)
+
+
+def test_sinks_with_dropout_and_a_window():
+  _check((2, 2048, 2048, 4, 128), jnp.bfloat16, True, kv_heads=2, window=(512, 0), dropout_rate=0.2, sinks=True)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -221,6 +249,15 @@ def test_mosaic_fp16_matches_reference(shape, causal):
 @pytest.mark.parametrize("shape", [(2, 2048, 2048, 8, 128), (2, 1000, 1300, 8, 64)], ids=["2048", "ragged"])
 def test_mosaic_grouped_query_attention(shape, causal):
   _check(shape, jnp.bfloat16, causal, kv_heads=2, backend="mosaic")
+
+
+@hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, shape", [(jnp.bfloat16, (1, 2048, 2048, 4, 128)), (jnp.float16, (1, 2048, 1024, 4, 64))],
+                         ids=["bf16_2048", "fp16_rows_without_keys"])
+def test_mosaic_sinks(dtype, shape, causal):
+  """The sinks joined to the Mosaic kernels' natural-log lse."""
+  _check(shape, dtype, causal, backend="mosaic", sinks=True)
 
 
 @hopper

@@ -322,3 +322,27 @@ def test_bias_and_its_gradient_shard_with_batch_and_heads(bias_shape, kernel):
   want = jax.jit(f)(q, k, v, dout, bias)
   for name, x, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
     assert rel_err(x, w) < 1e-5, name
+
+
+@pytest.mark.parametrize("kernel", MODES)
+def test_sinks_shard_with_the_heads(kernel):
+  """The sinks join the kernels' output outside their partitioned call, in
+  plain JAX that the partitioner splits like the heads: no all-gather, and
+  dsinks is summed over the batch shards (an all-reduce over "data")."""
+  mesh = _mesh((2, 4))
+  q, k, v, dout = _inputs()
+  sinks = jax.random.normal(jax.random.PRNGKey(5), (4,), jnp.float32) + 2.0
+
+  def f(q, k, v, dout, sinks):
+    attend = lambda q, k, v, sinks: flash_attention(q, k, v, sinks=sinks, causal=True, **kernel)
+    out, vjp = jax.vjp(attend, q, k, v, sinks)
+    return (out, *vjp(dout))
+
+  qkv = NamedSharding(mesh, QKV)
+  got, hlo = _compile(f, (q, k, v, dout, sinks), (qkv,) * 4 + (NamedSharding(mesh, P("model")),))
+  if mesh.size > 1:
+    assert "all-gather" not in hlo
+    assert f"f32[{','.join(map(str, q.shape))}]" not in hlo
+  want = jax.jit(f)(q, k, v, dout, sinks)
+  for name, x, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+    assert rel_err(x, w) < 1e-5, name

@@ -89,6 +89,18 @@ def test_checkpoint_names_reach_the_saved_residuals():
   assert "named 'flash2_lse'" in printed.getvalue()
 
 
+@pytest.mark.parametrize("policy, forward_runs", [("save_out_and_lse", 1), ("nothing_saveable", 2)])
+def test_checkpoint_policies_with_sinks(policy, forward_runs):
+  """With sinks too, saving the named out and lse (the joined ones, which
+  the backward reads) keeps the forward kernel from running again."""
+  q, k, v, dout = random_inputs(0, 1, 16, 16, 2, 16)
+  sinks = jnp.ones((2,), jnp.float32)
+  attend = jax.checkpoint(lambda q, sinks: flash_attention(q, k, v, sinks=sinks, interpret=True, block_sizes=SMALL),
+                          policy=POLICIES[policy][0])
+  grad = jax.grad(lambda q, sinks: jnp.sum(attend(q, sinks) * dout), argnums=(0, 1))
+  assert _kernel_calls(jax.make_jaxpr(grad)(q, sinks).jaxpr, "flash2_fwd") == forward_runs
+
+
 # ---------------------------------------------------------------- vmap
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash2 import reference
-from jax_flash2.bench.impls import segment_ids
+from jax_flash2.bench.impls import segment_ids, sink_logits
 from jax_flash2.bench.spec import Shape, Window
 
 # Largest float32 score tensor [batch, heads, seq, seq] the reference may build;
@@ -32,11 +32,12 @@ def check_shape(shape: Shape) -> Shape:
 
 
 def reference_fwd_bwd(
-    q, k, v, dout, *, causal: bool, window: Window | None = None, segments: int = 1
+    q, k, v, dout, *, causal: bool, window: Window | None = None, segments: int = 1, sinks: bool = False
 ) -> tuple[jax.Array, ...]:
   """(out, dq, dk, dv) of `reference.attention` in float32; k/v heads are
   repeated for grouped-query attention (query head n uses kv head n // group).
-  `window` and `segments` mean what they mean in spec.Shape."""
+  `window` and `segments` mean what they mean in spec.Shape; sinks: with
+  impls.sink_logits, as a --sinks run's implementations have them."""
   group = q.shape[2] // k.shape[2]
   ids = segment_ids(q.shape[0], q.shape[1], segments)
 
@@ -44,7 +45,8 @@ def reference_fwd_bwd(
     k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
     out, _ = reference.attention(
         q, k, v, causal=causal, window_size=window if window is not None else (None, None),
-        q_segment_ids=ids, kv_segment_ids=ids, compute_dtype=jnp.float32,
+        q_segment_ids=ids, kv_segment_ids=ids, sinks=sink_logits(q.shape[2]) if sinks else None,
+        compute_dtype=jnp.float32,
     )
     return out
 
@@ -64,4 +66,4 @@ def relative_errors(got: tuple[jax.Array, ...], want: tuple[jax.Array, ...]) -> 
   return jnp.stack(errs)
 
 
-reference_fwd_bwd_jit = jax.jit(reference_fwd_bwd, static_argnames=("causal", "window", "segments"))
+reference_fwd_bwd_jit = jax.jit(reference_fwd_bwd, static_argnames=("causal", "window", "segments", "sinks"))

@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="packed sequences: each row split into N equal contiguous segments, attention within a segment only "
       "(default 1 = no segment ids); every seqlen must be a multiple of N",
   )
+  g.add_argument("--sinks", action="store_true",
+                 help="attention sinks (gpt-oss): one random logit per head in every softmax denominator; runs the "
+                 "jax_flash2 implementations only (the others have none)")
   g.add_argument("--dtype", nargs="+", default=["bf16"], metavar="bf16|fp16|fp32", help="dtypes (default bf16)")
   g.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE", help="fwd, bwd, fwd+bwd (default all)")
   g.add_argument(
@@ -239,8 +242,8 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
     if name not in names:
       names.append(name)
   interpret = bool(ns.interpret or tiny)
-  impls, left_out = impls_lib.select(names, impls_lib.Options(platform=platform, interpret=interpret),
-                                     requested=requested)
+  impls, left_out = impls_lib.select(names, impls_lib.Options(platform=platform, interpret=interpret,
+                                                              sinks=ns.sinks), requested=requested)
   if not impls:
     raise UsageError("--impls: none can run here: " + "; ".join(f"{lo.impl}: {lo.reason}" for lo in left_out))
   warmup = ns.warmup if ns.warmup is not None else d["warmup"]
@@ -264,6 +267,7 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
       kv_heads=ns.kv_heads,
       windows=windows,
       segments=segments,
+      sinks=ns.sinks,
       warmup=warmup,
       iters=iters,
       input_sets=ns.input_sets,
@@ -302,6 +306,8 @@ def _describe(cfg: SweepConfig) -> str:
     masks += f", windows {[window_text(w) for w in cfg.windows]}"
   if cfg.segments != (1,):
     masks += f", segments {list(cfg.segments)}"
+  if cfg.sinks:
+    masks += ", attention sinks"
   return (
       f"seqlens {list(cfg.seqlens)}, head_dims {list(cfg.head_dims)}, batch {batch}, heads {heads}{kv}, "
       f"causal {list(cfg.causal)}{masks}, dtypes {list(cfg.dtypes)}, modes {list(cfg.modes)}, impls {list(cfg.impls)}, "

@@ -11,7 +11,10 @@ implementation is one `register(Impl(...))` call.
 A shape's window and segments (spec.Shape) are part of the problem: every
 factory applies them (or its `supports` says why it cannot). Segment ids are
 built inside the jitted function from an iota (`segment_ids`), so they cost
-no input and XLA folds them to constants.
+no input and XLA folds them to constants. Attention sinks (--sinks) are
+run-wide (`Options.sinks`): the jax_flash2 implementations take
+`sink_logits`, built inside the jitted function likewise, and those without
+sinks are left out of the run.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Options:
 
   platform: str  # jax.default_backend(): "gpu", "cpu", ...
   interpret: bool = False  # run Pallas kernels in interpret mode
+  sinks: bool = False  # attention sinks (sink_logits) on every problem
 
 
 def _runs_anywhere(opts: Options) -> str | None:
@@ -99,6 +103,18 @@ def segment_ids(batch: int, seqlen: int, segments: int) -> jax.Array | None:
   return jnp.broadcast_to(ids, (batch, seqlen))
 
 
+def sink_logits(heads: int) -> jax.Array:
+  """float32 [heads]: the sinks of a --sinks run, drawn from a fixed key
+  (the accuracy check's reference takes the same), constants of the timed
+  function: the backward times dq, dk, dv, not dsinks (a row sum)."""
+  return jax.random.normal(jax.random.key(0), (heads,), jnp.float32)
+
+
+def _no_sinks(opts: Options) -> str | None:
+  """Why an implementation without attention sinks is left out of a --sinks run."""
+  return "has no attention sinks (--sinks)" if opts.sinks else None
+
+
 def _gqa_ok(shape: Shape) -> str | None:
   if shape.heads % shape.kv_heads:
     return f"heads {shape.heads} not a multiple of kv_heads {shape.kv_heads}"
@@ -137,7 +153,7 @@ def _flash2_factory(backend: str) -> Callable[[Shape, Options], AttentionFn]:
       ids = segment_ids(shape.batch, shape.seqlen, shape.segments)
       return flash_attention(
           q, k, v, causal=shape.causal, window_size=shape.window, q_segment_ids=ids, kv_segment_ids=ids,
-          backend=backend, interpret=opts.interpret,
+          sinks=sink_logits(shape.heads) if opts.sinks else None, backend=backend, interpret=opts.interpret,
       )
 
     return jax.jit(attn)
@@ -264,7 +280,7 @@ def _dpa_factory(implementation: str) -> Callable[[Shape, Options], AttentionFn]
 
 
 def _cudnn_available(opts: Options) -> str | None:
-  return None if opts.platform == "gpu" else "needs an NVIDIA GPU"
+  return _no_sinks(opts) or (None if opts.platform == "gpu" else "needs an NVIDIA GPU")
 
 
 def _cudnn_supports(shape: Shape, opts: Options) -> str | None:
@@ -312,7 +328,8 @@ register(
         name="xla",
         description='jax.nn.dot_product_attention(implementation="xla")',
         factory=_dpa_factory("xla"),
-        supports=lambda shape, opts: _gqa_ok(shape),
+        supports=lambda shape, opts: _no_sinks(opts) or _gqa_ok(shape),
+        available=_no_sinks,
     )
 )
 
@@ -340,6 +357,8 @@ def _tokamax_available(implementation: str | None) -> Callable[[Options], str | 
       tokamax = importlib.import_module("tokamax")
     except ImportError:
       return "tokamax is not installed (pip install tokamax)"
+    if opts.sinks:
+      return _no_sinks(opts)
     if implementation is None:
       return None
     # The names its API declares (a `type` alias of a Literal), where it declares them.

@@ -121,7 +121,8 @@ class SweepConfig:
 
   `batch` None means tokens // seqlen; `heads` None means hidden // head_dim;
   `kv_heads` None means heads. `windows` holds None for no window; `segments`
-  1 for no segment ids. `impls` are those that run here; `left_out` those
+  1 for no segment ids. `sinks`: every problem has attention sinks
+  (impls.sink_logits; FLOPs unchanged). `impls` are those that run here; `left_out` those
   asked for (or defaults) that cannot. `kernel_time`: also read each cell's
   GPU kernel time from a profiler trace. `save`: write results into `out`
   (None: a dated folder the CLI picks); `plot`: with them, the PNG plots.
@@ -140,6 +141,7 @@ class SweepConfig:
   kv_heads: int | None = None
   windows: tuple[Window | None, ...] = (None,)
   segments: tuple[int, ...] = (1,)
+  sinks: bool = False
   warmup: int = 3
   iters: int = 20
   input_sets: int = 2

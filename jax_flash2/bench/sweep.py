@@ -36,7 +36,8 @@ def run_check(
     compiled = prepared.compiled
     got = prepared(0)
     want = check_lib.reference_fwd_bwd_jit(
-        x.q, x.k, x.v, x.dout, causal=cshape.causal, window=cshape.window, segments=cshape.segments
+        x.q, x.k, x.v, x.dout, causal=cshape.causal, window=cshape.window, segments=cshape.segments,
+        sinks=opts.sinks,
     )
     errs = [float(e) for e in check_lib.relative_errors(tuple(got), tuple(want))]
     del got, want, prepared
@@ -137,7 +138,7 @@ def run_cell(
 
 def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> tuple[list[CellResult], list[CheckResult]]:
   """All cells of `cfg` (and, unless cfg.check is off, one check per impl and group)."""
-  opts = impls_lib.Options(platform=cfg.platform, interpret=cfg.interpret)
+  opts = impls_lib.Options(platform=cfg.platform, interpret=cfg.interpret, sinks=cfg.sinks)
   impls = [impls_lib.get(name) for name in cfg.impls]
   progress = progress or Progress(0, enabled=False)
   cells: list[CellResult] = []
