@@ -160,6 +160,39 @@ def _reference_with_grads(
   return (out, lse, *vjp((dout.astype(dtype), dlse.astype(lse.dtype))))
 
 
+def cu_seqlens(lens) -> jax.Array:
+  """int32 [len(lens) + 1]: the offsets of sequences of these lengths packed end to end."""
+  return jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+
+
+def varlen_reference_with_grads(q, k, v, dout, dlse, lens_q, lens_k, *, sinks=None, alibi_slopes=None,
+                                dtype=jnp.float64, **options):
+  """(out, lse, dq, dk, dv[, dsinks]) of flash_attention_varlen's inputs
+  ([total, heads, head_dim]), each sequence through the plain reference on
+  its own in `dtype`; rows of no sequence, and sequences with no key, see
+  nothing."""
+  heads = q.shape[1]
+  out, lse = np.zeros(q.shape), np.full((heads, q.shape[0]), -np.inf)
+  dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+  dsinks = np.zeros(heads)
+  if sinks is not None:
+    lse[:] = np.asarray(sinks, np.float64)[:, None]
+  cq, ck = np.asarray(cu_seqlens(lens_q)), np.asarray(cu_seqlens(lens_k))
+  for s, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+    rq, rk = slice(cq[s], cq[s] + lq), slice(ck[s], ck[s] + lk)
+    if lq == 0:
+      continue
+    if lk == 0:  # lse = sink: d lse / d sink = 1, and nothing else moves
+      dsinks += np.asarray(dlse[:, rq], np.float64).sum(axis=1) if sinks is not None else 0.0
+      continue
+    got = reference_with_grads(q[None, rq], k[None, rk], v[None, rk], dout[None, rq], dlse[None, :, rq],
+                               sinks=sinks, alibi_slopes=alibi_slopes, dtype=dtype, **options)
+    out[rq], lse[:, rq], dq[rq], dk[rk], dv[rk] = (np.asarray(x[0]) for x in got[:5])
+    if sinks is not None:
+      dsinks += np.asarray(got[5])
+  return (out, lse, dq, dk, dv) + ((dsinks,) if sinks is not None else ())
+
+
 def flash_with_grads(q, k, v, dout, dlse=None, *, wrt=(), **kwargs):
   """(out, lse, dq, dk, dv) of flash_attention(q, k, v, return_lse=True,
   interpret=True, **kwargs) (interpret=False may override) with output cotangents (dout, dlse), then the

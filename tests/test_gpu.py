@@ -271,3 +271,42 @@ def test_mosaic_gradients_are_bitwise_deterministic_and_finite_at_16k(head_dim):
     a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
     np.testing.assert_array_equal(a, b)
     assert np.isfinite(a).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["in_place", "slots"])
+def test_varlen(dtype, layout):
+  """flash_attention_varlen at realistic lengths (an empty sequence, one
+  with no keys, causal + window + sinks, GQA) against each sequence alone."""
+  from conftest import cu_seqlens, varlen_reference_with_grads
+  from jax_flash2 import flash_attention_varlen
+
+  lens_q = (1000, 0, 3000, 517, 2048)
+  lens_k = lens_q if layout == "in_place" else (1500, 0, 2000, 0, 2048)
+  heads, kv_heads, head_dim = 8, 2, 128
+  draw = np.random.default_rng(len(layout))
+  q, dout = (jnp.asarray(draw.standard_normal((sum(lens_q), heads, head_dim)), dtype) for _ in range(2))
+  k, v = (jnp.asarray(draw.standard_normal((sum(lens_k), kv_heads, head_dim)), dtype) for _ in range(2))
+  dlse = jnp.asarray(draw.standard_normal((heads, sum(lens_q))), jnp.float32)
+  sinks = jnp.asarray(np.log(1000.0) + draw.standard_normal(heads), jnp.float32)
+  cu_q = cu_seqlens(lens_q)
+  cu_k = cu_q if layout == "in_place" else cu_seqlens(lens_k)
+
+  @jax.jit
+  def run(q, k, v, sinks):
+    f = lambda q, k, v, sinks: flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True, window_size=(700, None),
+                                                      sinks=sinks, return_lse=True)
+    (out, lse), vjp = jax.vjp(f, q, k, v, sinks)
+    return (out, lse, *vjp((dout, dlse)))
+
+  _poison().block_until_ready()
+  got = run(q, k, v, sinks)
+  options = dict(causal=True, window=(700, None))
+  want = varlen_reference_with_grads(q, k, v, dout, dlse, lens_q, lens_k, sinks=sinks, dtype=jnp.float32, **options)
+  plain = varlen_reference_with_grads(q, k, v, dout, dlse, lens_q, lens_k, sinks=sinks.astype(dtype), dtype=dtype,
+                                      **options)
+  for name, x, ref, base in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, want, plain):
+    err, base_err = rel_err(x, ref), rel_err(base, ref)
+    factor = 2.0 if name in ("out", "lse") else 3.0
+    assert err < 1e-2, f"{name}: relative error {err:.3g}"
+    assert err <= factor * base_err, f"{name}: error {err:.3g} > {factor} x plain {dtype.__name__} {base_err:.3g}"

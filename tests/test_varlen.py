@@ -11,16 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_matches_reference, reference_with_grads, rel_err
+from conftest import assert_matches_reference, cu_seqlens as _cu, rel_err, varlen_reference_with_grads as _reference
 from jax_flash2 import flash_attention_varlen
 
 HEADS, HEAD_DIM = 4, 16
 # Ragged, with an empty sequence, one with no keys, and both len_q < len_k and len_q > len_k.
 LENS_Q, LENS_K = (5, 0, 17, 3, 9), (7, 0, 4, 0, 20)
-
-
-def _cu(lens) -> jax.Array:
-  return jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
 
 
 def _inputs(seed, lens_q, lens_k, kv_heads, extra_q_rows=0):
@@ -32,31 +28,6 @@ def _inputs(seed, lens_q, lens_k, kv_heads, extra_q_rows=0):
   dlse = draw(HEADS, tq)
   sinks = jnp.asarray(np.log(8.0) + rng.standard_normal(HEADS), jnp.float32)
   return q, k, v, dout, dlse, sinks
-
-
-def _reference(q, k, v, dout, dlse, lens_q, lens_k, *, sinks=None, alibi_slopes=None, **options):
-  """(out, lse, dq, dk, dv[, dsinks]) with each sequence through the plain
-  reference on its own; rows of no sequence, and sequences with no key, see
-  nothing."""
-  out, lse = np.zeros(q.shape), np.full((HEADS, q.shape[0]), -np.inf)
-  dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-  dsinks = np.zeros(HEADS)
-  if sinks is not None:
-    lse[:] = np.asarray(sinks, np.float64)[:, None]
-  cq, ck = np.asarray(_cu(lens_q)), np.asarray(_cu(lens_k))
-  for s, (lq, lk) in enumerate(zip(lens_q, lens_k)):
-    rq, rk = slice(cq[s], cq[s] + lq), slice(ck[s], ck[s] + lk)
-    if lq == 0:
-      continue
-    if lk == 0:  # lse = sink: d lse / d sink = 1, and nothing else moves
-      dsinks += np.asarray(dlse[:, rq], np.float64).sum(axis=1) if sinks is not None else 0.0
-      continue
-    got = reference_with_grads(q[None, rq], k[None, rk], v[None, rk], dout[None, rq], dlse[None, :, rq],
-                               sinks=sinks, alibi_slopes=alibi_slopes, **options)
-    out[rq], lse[:, rq], dq[rq], dk[rk], dv[rk] = (np.asarray(x[0]) for x in got[:5])
-    if sinks is not None:
-      dsinks += np.asarray(got[5])
-  return (out, lse, dq, dk, dv) + ((dsinks,) if sinks is not None else ())
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
