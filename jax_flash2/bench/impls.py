@@ -322,6 +322,7 @@ for _name, _backend in (("flash2", "auto"), ("flash2-triton", "triton"), ("flash
           available=_segids_available(_backend),
       )
   )
+del _name, _backend
 
 # ------------------------------------------------- jax.nn.dot_product_attention
 
