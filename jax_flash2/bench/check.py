@@ -78,4 +78,5 @@ def relative_errors(got: tuple[jax.Array, ...], want: tuple[jax.Array, ...]) -> 
   return jnp.stack(errs)
 
 
-reference_fwd_bwd_jit = jax.jit(reference_fwd_bwd, static_argnames=("causal", "window", "segments", "sinks", "softcap", "varlen"))
+reference_fwd_bwd_jit = jax.jit(
+    reference_fwd_bwd, static_argnames=("causal", "window", "segments", "sinks", "softcap", "varlen"))
