@@ -43,15 +43,15 @@ type _Implementation = Literal["mosaic", "triton", "cudnn", "xla", "xla_chunked"
 
 def _fake_tokamax(calls: list[dict], implementations=_Implementation) -> types.ModuleType:
   """A stand-in for tokamax: its dot_product_attention signature and
-  `DotProductAttentionImplementation` alias, jax.nn's XLA attention inside,
-  NotImplementedError for the GPU kernels as on a CPU; records each call's
-  keyword arguments in `calls`."""
+  `DotProductAttentionImplementation` alias, jax.nn's XLA attention inside
+  (which ignores logits_soft_cap), NotImplementedError for the GPU kernels as
+  on a CPU; records each call's keyword arguments in `calls`."""
   module = types.ModuleType("tokamax")
 
   def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                            local_window_size=None, implementation=None, **kwargs):
+                            local_window_size=None, logits_soft_cap=None, implementation=None, **kwargs):
     calls.append(dict(mask=mask, is_causal=is_causal, local_window_size=local_window_size,
-                      implementation=implementation))
+                      logits_soft_cap=logits_soft_cap, implementation=implementation))
     if implementation in ("mosaic", "triton"):
       raise NotImplementedError("Not supported on cpu.")
     return jax.nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -273,6 +273,69 @@ def test_flash2_takes_the_sinks_of_the_check_reference():
   assert not np.allclose(np.asarray(with_sinks), np.asarray(without), atol=1e-2)
 
 
+def test_softcap_and_varlen_flags(no_tokamax):
+  """--softcap: a sweep dimension like --window. --varlen: each occurrence one
+  packing (spaces or commas), run as one batch-1 row of its sum in place of
+  --seqlens, with flash2-segids beside flash2 and the others left out."""
+  cfg = cli.parse([], "gpu")
+  assert (cfg.softcaps, cfg.varlens) == ((None,), ())
+  assert [(s, v) for s, v in cfg.rows()] == [(s, None) for s in cfg.seqlens]
+  cfg = cli.parse(["--softcap", "none", "50", "30.5", "50.0", "--causal", "true"], "gpu")
+  assert cfg.softcaps == (None, 50.0, 30.5) and len(cfg.groups()) == 2 * 3
+  s = cfg.shape("bfloat16", 128, True, 4096, softcap=50.0)
+  assert (s.softcap, s.mask, s.describe()) == (50.0, "causal softcap 50", "b4 s4096 h16 d128 causal cap50 bf16")
+  assert "softcaps ['none', '50', '30.5']" in cli._describe(cfg)
+  assert cfg.impls == ("flash2", "cudnn", "xla")  # a softcap leaves them cells, "unsupported" where it must
+
+  cfg = cli.parse(["--varlen", "1024,3072,512", "--varlen", "1k", "512", "--varlen", "1024,3072,512"], "gpu")
+  assert cfg.varlens == ((1024, 3072, 512), (1024, 512)) and cfg.seqlens == (4608, 1536)
+  assert cfg.rows() == [(4608, (1024, 3072, 512)), (1536, (1024, 512))]
+  assert cfg.num_cells() == 2 * 2 * 2 * 3 * 2  # head_dims x causal x packings x modes x impls
+  s = cfg.shape("bfloat16", 128, True, 4608, varlen=(1024, 3072, 512))
+  assert (s.batch, s.seqlen, s.heads, s.varlen) == (1, 4608, 16, (1024, 3072, 512))
+  assert s.mask == "causal varlen 1024,3072,512" and s.describe() == "b1 s4608 h16 d128 causal varlen1024,3072,512 bf16"
+  with pytest.raises(ValueError):
+    cfg.shape("bfloat16", 128, True, 4096, varlen=(1024, 3072, 512))
+  assert "varlen ['1024,3072,512', '1024,512'] (batch 1)" in cli._describe(cfg)
+  no_packing = "has no packed sequences (--varlen): its sequence lengths pad, they do not pack"
+  assert cfg.impls == ("flash2", "flash2-segids")
+  assert cfg.left_out == (LeftOut("cudnn", no_packing, requested=False), LeftOut("xla", no_packing, requested=False),
+                          NO_TOKAMAX)
+  cfg = cli.parse(["--varlen", "64,32", "--impls", "flash2-triton", "flash2-triton-segids", "xla"], "cpu")
+  assert cfg.impls == ("flash2-triton", "flash2-triton-segids")
+  assert cfg.left_out == (LeftOut("xla", no_packing, requested=True),)
+  # Without --varlen a -segids twin has nothing to pack.
+  assert cli.parse(["--impls", "flash2", "flash2-segids"], "gpu").left_out == (
+      LeftOut("flash2-segids", "only with --varlen (its lengths as segment ids)", requested=True),)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--softcap", "-5"], "--softcap"),
+        (["--softcap=-5"], "--softcap"),
+        (["--softcap", "0"], "--softcap"),
+        (["--softcap", "x"], "--softcap"),
+        (["--softcap", "inf"], "--softcap"),
+        (["--softcap", "nan"], "--softcap"),
+        (["--varlen", ""], "--varlen"),
+        (["--varlen", ","], "--varlen"),
+        (["--varlen", "16,0,8"], "--varlen"),
+        (["--varlen", "-16"], "--varlen"),
+        (["--varlen", "16,x"], "--varlen"),
+        (["--varlen", "1.5"], "--varlen"),
+        (["--varlen", "16", "--seqlens", "32"], "--seqlens"),
+        (["--varlen", "16", "--segments", "2"], "--segments"),
+        (["--varlen", "16", "--batch", "2"], "--batch"),
+        (["--varlen", "16", "--memory"], "--memory"),
+    ],
+)
+def test_bad_softcap_and_varlen_exit_2(argv, flag, capsys):
+  with pytest.raises(SystemExit) as exc:
+    cli.parse(argv, "gpu")
+  assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
 # -------------------------------------------------------------------- FLOPs
 
 
@@ -350,6 +413,31 @@ def test_window_and_segment_flops_at_16k():
     flops.visible_pairs(10, False, None, 3)
 
 
+def test_varlen_flops_hand_computed():
+  """A varlen row counts the visible pairs of each sequence: len^2, or
+  len(len+1)/2 when causal; a softcap changes no FLOPs."""
+  base = dict(batch=1, seqlen=10, heads=2, kv_heads=2, head_dim=8, dtype="bfloat16")
+  full = Shape(causal=False, varlen=(3, 5, 2), **base)
+  assert flops.flops_convention(full) == "visible"
+  assert flops.shape_visible_pairs(full) == 9 + 25 + 4
+  assert flops.mode_flops(full, "fwd") == 4 * 8 * 2 * 38 == 2432
+  assert flops.visible_fraction(full) == pytest.approx(38 / 100)
+  causal = Shape(causal=True, varlen=(3, 5, 2), **base)
+  assert flops.shape_visible_pairs(causal) == 6 + 15 + 3
+  assert flops.mode_flops(causal, "fwd+bwd") == 7 * 4 * 8 * 2 * 24 // 2 == 5376
+  # Window (1, 0): each query sees itself and its predecessor within its sequence: 2n - 1.
+  window = Shape(causal=False, window_left=1, window_right=0, varlen=(3, 5, 2), **base)
+  assert flops.shape_visible_pairs(window) == 5 + 9 + 3
+  assert flops.mode_flops(Shape(causal=True, varlen=(3, 5, 2), softcap=30.0, **base), "fwd+bwd") == 5376
+  assert flops.mode_flops(_shape(softcap=30.0), "fwd") == flops.mode_flops(_shape(), "fwd")
+  # The issue's kind of packing: 1024 + 3072 + 512 tokens, causal, 16 heads of 128.
+  big = Shape(batch=1, seqlen=4608, heads=16, kv_heads=16, head_dim=128, causal=True, dtype="bfloat16",
+              varlen=(1024, 3072, 512))
+  assert flops.shape_visible_pairs(big) == 524_800 + 4_720_128 + 131_328
+  assert flops.mode_flops(big, "fwd") == 44_042_289_152
+  assert flops.mode_flops(big, "fwd+bwd") == 154_148_012_032
+
+
 def test_min_bytes():
   s = _shape(batch=1, seqlen=128, heads=4, kv_heads=2, head_dim=64, dtype="bfloat16")
   q = 128 * 4 * 64 * 2
@@ -404,6 +492,36 @@ def test_window_and_segment_support():
   assert ids.dtype == jnp.int32 and ids.shape == (2, 12)
   np.testing.assert_array_equal(ids[1], [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])
   assert impls.segment_ids(2, 12, 1) is None
+
+
+def test_softcap_and_varlen_support(fake_tokamax, monkeypatch):
+  """Who serves a softcap and who a varlen packing; unsupported ones say why."""
+  gpu, varlen = impls.Options(platform="gpu"), impls.Options(platform="gpu", varlen=True)
+  capped = _shape(softcap=30.0)
+  packed = _shape(batch=1, seqlen=96, varlen=(64, 32))
+  for name in ("flash2", "flash2-triton"):
+    assert impls.get(name).supports(capped, gpu) is None and impls.get(name).supports(packed, varlen) is None
+    assert impls.get(f"{name}-segids").supports(packed, varlen) is None
+    assert impls.get(f"{name}-segids").supports(capped, gpu) == "only with --varlen (its lengths as segment ids)"
+  for name in ("cudnn", "cudnn-deterministic", "xla"):
+    assert impls.get(name).supports(capped, gpu) == "jax.nn.dot_product_attention has no softcap"
+    assert impls.get(name).available(varlen).startswith("has no packed sequences (--varlen)")
+  for name in ("tokamax", "tokamax-xla"):
+    assert impls.get(name).supports(capped, gpu) is None
+    assert impls.get(name).available(varlen).startswith("has no packed sequences (--varlen)")
+  x = timing.make_inputs(dataclasses.replace(capped, seqlen=16, head_dim=8), 0)
+  impls.get("tokamax-xla").factory(dataclasses.replace(capped, seqlen=16, head_dim=8), gpu)(x.q, x.k, x.v)
+  assert fake_tokamax[-1]["logits_soft_cap"] == 30.0
+  # A tokamax whose API has no logits_soft_cap.
+  old = _fake_tokamax([])
+  monkeypatch.setitem(sys.modules, "tokamax", types.SimpleNamespace(
+      dot_product_attention=lambda query, key, value, *, implementation=None: None,
+      DotProductAttentionImplementation=old.DotProductAttentionImplementation))
+  assert impls.get("tokamax").supports(capped, gpu) == "this tokamax has no logits_soft_cap"
+  assert impls.get("tokamax").supports(_shape(), gpu) is None
+  # The lengths as flash_attention's segment ids, and as cu_seqlens.
+  np.testing.assert_array_equal(impls.shape_segment_ids(_shape(batch=1, seqlen=5, varlen=(2, 3))), [[0, 0, 1, 1, 1]])
+  np.testing.assert_array_equal(impls.cu_seqlens((2, 3)), [0, 2, 5])
 
 
 def _masked_attention(q, k, v, visible):
@@ -481,7 +599,8 @@ def test_tokamax_impls_on_a_stand_in(fake_tokamax, monkeypatch):
   plain = _shape(batch=1, seqlen=16, heads=2, kv_heads=2, head_dim=8)
   y = timing.make_inputs(plain, 1)
   impls.get("tokamax").factory(plain, cpu)(y.q, y.k, y.v)
-  assert fake_tokamax[-1] == dict(mask=None, is_causal=False, local_window_size=None, implementation=None)
+  assert fake_tokamax[-1] == dict(mask=None, is_causal=False, local_window_size=None, logits_soft_cap=None,
+                                  implementation=None)
 
   # An implementation this tokamax does not declare.
   type Fewer = Literal["xla", "cudnn"]
@@ -529,6 +648,13 @@ def test_check_shape_keeps_segments_equal():
   assert (c.window, c.segments) == ((1024, 0), 8) and c.seqlen % 8 == 0
 
 
+def test_check_shape_halves_varlen_lengths():
+  s = _shape(batch=1, seqlen=32768, heads=16, varlen=(8192, 16384, 8192))
+  c = check.check_shape(s)
+  assert (c.batch, c.seqlen, c.varlen) == (1, 4096, (1024, 2048, 1024))
+  assert check.check_shape(_shape(batch=1, seqlen=96, varlen=(64, 32))).varlen == (64, 32)
+
+
 def test_classify():
   assert timing.classify(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"))[0] == "OOM"
   assert timing.classify(NotImplementedError("head dim 512"))[0] == "unsupported"
@@ -552,6 +678,8 @@ _TYPES = {
     "window_left": (int, type(None)),
     "window_right": (int, type(None)),
     "segments": int,
+    "softcap": (float, type(None)),
+    "varlen": (list, type(None)),
     "error": (str, type(None)),
     "ms": (float, type(None)),
     "ms_min": (float, type(None)),
@@ -583,7 +711,8 @@ def _check_cell_record(rec: dict) -> None:
   if rec["flops_convention"] is not None:
     assert rec["flops_convention"] in ("dense", "causal-half", "visible")
     assert 0 < rec["visible_fraction"] <= 1
-    plain = rec["window_left"] is None and rec["window_right"] is None and rec["segments"] == 1
+    plain = (rec["window_left"] is None and rec["window_right"] is None and rec["segments"] == 1
+             and rec["varlen"] is None)
     assert (rec["flops_convention"] == "visible") == (not plain)
   if rec["status"] == "ok":
     assert rec["ms"] > 0 and rec["tflops"] > 0
@@ -611,15 +740,20 @@ def test_json_and_csv_schema(tmp_path):
       flops_convention="visible", visible_fraction=100 / 64**2, window_left=16, window_right=0, segments=2,
       **dict(dtype="bfloat16", batch=1, heads=2, kv_heads=2, seqlen=64, head_dim=64, causal=True),
   )
+  packed = CellResult(
+      impl="flash2-segids", mode="fwd", status="ok", ms=0.5, ms_min=0.4, iters=3, flops=4 * 64 * 2 * 2560,
+      tflops=0.1, flops_convention="visible", visible_fraction=2560 / 64**2, softcap=30.0, varlen=(16, 48),
+      **dict(dtype="bfloat16", batch=1, heads=2, kv_heads=2, seqlen=64, head_dim=64, causal=False),
+  )
   check = CheckResult(
       impl="xla", status="ok", rel_err_out=1e-3, rel_err_dq=2e-3, rel_err_dk=3e-3, rel_err_dv=1e-3,
       **dict(dtype="bfloat16", batch=1, heads=2, kv_heads=2, seqlen=64, head_dim=64, causal=True),
   )
   meta = report.metadata(["--out", str(tmp_path)])
   path = tmp_path / "r.json"
-  report.write_json(str(path), meta, cfg, [ok, bad, win], [check], [])
+  report.write_json(str(path), meta, cfg, [ok, bad, win, packed], [check], [])
   doc = json.loads(path.read_text())  # strict JSON: the NaN became null
-  assert doc["schema_version"] == report.SCHEMA_VERSION == 3
+  assert doc["schema_version"] == report.SCHEMA_VERSION == 4
   for key in ("date_utc", "command", "gpu_name", "driver_version", "jax_version", "jaxlib_version",
               "python_version", "device_kind", "backend", "cuda_runtime_version", "cudnn_version", "cupti_version",
               "jax_cuda_plugin", "jax_cuda_plugin_version", "tokamax_version"):
@@ -645,10 +779,14 @@ def test_json_and_csv_schema(tmp_path):
   assert (w["window_left"], w["window_right"], w["segments"], w["flops_convention"]) == (16, 0, 2, "visible")
   assert w["visible_fraction"] == pytest.approx(100 / 64**2)
   assert doc["config"]["windows"] == [None] and doc["config"]["segments"] == [1]
+  assert (doc["cells"][3]["softcap"], doc["cells"][3]["varlen"]) == (30.0, [16, 48])
+  assert doc["cells"][0]["softcap"] is None and doc["cells"][0]["varlen"] is None
+  assert doc["config"]["softcaps"] == [None] and doc["config"]["varlens"] == []
+  assert "softcap" in doc["notes"] and "varlen" in doc["notes"]
   assert "flops_convention" in doc["notes"]["tflops"] and "visible_fraction" in doc["notes"]
 
   csv_path = tmp_path / "r.csv"
-  report.write_csv(str(csv_path), [ok, bad, win])
+  report.write_csv(str(csv_path), [ok, bad, win, packed])
   with open(csv_path) as f:
     rows = list(csv.DictReader(f))
   assert tuple(rows[0]) == CELL_FIELDS
@@ -659,10 +797,12 @@ def test_json_and_csv_schema(tmp_path):
   assert rows[1]["status"] == "unsupported" and rows[1]["ms"] == ""
   assert (rows[2]["window_left"], rows[2]["window_right"], rows[2]["segments"]) == ("16", "0", "2")
   assert rows[2]["flops_convention"] == "visible" and float(rows[2]["visible_fraction"]) == pytest.approx(100 / 64**2)
+  assert (rows[3]["softcap"], rows[3]["varlen"]) == ("30.0", "16,48") and rows[0]["softcap"] == rows[0]["varlen"] == ""
   # The table names the mask of each block; kernel figures where traced, "-" where not.
   table = report.format_table([ok, win], ["xla"])
   assert "== fwd+bwd  head_dim 64  causal  bf16 ==" in table
   assert "== fwd  head_dim 64  causal window 16,0 2 segments  bf16 ==" in table
+  assert "== fwd  head_dim 64  non-causal varlen 16,48 softcap 30  bf16 ==" in report.format_table([packed], ["xla"])
   assert list(table.splitlines()[4].split("|")[1].split()) == ["ms", "kern", "ms", "TFLOP/s", "kern", "TF/s"]
   assert [line.split("|")[1].split() for line in table.splitlines() if line.startswith("    64")] == [
       ["1.500", "1.250", "0.67", "0.80"], ["0.500", "-", "0.10", "-"]]
@@ -756,6 +896,64 @@ def test_cli_runs_window_and_segments(tmp_path, capsys):
   with open(tmp_path / "results.csv") as f:
     rows = list(csv.DictReader(f))
   assert {(r["window_left"], r["window_right"], r["segments"]) for r in rows} == {("", "", "2"), ("8", "0", "2")}
+
+
+def test_cli_runs_softcap(tmp_path, capsys):
+  """A --softcap cell: flash2-triton passes the check against the softcapped
+  reference; jax.nn's XLA attention is a column of "unsupported", saying why."""
+  argv = ["--seqlens", "32", "--head-dims", "16", "--causal", "true", "--softcap", "1", "--dtype", "fp32",
+          "--modes", "fwd+bwd", "--impls", "flash2-triton", "xla", "--iters", "1", "--warmup", "0", "--no-progress",
+          "--no-plot", "--out", str(tmp_path)]
+  assert cli.main(argv) == 0
+  printed = capsys.readouterr().out
+  assert "softcaps ['1']" in printed and "== fwd+bwd  head_dim 16  causal softcap 1  fp32 ==" in printed
+  doc = json.loads((tmp_path / "results.json").read_text())
+  checks = {r["impl"]: r for r in doc["checks"]}
+  assert checks["flash2-triton"]["status"] == "ok" and checks["flash2-triton"]["softcap"] == 1.0
+  assert checks["flash2-triton"]["rel_err_out"] < 1e-5 and checks["flash2-triton"]["rel_err_grad"] < 1e-5
+  assert checks["xla"]["status"] == "unsupported"
+  cells = {c["impl"]: c for c in doc["cells"]}
+  for rec in cells.values():
+    _check_cell_record(rec)
+    assert rec["softcap"] == 1.0 and rec["flops"] == 7 * 4 * 16 * 2 * (32 * 32 // 2) // 2
+  assert cells["flash2-triton"]["status"] == "ok"
+  assert cells["xla"]["status"] == "unsupported"
+  assert cells["xla"]["error"] == "jax.nn.dot_product_attention has no softcap"
+  # The check's reference applies the softcap: without it the output is another.
+  x = timing.make_inputs(_shape(batch=1, seqlen=32, heads=2, kv_heads=2, head_dim=16, dtype="float32"), 0)
+  capped, plain = (check.reference_fwd_bwd_jit(x.q, x.k, x.v, x.dout, causal=True, softcap=cap)[0]
+                   for cap in (1.0, None))
+  assert not np.allclose(np.asarray(capped), np.asarray(plain), atol=1e-2)
+
+
+def test_cli_runs_varlen(tmp_path, capsys):
+  """A --varlen cell with a causal window, a softcap and sinks: the varlen call
+  and its segment-ids twin pass the check against the reference (each
+  sequence on its own), with FLOPs over each sequence's visible pairs."""
+  argv = ["--varlen", "16,40,8", "--head-dims", "16", "--causal", "true", "--window", "8,0", "--softcap", "2",
+          "--sinks", "--dtype", "fp32", "--modes", "fwd+bwd", "--impls", "flash2-triton", "flash2-triton-segids",
+          "cudnn", "--iters", "1", "--warmup", "0", "--no-progress", "--no-plot", "--out", str(tmp_path)]
+  assert cli.main(argv) == 0
+  printed = capsys.readouterr().out
+  assert "left out cudnn:" in printed and "varlen ['16,40,8'] (batch 1)" in printed
+  assert "== fwd+bwd  head_dim 16  causal window 8,0 varlen 16,40,8 softcap 2  fp32 ==" in printed
+  doc = json.loads((tmp_path / "results.json").read_text())
+  assert doc["config"]["varlens"] == [[16, 40, 8]] and doc["config"]["seqlens"] == [64]
+  pairs = sum(n * 9 - 36 for n in (16, 40)) + 8 * 9 // 2  # window 8,0: 9 keys a query, fewer in the first 8
+  assert pairs == sum(_brute_visible(n, True, (8, 0), 1) for n in (16, 40, 8))
+  assert [(r["impl"], r["status"]) for r in doc["checks"]] == [("flash2-triton", "ok"), ("flash2-triton-segids", "ok")]
+  for rec in doc["cells"]:
+    _check_cell_record(rec)
+    assert rec["status"] == "ok" and (rec["batch"], rec["seqlen"], rec["varlen"]) == (1, 64, [16, 40, 8])
+    assert rec["flops"] == 7 * 4 * 16 * 2 * pairs // 2 and rec["visible_fraction"] == pytest.approx(pairs / 64**2)
+    assert rec["rel_err_out"] < 1e-5 and rec["rel_err_grad"] < 1e-5
+  with open(tmp_path / "results.csv") as f:
+    assert {r["varlen"] for r in csv.DictReader(f)} == {"16,40,8"}
+  # The reference packs: one 64-token sequence would be another output.
+  x = timing.make_inputs(_shape(batch=1, seqlen=64, heads=2, kv_heads=2, head_dim=16, dtype="float32"), 0)
+  packed, whole = (check.reference_fwd_bwd_jit(x.q, x.k, x.v, x.dout, causal=True, varlen=v)[0]
+                   for v in ((16, 40, 8), None))
+  assert not np.allclose(np.asarray(packed), np.asarray(whole), atol=1e-2)
 
 
 def test_failures_become_cells_and_the_sweep_goes_on(monkeypatch):

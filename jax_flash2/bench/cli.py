@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import math
 import os
 import sys
 from typing import Sequence
 
 from jax_flash2.bench import impls as impls_lib
-from jax_flash2.bench.spec import DTYPE_ALIASES, MODES, SweepConfig, Window, window_text
+from jax_flash2.bench.spec import (DTYPE_ALIASES, MODES, SweepConfig, Window, softcap_text, varlen_text,
+                                   window_text)
 
 GPU_DEFAULTS = dict(
     seqlens=(512, 1024, 2048, 4096, 8192, 16384),
@@ -117,6 +119,36 @@ def _windows(values: Sequence[str] | None) -> tuple[Window | None, ...]:
   return tuple(out)
 
 
+def _softcaps(values: Sequence[str] | None) -> tuple[float | None, ...]:
+  """`--softcap` values: none (no softcap) or a positive, finite number."""
+  out: list[float | None] = []
+  for p in _split(values) or ["none"]:
+    if p.lower() == "none":
+      cap = None
+    else:
+      try:
+        cap = float(p)
+      except ValueError:
+        raise UsageError(f"--softcap: neither a number nor none: {p!r}") from None
+      if not (math.isfinite(cap) and cap > 0):
+        raise UsageError(f"--softcap: must be positive and finite (or none), got {p!r}")
+    if cap not in out:
+      out.append(cap)
+  return tuple(out)
+
+
+def _varlens(values: Sequence[Sequence[str]] | None) -> tuple[tuple[int, ...], ...]:
+  """`--varlen` packings: each occurrence one list of sequence lengths ('1k' ok), each >= 1."""
+  out: list[tuple[int, ...]] = []
+  for words in values or []:
+    lens = _ints(words, "--varlen")
+    if not lens:
+      raise UsageError(f"--varlen: no lengths in {' '.join(words)!r}")
+    if lens not in out:
+      out.append(lens)
+  return tuple(out)
+
+
 def _causal(values: Sequence[str]) -> tuple[bool, ...]:
   table = {"both": (False, True), "true": (True,), "false": (False,), "causal": (True,), "none": (False,)}
   out: list[bool] = []
@@ -156,6 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
       metavar="N",
       help="packed sequences: each row split into N equal contiguous segments, attention within a segment only "
       "(default 1 = no segment ids); every seqlen must be a multiple of N",
+  )
+  g.add_argument(
+      "--softcap",
+      nargs="+",
+      metavar="CAP",
+      help="softcaps, each a positive number or none: scores become CAP*tanh(scores/CAP) (Gemma 2); FLOPs "
+      "unchanged; cuDNN and XLA (jax.nn) have none (default none)",
+  )
+  g.add_argument(
+      "--varlen",
+      nargs="+",
+      action="append",
+      metavar="LENS",
+      help="sequence lengths packed end to end (1024,3072,512): the cell is one flash_attention_varlen call of "
+      "their sum (batch 1) in place of --seqlens, beside flash2-segids (the same lengths as segment ids); FLOPs "
+      "over visible pairs; repeat for more packings; cuDNN, XLA and tokamax have no packing",
   )
   g.add_argument("--sinks", action="store_true",
                  help="attention sinks (gpt-oss): one random logit per head in every softmax denominator; runs the "
@@ -216,6 +264,15 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
       if h % ns.kv_heads:
         raise UsageError(f"--kv-heads {ns.kv_heads} does not divide heads {h} (head_dim {hd})")
   windows = _windows(ns.window)
+  softcaps = _softcaps(ns.softcap)
+  varlens = _varlens(ns.varlen)
+  if varlens:
+    for flag, given in (("--seqlens", ns.seqlens), ("--segments", ns.segments), ("--batch", ns.batch)):
+      if given is not None:
+        raise UsageError(f"--varlen packs its lengths into one row (batch 1) of their sum: drop {flag}")
+    if ns.memory or ns.memory_only:
+      raise UsageError("--memory probes unpacked sequences: run it without --varlen")
+    seqlens = tuple(sum(lens) for lens in varlens)
   segments = tuple(dict.fromkeys(_ints(ns.segments, "--segments") or (1,)))
   for n in segments:
     for seqlen in seqlens:
@@ -234,16 +291,16 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
       raise UsageError(f"--modes: unknown {m!r}; choose from {', '.join(MODES)}")
     if m not in modes:
       modes.append(m)
+  interpret = bool(ns.interpret or tiny)
+  opts = impls_lib.Options(platform=platform, interpret=interpret, sinks=ns.sinks, varlen=bool(varlens))
   requested = ns.impls is not None
   names = []
-  for name in _split(ns.impls) if requested else impls_lib.DEFAULT_IMPLS:
+  for name in _split(ns.impls) if requested else impls_lib.default_impls(opts):
     if name not in impls_lib.REGISTRY:
       raise UsageError(f"--impls: unknown {name!r}; known: {', '.join(impls_lib.REGISTRY)}")
     if name not in names:
       names.append(name)
-  interpret = bool(ns.interpret or tiny)
-  impls, left_out = impls_lib.select(names, impls_lib.Options(platform=platform, interpret=interpret,
-                                                              sinks=ns.sinks), requested=requested)
+  impls, left_out = impls_lib.select(names, opts, requested=requested)
   if not impls:
     raise UsageError("--impls: none can run here: " + "; ".join(f"{lo.impl}: {lo.reason}" for lo in left_out))
   warmup = ns.warmup if ns.warmup is not None else d["warmup"]
@@ -267,6 +324,8 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
       kv_heads=ns.kv_heads,
       windows=windows,
       segments=segments,
+      softcaps=softcaps,
+      varlens=varlens,
       sinks=ns.sinks,
       warmup=warmup,
       iters=iters,
@@ -302,14 +361,20 @@ def _describe(cfg: SweepConfig) -> str:
   heads = f"{cfg.heads}" if cfg.heads is not None else f"{cfg.hidden} / head_dim"
   kv = f", kv_heads {cfg.kv_heads}" if cfg.kv_heads is not None else ""
   masks = ""
+  lengths = f"seqlens {list(cfg.seqlens)}"
+  if cfg.varlens:
+    lengths = f"varlen {[varlen_text(lens) for lens in cfg.varlens]} (batch 1)"
+    batch = "1"
   if cfg.windows != (None,):
     masks += f", windows {[window_text(w) for w in cfg.windows]}"
   if cfg.segments != (1,):
     masks += f", segments {list(cfg.segments)}"
+  if cfg.softcaps != (None,):
+    masks += f", softcaps {[softcap_text(cap) for cap in cfg.softcaps]}"
   if cfg.sinks:
     masks += ", attention sinks"
   return (
-      f"seqlens {list(cfg.seqlens)}, head_dims {list(cfg.head_dims)}, batch {batch}, heads {heads}{kv}, "
+      f"{lengths}, head_dims {list(cfg.head_dims)}, batch {batch}, heads {heads}{kv}, "
       f"causal {list(cfg.causal)}{masks}, dtypes {list(cfg.dtypes)}, modes {list(cfg.modes)}, impls {list(cfg.impls)}, "
       f"warmup {cfg.warmup}, iters {cfg.iters} (median), input sets {cfg.input_sets}"
       + (", Pallas interpret mode" if cfg.interpret else "")
@@ -322,9 +387,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   ns = build_parser().parse_args(argv)
   if ns.list_impls:
+    width = max(len(name) for name in impls_lib.REGISTRY)
     for impl in impls_lib.REGISTRY.values():
       default = " (default)" if impl.name in impls_lib.DEFAULT_IMPLS else ""
-      print(f"{impl.name:<19} {impl.description}{default}")
+      default = " (default with --varlen)" if impl.name in impls_lib.VARLEN_DEFAULT_IMPLS else default
+      print(f"{impl.name:<{width}} {impl.description}{default}")
     return 0
 
   import jax

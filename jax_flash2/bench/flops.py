@@ -7,13 +7,15 @@ Each cell's `flops_convention` says how its FLOPs were counted:
   "causal-half": plain causal (no window, no segments); the FlashAttention
     convention, half of "dense". Kept so that causal figures compare with
     published FlashAttention numbers.
-  "visible": a window or segment ids; forward 4*D*B*H times the number of
-    (query, key) pairs the mask leaves visible (causal, if set, included).
+  "visible": a window, segment ids or --varlen packing; forward 4*D*B*H
+    times the number of (query, key) pairs the mask leaves visible (causal,
+    if set, included; a varlen row: the sum over its sequences).
     Then TFLOP/s measures work actually needed, so a windowed or packed run
     compares with a full or causal one by TFLOP/s, and its speed-up by ms.
 
 Backward counts 2.5x forward (five matmuls against two), fwd+bwd 3.5x, in
-every convention.
+every convention. A softcap adds element-wise work (a tanh per score), no
+matmul FLOPs: it leaves the count as it is.
 """
 
 from __future__ import annotations
@@ -63,23 +65,30 @@ def visible_pairs(seqlen: int, causal: bool, window: tuple[int | None, int | Non
   return segments * _diagonals(n, lo, hi)
 
 
+def shape_visible_pairs(shape: Shape) -> int:
+  """`visible_pairs` of one row of `shape`; a varlen row: the sum over its
+  sequences, each its own seq_q == seq_k problem."""
+  if shape.varlen is not None:
+    return sum(visible_pairs(n, shape.causal, shape.window, 1) for n in shape.varlen)
+  return visible_pairs(shape.seqlen, shape.causal, shape.window, shape.segments)
+
+
 def flops_convention(shape: Shape) -> str:
   """"dense", "causal-half" or "visible" (see the module docstring)."""
-  if shape.window is not None or shape.segments > 1:
+  if shape.window is not None or shape.segments > 1 or shape.varlen is not None:
     return "visible"
   return "causal-half" if shape.causal else "dense"
 
 
 def visible_fraction(shape: Shape) -> float:
   """Visible (query, key) pairs / seqlen^2, exact (whatever the FLOP convention)."""
-  return visible_pairs(shape.seqlen, shape.causal, shape.window, shape.segments) / shape.seqlen**2
+  return shape_visible_pairs(shape) / shape.seqlen**2
 
 
 def shape_forward_flops(shape: Shape) -> int:
   """Forward FLOPs of `shape` by its `flops_convention`."""
   if flops_convention(shape) == "visible":
-    pairs = visible_pairs(shape.seqlen, shape.causal, shape.window, shape.segments)
-    return 4 * shape.batch * shape.heads * shape.head_dim * pairs
+    return 4 * shape.batch * shape.heads * shape.head_dim * shape_visible_pairs(shape)
   return forward_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen, shape.head_dim, shape.causal)
 
 

@@ -8,27 +8,34 @@ on this machine at all, else a short reason (the run leaves it out), and a
 shown as "unsupported" (`supports` includes `available`). Adding an
 implementation is one `register(Impl(...))` call.
 
-A shape's window and segments (spec.Shape) are part of the problem: every
-factory applies them (or its `supports` says why it cannot). Segment ids are
-built inside the jitted function from an iota (`segment_ids`), so they cost
-no input and XLA folds them to constants. Attention sinks (--sinks) are
-run-wide (`Options.sinks`): the jax_flash2 implementations take
-`sink_logits`, built inside the jitted function likewise, and those without
-sinks are left out of the run.
+A shape's window, segments and softcap (spec.Shape) are part of the
+problem: every factory applies them (or its `supports` says why it cannot).
+Segment ids are built inside the jitted function from an iota
+(`segment_ids`), so they cost no input and XLA folds them to constants.
+Attention sinks (--sinks) are run-wide (`Options.sinks`): the jax_flash2
+implementations take `sink_logits`, built inside the jitted function
+likewise, and those without sinks are left out of the run. So is --varlen
+(`Options.varlen`; every shape of the run then has `varlen` lengths): the
+jax_flash2 implementations call `flash_attention_varlen` on the packed row,
+their "-segids" twins `flash_attention` with the same lengths as segment ids
+(the yardstick of the varlen call), and the others, which have no packed
+sequences, are left out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jax_flash2.bench.spec import LeftOut, Shape
+from jax_flash2.bench.spec import LeftOut, Shape, SweepConfig
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -40,6 +47,12 @@ class Options:
   platform: str  # jax.default_backend(): "gpu", "cpu", ...
   interpret: bool = False  # run Pallas kernels in interpret mode
   sinks: bool = False  # attention sinks (sink_logits) on every problem
+  varlen: bool = False  # every problem is a --varlen packing (Shape.varlen)
+
+
+def run_options(cfg: SweepConfig) -> Options:
+  """The run-wide options of `cfg`."""
+  return Options(platform=cfg.platform, interpret=cfg.interpret, sinks=cfg.sinks, varlen=bool(cfg.varlens))
 
 
 def _runs_anywhere(opts: Options) -> str | None:
@@ -66,6 +79,13 @@ REGISTRY: dict[str, Impl] = {}
 # on the machine (cuDNN without a GPU, tokamax where it is not installed)
 # are left out without a word.
 DEFAULT_IMPLS: tuple[str, ...] = ("flash2", "cudnn", "xla", "tokamax")
+# Added to the defaults of a --varlen run: flash2's lengths as segment ids, the
+# yardstick of its varlen call.
+VARLEN_DEFAULT_IMPLS: tuple[str, ...] = ("flash2-segids",)
+
+
+def default_impls(opts: Options) -> tuple[str, ...]:
+  return DEFAULT_IMPLS + (VARLEN_DEFAULT_IMPLS if opts.varlen else ())
 
 
 def register(impl: Impl) -> Impl:
@@ -103,6 +123,23 @@ def segment_ids(batch: int, seqlen: int, segments: int) -> jax.Array | None:
   return jnp.broadcast_to(ids, (batch, seqlen))
 
 
+def cu_seqlens(varlen: tuple[int, ...]) -> jax.Array:
+  """int32 [len(varlen) + 1]: 0 then the running sums of the lengths."""
+  return jnp.asarray(np.cumsum((0, *varlen)), jnp.int32)
+
+
+def varlen_segment_ids(varlen: tuple[int, ...]) -> jax.Array:
+  """int32 [1, sum(varlen)]: sequence s's rows hold s (the packing as segment ids)."""
+  return jnp.asarray(np.repeat(np.arange(len(varlen)), varlen), jnp.int32)[None]
+
+
+def shape_segment_ids(shape: Shape) -> jax.Array | None:
+  """`shape`'s segment ids: its equal segments, or its varlen lengths; None for neither."""
+  if shape.varlen is not None:
+    return varlen_segment_ids(shape.varlen)
+  return segment_ids(shape.batch, shape.seqlen, shape.segments)
+
+
 def sink_logits(heads: int) -> jax.Array:
   """float32 [heads]: the sinks of a --sinks run, drawn from a fixed key
   (the accuracy check's reference takes the same), constants of the timed
@@ -113,6 +150,18 @@ def sink_logits(heads: int) -> jax.Array:
 def _no_sinks(opts: Options) -> str | None:
   """Why an implementation without attention sinks is left out of a --sinks run."""
   return "has no attention sinks (--sinks)" if opts.sinks else None
+
+
+def _no_varlen(opts: Options) -> str | None:
+  """Why an implementation without packed sequences is left out of a --varlen run."""
+  if opts.varlen:
+    return "has no packed sequences (--varlen): its sequence lengths pad, they do not pack"
+  return None
+
+
+def _no_softcap(shape: Shape, api: str) -> str | None:
+  """Why `api`, which has no softcap, cannot serve `shape`."""
+  return f"{api} has no softcap" if shape.softcap is not None else None
 
 
 def _gqa_ok(shape: Shape) -> str | None:
@@ -145,16 +194,24 @@ def _flash2_backends() -> tuple[str, ...]:
   return tuple(b.value for b in Backend)
 
 
-def _flash2_factory(backend: str) -> Callable[[Shape, Options], AttentionFn]:
+def _flash2_factory(backend: str, varlen_as_segment_ids: bool = False) -> Callable[[Shape, Options], AttentionFn]:
+  """jax_flash2 under `backend`. A varlen shape goes through
+  flash_attention_varlen (one cu_seqlens array for queries and keys, on the
+  batch-1 row as [total, heads, head_dim]), or, `varlen_as_segment_ids`,
+  through flash_attention with the lengths as segment ids."""
+
   def factory(shape: Shape, opts: Options) -> AttentionFn:
-    from jax_flash2 import flash_attention
+    from jax_flash2 import flash_attention, flash_attention_varlen
 
     def attn(q, k, v):
-      ids = segment_ids(shape.batch, shape.seqlen, shape.segments)
-      return flash_attention(
-          q, k, v, causal=shape.causal, window_size=shape.window, q_segment_ids=ids, kv_segment_ids=ids,
-          sinks=sink_logits(shape.heads) if opts.sinks else None, backend=backend, interpret=opts.interpret,
-      )
+      options = dict(causal=shape.causal, window_size=shape.window, softcap=shape.softcap,
+                     sinks=sink_logits(shape.heads) if opts.sinks else None, backend=backend,
+                     interpret=opts.interpret)
+      if shape.varlen is not None and not varlen_as_segment_ids:
+        cu = cu_seqlens(shape.varlen)
+        return flash_attention_varlen(q[0], k[0], v[0], cu, cu, **options)[None]
+      ids = shape_segment_ids(shape)
+      return flash_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, **options)
 
     return jax.jit(attn)
 
@@ -196,10 +253,10 @@ def _mosaic_serves(shape: Shape, opts: Options) -> str | None:
   q = jax.ShapeDtypeStruct((shape.batch, shape.seqlen, shape.heads, shape.head_dim), shape.dtype)
   kv = jax.ShapeDtypeStruct((shape.batch, shape.seqlen, shape.kv_heads, shape.head_dim), shape.dtype)
   ids = None
-  if shape.segments > 1:
+  if shape.segments > 1 or shape.varlen is not None:  # a varlen call is flash_attention with segment ids
     ids = jax.ShapeDtypeStruct((shape.batch, shape.seqlen), jnp.int32)
-  forward = plan(q, kv, kv, causal=shape.causal, window_size=shape.window, q_segment_ids=ids, kv_segment_ids=ids,
-                 backend="mosaic", interpret=opts.interpret, compute_capability=(9, 0)).forward
+  forward = plan(q, kv, kv, causal=shape.causal, window_size=shape.window, softcap=shape.softcap, q_segment_ids=ids,
+                 kv_segment_ids=ids, backend="mosaic", interpret=opts.interpret, compute_capability=(9, 0)).forward
   return None if forward.backend == "mosaic" else forward.reason
 
 
@@ -232,6 +289,41 @@ register(
     )
 )
 
+
+# The yardstick of each varlen call: the same --varlen lengths as segment ids
+# of one flash_attention row (the issue's target: varlen within 3% of it).
+_ONLY_VARLEN = "only with --varlen (its lengths as segment ids)"
+
+
+def _segids_available(backend: str) -> Callable[[Options], str | None]:
+  def available(opts: Options) -> str | None:
+    return _flash2_available(backend)(opts) or (None if opts.varlen else _ONLY_VARLEN)
+
+  return available
+
+
+def _segids_supports(backend: str) -> Callable[[Shape, Options], str | None]:
+  def supports(shape: Shape, opts: Options) -> str | None:
+    if shape.varlen is None:
+      return _ONLY_VARLEN
+    return _flash2_supports(backend)(shape, opts)
+
+  return supports
+
+
+for _name, _backend in (("flash2", "auto"), ("flash2-triton", "triton"), ("flash2-mosaic", "mosaic")):
+  register(
+      Impl(
+          name=f"{_name}-segids",
+          description=f"{_name} with the --varlen lengths as segment ids (flash_attention, not "
+          "flash_attention_varlen): the yardstick of its varlen call",
+          factory=_flash2_factory(_backend, varlen_as_segment_ids=True),
+          supports=_segids_supports(_backend),
+          available=_segids_available(_backend),
+      )
+  )
+del _name, _backend
+
 # ------------------------------------------------- jax.nn.dot_product_attention
 
 
@@ -251,6 +343,9 @@ register(
 # (no bias gradient for a boolean mask). That materialises seq^2 per batch
 # row and skips no tile: it is what these implementations offer for packed
 # sequences, not a like-for-like kernel comparison.
+
+
+_DPA = "jax.nn.dot_product_attention"
 
 
 def _dpa_window(shape: Shape, implementation: str) -> tuple[bool, tuple[int, int] | None]:
@@ -280,11 +375,11 @@ def _dpa_factory(implementation: str) -> Callable[[Shape, Options], AttentionFn]
 
 
 def _cudnn_available(opts: Options) -> str | None:
-  return _no_sinks(opts) or (None if opts.platform == "gpu" else "needs an NVIDIA GPU")
+  return _no_sinks(opts) or _no_varlen(opts) or (None if opts.platform == "gpu" else "needs an NVIDIA GPU")
 
 
 def _cudnn_supports(shape: Shape, opts: Options) -> str | None:
-  if (reason := _cudnn_available(opts)) is not None:
+  if (reason := _cudnn_available(opts) or _no_softcap(shape, _DPA)) is not None:
     return reason
   if jnp.dtype(shape.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return "cuDNN takes fp16/bf16 only"
@@ -328,8 +423,8 @@ register(
         name="xla",
         description='jax.nn.dot_product_attention(implementation="xla")',
         factory=_dpa_factory("xla"),
-        supports=lambda shape, opts: _no_sinks(opts) or _gqa_ok(shape),
-        available=_no_sinks,
+        supports=lambda shape, opts: _no_sinks(opts) or _no_varlen(opts) or _no_softcap(shape, _DPA) or _gqa_ok(shape),
+        available=lambda opts: _no_sinks(opts) or _no_varlen(opts),
     )
 )
 
@@ -349,6 +444,10 @@ register(
 # local_window_size=(left, right) is the band of spec.Shape with ints on both
 # sides, combined with is_causal. It has no segment ids: a dense boolean mask
 # [batch, 1, seq, seq], as for jax.nn.dot_product_attention.
+# logits_soft_cap=c makes the scaled scores c * tanh(scores / c), our softcap;
+# it is passed where a shape has one and the installed API names it. Its
+# query_seq_lengths / key_value_seq_lengths pad each batch row; they do not
+# pack sequences, so --varlen leaves tokamax out.
 
 
 def _tokamax_available(implementation: str | None) -> Callable[[Options], str | None]:
@@ -357,8 +456,8 @@ def _tokamax_available(implementation: str | None) -> Callable[[Options], str | 
       tokamax = importlib.import_module("tokamax")
     except ImportError:
       return "tokamax is not installed (pip install tokamax)"
-    if opts.sinks:
-      return _no_sinks(opts)
+    if opts.sinks or opts.varlen:
+      return _no_sinks(opts) or _no_varlen(opts)
     if implementation is None:
       return None
     # The names its API declares (a `type` alias of a Literal), where it declares them.
@@ -373,9 +472,18 @@ def _tokamax_available(implementation: str | None) -> Callable[[Options], str | 
   return available
 
 
+def _tokamax_softcap(shape: Shape) -> str | None:
+  """Why the installed tokamax cannot take `shape`'s softcap, or None."""
+  import tokamax
+
+  if shape.softcap is None or "logits_soft_cap" in inspect.signature(tokamax.dot_product_attention).parameters:
+    return None
+  return "this tokamax has no logits_soft_cap"
+
+
 def _tokamax_supports(implementation: str | None) -> Callable[[Shape, Options], str | None]:
   def supports(shape: Shape, opts: Options) -> str | None:
-    return _tokamax_available(implementation)(opts) or _gqa_ok(shape)
+    return _tokamax_available(implementation)(opts) or _tokamax_softcap(shape) or _gqa_ok(shape)
 
   return supports
 
@@ -385,11 +493,12 @@ def _tokamax_factory(implementation: str | None) -> Callable[[Shape, Options], A
     import tokamax
 
     window = _bounded_window(shape)
+    softcap = {} if shape.softcap is None else dict(logits_soft_cap=shape.softcap)
 
     def attn(q, k, v):
       return tokamax.dot_product_attention(
           q, k, v, mask=_segment_mask(shape), is_causal=shape.causal, local_window_size=window,
-          implementation=implementation,
+          implementation=implementation, **softcap,
       )
 
     return jax.jit(attn)

@@ -45,7 +45,7 @@ def probe_shape(cfg: SweepConfig, seqlen: int) -> Shape:
 
 def run_memory_probe(cfg: SweepConfig, progress: Progress | None = None) -> list[MemoryStep]:
   """Every step tried, per implementation, up to and including its first failure."""
-  opts = impls_lib.Options(platform=cfg.platform, interpret=cfg.interpret, sinks=cfg.sinks)
+  opts = impls_lib.run_options(cfg)
   progress = progress or Progress(0, enabled=False)
   steps: list[MemoryStep] = []
   seqs = probe_seqlens(cfg)

@@ -25,6 +25,7 @@ from jax_flash2.bench.spec import (
     MemoryStep,
     SweepConfig,
     mask_text,
+    varlen_text,
 )
 
 # 2: cells, checks and memory steps gained window_left, window_right and
@@ -32,7 +33,9 @@ from jax_flash2.bench.spec import (
 # 3: cells gained kernel_ms and kernel_tflops; config gained left_out,
 # kernel_time and save; metadata gained the CUDA, cuDNN, CUDA plugin and
 # tokamax versions.
-SCHEMA_VERSION = 3
+# 4: cells, checks and memory steps gained softcap and varlen; config gained
+# softcaps and varlens.
+SCHEMA_VERSION = 4
 _MIB = 1 << 20
 
 
@@ -162,9 +165,9 @@ def _cell_text(c: CellResult | None) -> tuple[str, ...] | str:
 
 
 def _mask(r: CellResult | CheckResult) -> str:
-  """"causal", "non-causal", plus the window and segments where set."""
+  """"causal", "non-causal", plus the window, segments, varlen lengths and softcap where set."""
   window = None if r.window_left is None and r.window_right is None else (r.window_left, r.window_right)
-  return mask_text(r.causal, window, r.segments)
+  return mask_text(r.causal, window, r.segments, r.softcap, r.varlen)
 
 
 def _group(cells: Iterable[CellResult]) -> dict[tuple, dict[tuple[int, int, int], dict[str, CellResult]]]:
@@ -256,14 +259,15 @@ def format_checks(checks: list[CheckResult]) -> str:
   if not checks:
     return ""
   width = max(10, *(len(_mask(r)) for r in checks))
+  iw = max(15, *(len(r.impl) for r in checks))
   lines = [
       "Accuracy vs float32 reference, ||x - ref|| / ||ref||:",
-      f"{'impl':<15} {'dtype':>5} {'hd':>4} {'mask':>{width}} {'shape (b,s,h)':>16} {'out':>9} {'dq':>9} {'dk':>9} {'dv':>9}",
+      f"{'impl':<{iw}} {'dtype':>5} {'hd':>4} {'mask':>{width}} {'shape (b,s,h)':>16} {'out':>9} {'dq':>9} {'dk':>9} {'dv':>9}",
   ]
   for r in checks:
     h = f"{r.heads}" if r.heads == r.kv_heads else f"{r.heads}/{r.kv_heads}"
     where = f"{r.batch},{r.seqlen},{h}"
-    head = f"{r.impl:<15} {SHORT_DTYPE.get(r.dtype, r.dtype):>5} {r.head_dim:>4} {_mask(r):>{width}} {where:>16}"
+    head = f"{r.impl:<{iw}} {SHORT_DTYPE.get(r.dtype, r.dtype):>5} {r.head_dim:>4} {_mask(r):>{width}} {where:>16}"
     if r.status == "ok":
       errs = (r.rel_err_out, r.rel_err_dq, r.rel_err_dk, r.rel_err_dv)
       lines.append(head + " " + " ".join(f"{_fmt_err(e):>9}" for e in errs))
@@ -335,11 +339,15 @@ def write_json(
           "and why",
           "tflops": "flops / ms; flops by the cell's flops_convention: dense = fwd 4*B*H*S*S*D, causal-half = "
           "half that (plain causal, FlashAttention convention), visible = 4*D*B*H per visible (query, key) pair "
-          "(windows, segments); bwd 2.5x fwd, fwd+bwd 3.5x",
+          "(windows, segments, varlen); bwd 2.5x fwd, fwd+bwd 3.5x",
           "visible_fraction": "visible (query, key) pairs / S*S, exact",
           "window_left, window_right": "local window: key j visible to query i iff i-left <= j <= i+right "
           "(null: unbounded; both null: no window), combined with causal",
           "segments": "each row packs this many equal contiguous sequences (1: no segment ids)",
+          "softcap": "scores become softcap * tanh(scores / softcap) (null: none); FLOPs unchanged",
+          "varlen": "lengths of the sequences packed end to end into the cell's one row (batch 1, seqlen their "
+          "sum), self-attention within each: flash_attention_varlen, or for a -segids implementation "
+          "flash_attention with them as segment ids (null: not packed; the CSV spells them 1024,3072,512)",
           "speed_vs_cudnn": "cuDNN ms / this ms (> 1: faster than cuDNN)",
           "compiled_bytes": "XLA memory_analysis of the fwd+bwd executable: argument+output+temp-alias",
           "device_peak_bytes": "process-wide peak_bytes_in_use after the cell (never reset); "
@@ -359,12 +367,15 @@ def write_csv(path: str, cells: list[CellResult]) -> None:
     writer = csv.DictWriter(f, fieldnames=list(CELL_FIELDS))
     writer.writeheader()
     for c in cells:
-      writer.writerow({k: ("" if v is None else v) for k, v in _clean(c.to_record()).items()})
+      record = _clean(c.to_record())
+      if record["varlen"] is not None:
+        record["varlen"] = varlen_text(record["varlen"])
+      writer.writerow({k: ("" if v is None else v) for k, v in record.items()})
 
 
 def write_plots(out_dir: str, cells: list[CellResult], impls: Iterable[str], title: str = "") -> list[str]:
   """TFLOP/s against sequence length: one panel per head_dim x mask (causal,
-  window, segments) x mode, one line per implementation (solid: wall clock;
+  window, segments, varlen lengths, softcap) x mode, one line per implementation (solid: wall clock;
   dashed: kernel time, where traced). One PNG per dtype. Returns the files
   written."""
   import matplotlib

@@ -38,13 +38,34 @@ def window_text(window: Window | None) -> str:
   return "none" if window is None else f"{_side(window[0])},{_side(window[1])}"
 
 
-def mask_text(causal: bool, window: Window | None, segments: int) -> str:
-  """"causal", "non-causal", plus " window 1024,0" and " 8 segments" when set."""
+def softcap_text(softcap: float | None) -> str:
+  """"30" for 30.0, "none" for no softcap: how --softcap spells it."""
+  if softcap is None:
+    return "none"
+  short = f"{softcap:g}"
+  return short if float(short) == softcap else repr(softcap)
+
+
+def varlen_text(varlen: tuple[int, ...]) -> str:
+  """"1024,3072,512": how --varlen spells the lengths."""
+  return ",".join(str(n) for n in varlen)
+
+
+def mask_text(
+    causal: bool, window: Window | None, segments: int, softcap: float | None = None,
+    varlen: tuple[int, ...] | None = None,
+) -> str:
+  """"causal", "non-causal", plus " window 1024,0", " 8 segments",
+  " varlen 1024,3072,512" and " softcap 30" when set."""
   text = "causal" if causal else "non-causal"
   if window is not None:
     text += f" window {window_text(window)}"
   if segments > 1:
     text += f" {segments} segments"
+  if varlen is not None:
+    text += f" varlen {varlen_text(varlen)}"
+  if softcap is not None:
+    text += f" softcap {softcap_text(softcap)}"
   return text
 
 
@@ -56,6 +77,10 @@ class Shape:
   (flat fields so that JSON and CSV cells carry them as plain numbers).
   segments: each row packs this many equal contiguous sequences (segment ids
   position // (seqlen // segments)); 1 means no segment ids.
+  softcap: scores become softcap * tanh(scores / softcap); None: no softcap.
+  varlen: the lengths of sequences packed end to end into one row (batch 1,
+  seqlen their sum), self-attention within each (flash_attention_varlen with
+  one cu_seqlens array); None: not packed that way.
   """
 
   batch: int
@@ -68,6 +93,8 @@ class Shape:
   window_left: int | None = None
   window_right: int | None = None
   segments: int = 1
+  softcap: float | None = None
+  varlen: tuple[int, ...] | None = None
 
   @property
   def window(self) -> Window | None:
@@ -78,7 +105,7 @@ class Shape:
 
   @property
   def mask(self) -> str:
-    return mask_text(self.causal, self.window, self.segments)
+    return mask_text(self.causal, self.window, self.segments, self.softcap, self.varlen)
 
   @property
   def q_shape(self) -> tuple[int, int, int, int]:
@@ -99,6 +126,10 @@ class Shape:
       mask += f" win{window_text(self.window)}"
     if self.segments > 1:
       mask += f" seg{self.segments}"
+    if self.varlen is not None:
+      mask += f" varlen{varlen_text(self.varlen)}"
+    if self.softcap is not None:
+      mask += f" cap{softcap_text(self.softcap)}"
     return f"b{self.batch} s{self.seqlen} h{heads} d{self.head_dim} {mask} {SHORT_DTYPE.get(self.dtype, self.dtype)}"
 
 
@@ -121,7 +152,10 @@ class SweepConfig:
 
   `batch` None means tokens // seqlen; `heads` None means hidden // head_dim;
   `kv_heads` None means heads. `windows` holds None for no window; `segments`
-  1 for no segment ids. `sinks`: every problem has attention sinks
+  1 for no segment ids; `softcaps` None for no softcap. `varlens`: packings
+  of --varlen, each a tuple of sequence lengths run as one row of their sum
+  in place of `seqlens` (which then holds those sums); () for none.
+  `sinks`: every problem has attention sinks
   (impls.sink_logits; FLOPs unchanged). `impls` are those that run here; `left_out` those
   asked for (or defaults) that cannot. `kernel_time`: also read each cell's
   GPU kernel time from a profiler trace. `save`: write results into `out`
@@ -141,6 +175,8 @@ class SweepConfig:
   kv_heads: int | None = None
   windows: tuple[Window | None, ...] = (None,)
   segments: tuple[int, ...] = (1,)
+  softcaps: tuple[float | None, ...] = (None,)
+  varlens: tuple[tuple[int, ...], ...] = ()
   sinks: bool = False
   warmup: int = 3
   iters: int = 20
@@ -172,12 +208,22 @@ class SweepConfig:
   def kv_heads_for(self, head_dim: int) -> int:
     return self.kv_heads if self.kv_heads is not None else self.heads_for(head_dim)
 
+  def rows(self) -> list[tuple[int, tuple[int, ...] | None]]:
+    """(seqlen, varlen) of each row of a group: the seqlens, or the --varlen packings and their sums."""
+    if self.varlens:
+      return [(sum(lens), lens) for lens in self.varlens]
+    return [(seqlen, None) for seqlen in self.seqlens]
+
   def shape(
-      self, dtype: str, head_dim: int, causal: bool, seqlen: int, window: Window | None = None, segments: int = 1
+      self, dtype: str, head_dim: int, causal: bool, seqlen: int, window: Window | None = None, segments: int = 1,
+      softcap: float | None = None, varlen: tuple[int, ...] | None = None,
   ) -> Shape:
+    """One problem; a `varlen` packing is one row (batch 1) of seqlen sum(varlen)."""
     left, right = window if window is not None else (None, None)
+    if varlen is not None and seqlen != sum(varlen):
+      raise ValueError(f"seqlen {seqlen} is not the sum of the varlen lengths {varlen}")
     return Shape(
-        batch=self.batch_for(seqlen),
+        batch=1 if varlen is not None else self.batch_for(seqlen),
         seqlen=seqlen,
         heads=self.heads_for(head_dim),
         kv_heads=self.kv_heads_for(head_dim),
@@ -187,21 +233,24 @@ class SweepConfig:
         window_left=left,
         window_right=right,
         segments=segments,
+        softcap=softcap,
+        varlen=varlen,
     )
 
-  def groups(self) -> list[tuple[str, int, bool, Window | None, int]]:
-    """(dtype, head_dim, causal, window, segments) in sweep order; each group runs all seqlens."""
+  def groups(self) -> list[tuple[str, int, bool, Window | None, int, float | None]]:
+    """(dtype, head_dim, causal, window, segments, softcap) in sweep order; each group runs all `rows`."""
     return [
-        (d, h, c, w, n)
+        (d, h, c, w, n, cap)
         for d in self.dtypes
         for h in self.head_dims
         for c in self.causal
         for w in self.windows
         for n in self.segments
+        for cap in self.softcaps
     ]
 
   def num_cells(self) -> int:
-    return len(self.groups()) * len(self.seqlens) * len(self.modes) * len(self.impls)
+    return len(self.groups()) * len(self.rows()) * len(self.modes) * len(self.impls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +276,8 @@ class CellResult:
       out (q's dtype) plus a float32 lse.
   flops / flops_convention: see flops.py; "dense" (4*B*H*S*S*D forward),
     "causal-half" (half that: plain causal, the FlashAttention convention)
-    or "visible" (4*D*B*H per visible (query, key) pair: windows, segments).
+    or "visible" (4*D*B*H per visible (query, key) pair: windows, segments,
+    varlen). A softcap changes no FLOPs (its tanh is element-wise work).
   visible_fraction: visible (query, key) pairs / S*S, exact, whatever the
     convention.
   rel_err_out / rel_err_grad: ||x - ref|| / ||ref|| against the float32
@@ -248,6 +298,8 @@ class CellResult:
   window_left: int | None = None
   window_right: int | None = None
   segments: int = 1
+  softcap: float | None = None
+  varlen: tuple[int, ...] | None = None
   error: str | None = None
   ms: float | None = None
   ms_min: float | None = None
@@ -271,7 +323,7 @@ class CellResult:
   def shape(self) -> Shape:
     return Shape(
         self.batch, self.seqlen, self.heads, self.kv_heads, self.head_dim, self.causal, self.dtype,
-        self.window_left, self.window_right, self.segments,
+        self.window_left, self.window_right, self.segments, self.softcap, self.varlen,
     )
 
   def to_record(self) -> dict:
@@ -297,6 +349,8 @@ class CheckResult:
   window_left: int | None = None
   window_right: int | None = None
   segments: int = 1
+  softcap: float | None = None
+  varlen: tuple[int, ...] | None = None
   error: str | None = None
   rel_err_out: float | None = None
   rel_err_dq: float | None = None
@@ -328,6 +382,8 @@ class MemoryStep:
   window_left: int | None = None
   window_right: int | None = None
   segments: int = 1
+  softcap: float | None = None
+  varlen: tuple[int, ...] | None = None
   error: str | None = None
   ms: float | None = None
   compiled_bytes: int | None = None

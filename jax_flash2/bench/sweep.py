@@ -37,7 +37,7 @@ def run_check(
     got = prepared(0)
     want = check_lib.reference_fwd_bwd_jit(
         x.q, x.k, x.v, x.dout, causal=cshape.causal, window=cshape.window, segments=cshape.segments,
-        sinks=opts.sinks,
+        sinks=opts.sinks, softcap=cshape.softcap, varlen=cshape.varlen,
     )
     errs = [float(e) for e in check_lib.relative_errors(tuple(got), tuple(want))]
     del got, want, prepared
@@ -138,14 +138,14 @@ def run_cell(
 
 def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> tuple[list[CellResult], list[CheckResult]]:
   """All cells of `cfg` (and, unless cfg.check is off, one check per impl and group)."""
-  opts = impls_lib.Options(platform=cfg.platform, interpret=cfg.interpret, sinks=cfg.sinks)
+  opts = impls_lib.run_options(cfg)
   impls = [impls_lib.get(name) for name in cfg.impls]
   progress = progress or Progress(0, enabled=False)
   cells: list[CellResult] = []
   checks: list[CheckResult] = []
-  for dtype, head_dim, causal, window, segments in cfg.groups():
-    for index, seqlen in enumerate(cfg.seqlens):
-      shape = cfg.shape(dtype, head_dim, causal, seqlen, window, segments)
+  for dtype, head_dim, causal, window, segments, softcap in cfg.groups():
+    for index, (seqlen, varlen) in enumerate(cfg.rows()):
+      shape = cfg.shape(dtype, head_dim, causal, seqlen, window, segments, softcap, varlen)
       inputs: list[timing.Inputs] | None = None
       try:
         inputs = [timing.make_inputs(shape, cfg.seed + i) for i in range(cfg.input_sets)]
@@ -179,24 +179,25 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> tuple[list[
 
 def num_steps(cfg: SweepConfig) -> int:
   """Progress steps of `run_sweep`: cells plus checks."""
-  checks = len(cfg.groups()) * len(cfg.impls) if cfg.check and cfg.seqlens else 0
+  checks = len(cfg.groups()) * len(cfg.impls) if cfg.check and cfg.rows() else 0
   return cfg.num_cells() + checks
 
 
 def annotate(cells: list[CellResult], checks: list[CheckResult]) -> list[CellResult]:
   """Adds speed_vs_cudnn (cuDNN ms / cell ms) and the check errors to each cell."""
   def mask(r: CellResult | CheckResult) -> tuple:
-    return (r.causal, r.window_left, r.window_right, r.segments)
+    # A group's check ran on its first row (its varlen lengths perhaps cut): it stands for every row.
+    return (r.causal, r.window_left, r.window_right, r.segments, r.softcap, r.varlen is not None)
 
   cudnn_ms = {
-      (c.dtype, c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, *mask(c), c.mode): c.ms
+      (c.dtype, c.batch, c.heads, c.kv_heads, c.seqlen, c.varlen, c.head_dim, *mask(c), c.mode): c.ms
       for c in cells
       if c.impl == "cudnn" and c.status == "ok"
   }
   errs = {(r.impl, r.dtype, r.head_dim, *mask(r)): r for r in checks if r.status == "ok"}
   out = []
   for c in cells:
-    key = (c.dtype, c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, *mask(c), c.mode)
+    key = (c.dtype, c.batch, c.heads, c.kv_heads, c.seqlen, c.varlen, c.head_dim, *mask(c), c.mode)
     updates: dict[str, Any] = {}
     if c.status == "ok" and key in cudnn_ms:
       updates["speed_vs_cudnn"] = cudnn_ms[key] / c.ms
