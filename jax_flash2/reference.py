@@ -185,6 +185,9 @@ def decode_attention(
     visible &= keys <= level + right
   if left is not None:
     visible &= keys >= level - left
+  # Values past a sequence's length may be anything (NaN in a fresh
+  # buffer): zeroed, as 0 * NaN would reach the output.
+  v = jnp.where((keys < lens)[:, 0, :, None, None], v, jnp.zeros((), v.dtype))
   bias = None
   if alibi_slopes is not None:
     slopes = jnp.reshape(alibi_slopes, (-1, q.shape[2]))[:, :, None, None]
