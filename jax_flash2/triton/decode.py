@@ -119,10 +119,8 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, p: DecodeProblem, rows:
   s_hi = jnp.minimum(s_lo + per, hi)
   full_lo = jnp.clip(full_lo, s_lo, s_hi)
   full_hi = jnp.clip(full_hi, full_lo, s_hi)
-  acc = jnp.zeros((rows, p.head_dim_padded), jnp.float32)
-  m_i = jnp.full((rows,), -jnp.inf, jnp.float32)
-  l_i = jnp.zeros((rows,), jnp.float32)
-  acc, m_i, l_i = common.split_loop(step, (acc, m_i, l_i), s_lo, full_lo, full_hi, s_hi)
+  state = common.softmax_state(rows, p.head_dim_padded)
+  acc, m_i, l_i = common.split_loop(step, state, s_lo, full_lo, full_hi, s_hi)
 
   # A split that saw no key (empty, or outside every row's band) writes
   # zeros and lse = -inf, which weigh nothing in the combine.
