@@ -1,8 +1,9 @@
 """jax_flash2: FlashAttention-2 for JAX, as Pallas GPU kernels."""
 
 from jax_flash2.api import flash_attention, plan
-from jax_flash2.backends import Backend, DecodeConfig, PassPlan, Plan
-from jax_flash2.config import BlockSizes, KernelConfig, MosaicBackwardConfig, MosaicConfig, MosaicForwardConfig
+from jax_flash2.backends import Backend, PassPlan, Plan
+from jax_flash2.config import (BlockSizes, DecodeConfig, KernelConfig, MosaicBackwardConfig, MosaicConfig,
+                               MosaicForwardConfig)
 from jax_flash2.decode import decode_plan, flash_decode, write_kv_cache
 from jax_flash2.varlen import flash_attention_varlen
 

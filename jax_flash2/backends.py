@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash2 import defaults, reference
-from jax_flash2.config import BlockSizes, MosaicBackwardConfig, MosaicConfig, MosaicForwardConfig
+from jax_flash2.config import BlockSizes, DecodeConfig, MosaicBackwardConfig, MosaicConfig, MosaicForwardConfig
 from jax_flash2.mosaic import backward as mosaic_backward
 from jax_flash2.mosaic import backward_fused as mosaic_backward_fused
 from jax_flash2.mosaic import backward_wide as mosaic_backward_wide
@@ -383,15 +383,6 @@ def choose(problem: Problem, device: Device, backend: Backend, *, block_sizes: B
 # ---------------------------------------------------------------- decoding (flash_decode)
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-  """How the split-KV decode kernel tiles a call: K/V rows per block and
-  splits of each sequence's cache (see jax_flash2.triton.decode)."""
-
-  block_k: int
-  num_splits: int
-
-
 def choose_decode(p: DecodeProblem, device: Device, backend: Backend, *, batch: int, kv_heads: int, max_seq: int,
                   num_splits: int | None, sm_count: int | None) -> PassPlan:
   """Which backend runs a flash_decode call, and with which DecodeConfig:
@@ -408,11 +399,9 @@ def choose_decode(p: DecodeProblem, device: Device, backend: Backend, *, batch: 
     return PassPlan(XLA.name)
   why = TRITON.runs_on(device, auto=backend is Backend.AUTO)
   if why is None:
-    block_k = defaults.decode_block_k(p.page_size)
-    if num_splits is None:
-      num_splits = defaults.decode_splits(None if device.interpret else sm_count, batch, kv_heads,
-                                          -(-max_seq // block_k))
-    return PassPlan(TRITON.name, DecodeConfig(block_k, num_splits))
+    return PassPlan(TRITON.name, defaults.decode_config(p.page_size, None if device.interpret else sm_count,
+                                                       batch=batch, kv_heads=kv_heads, max_seq=max_seq,
+                                                       num_splits=num_splits))
   if backend is Backend.TRITON:
     raise ValueError(f"backend='triton': {why}; use backend='auto'")
   return PassPlan(XLA.name, reason=why)
@@ -429,7 +418,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks, p: De
         sinks=sinks, compute_dtype=jnp.float32)
     return out, lse
   config: DecodeConfig = plan.config
-  parts, lse = triton_decode.decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p,
-                                    block_k=config.block_k, num_splits=config.num_splits, interpret=interpret)
+  parts, lse = triton_decode.decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p, config,
+                                    interpret=interpret)
   return triton_decode.combine(parts, lse, sinks, seq_q=q.shape[1], heads=q.shape[2], head_dim=q.shape[3],
                                dtype=q.dtype)

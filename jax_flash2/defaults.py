@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_flash2.config import BlockSizes, KernelConfig, MosaicBackwardConfig, MosaicForwardConfig
+from jax_flash2.config import BlockSizes, DecodeConfig, KernelConfig, MosaicBackwardConfig, MosaicForwardConfig
 
 # ---------------------------------------------------------------- Triton kernels
 
@@ -169,3 +169,12 @@ def decode_splits(sm_count: int | None, batch: int, kv_heads: int, max_blocks: i
   else:
     wanted = -(-sm_count // (batch * kv_heads))
   return max(1, min(wanted, max_blocks, DECODE_MAX_SPLITS))
+
+
+def decode_config(page_size: int | None, sm_count: int | None, *, batch: int, kv_heads: int, max_seq: int,
+                  num_splits: int | None = None) -> DecodeConfig:
+  """The decode kernel's config; an explicit num_splits wins over decode_splits."""
+  block_k = decode_block_k(page_size)
+  if num_splits is None:
+    num_splits = decode_splits(sm_count, batch, kv_heads, -(-max_seq // block_k))
+  return DecodeConfig(block_k, num_splits)

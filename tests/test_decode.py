@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from jax_flash2 import defaults, decode_plan, flash_decode, reference, write_kv_cache
+from jax_flash2 import DecodeConfig, defaults, decode_plan, flash_decode, reference, write_kv_cache
 
 
 def _caches(seed, batch, seq_q, heads, kv_heads, head_dim, max_seq, lens, page_size=None, dtype=jnp.float32):
@@ -103,8 +103,9 @@ def test_window_softcap_alibi_sinks(paged):
 
 def test_non_causal_window():
   """Without causal the new queries see the keys after their level one,
-  up to a right window of 2 (and a left one of 9)."""
-  q, kc, vc, table, seqlens, k, v = _caches(3, 2, 4, 4, 4, 64, 64, [64, 30])
+  up to a right window of 2 (and a left one of 9); head_dim 80, padded to
+  128 inside."""
+  q, kc, vc, table, seqlens, k, v = _caches(3, 2, 4, 4, 4, 80, 64, [64, 30])
   options = dict(causal=False, window_size=(9, 2))
   _check(flash_decode(q, kc, vc, seqlens, return_lse=True, interpret=True, **options),
          _reference(q, k, v, seqlens, **options))
@@ -203,6 +204,8 @@ def test_auto_backend_and_plan():
   assert defaults.decode_splits(132, 64, 8, 128) == 1
   assert defaults.decode_splits(132, 1, 1, 4) == 4
   assert defaults.decode_block_k(48) == 16
+  with pytest.raises(ValueError, match="DecodeConfig.block_k"):
+    DecodeConfig(block_k=24, num_splits=1)
   with pytest.raises(ValueError, match="no Mosaic kernel"):
     decode_plan(q, kc, vc, seqlens, backend="mosaic")
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_flash2.config import DecodeConfig
 from jax_flash2.problem import DecodeProblem
 from jax_flash2.triton import common
 from jax_flash2.triton.common import LN_2, LOG2_E
@@ -130,8 +131,8 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, p: DecodeProblem, rows:
   lse_ref[...] = jnp.where(seen, m_i + jnp.log2(l_safe), -jnp.inf)
 
 
-def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodeProblem, *, block_k: int,
-           num_splits: int, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodeProblem, config: DecodeConfig, *,
+           interpret: bool = False):
   """Runs the split-KV kernel.
 
   Args:
@@ -141,6 +142,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodePro
       [batch, max_pages] (None when contiguous).
     cache_seqlens: int32 [batch].
     slopes: float32 [batch or 1, heads] ALiBi slopes, or None.
+    config: block_k (dividing page_size when paged), num_splits, warps, stages.
 
   Returns:
     out: float32 [batch, kv_heads, num_splits, rows, head_dim_padded], each
@@ -151,6 +153,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodePro
   batch, seq_q, heads, head_dim = q.shape
   kv_heads, g = k_cache.shape[2], p.group
   d = p.head_dim_padded
+  block_k, num_splits = config.block_k, config.num_splits
   rows = max(16, 1 << (seq_q * g - 1).bit_length())
   # [batch, kv_heads, rows, D]: the group's heads and queries as rows.
   packed = q.reshape(batch, seq_q, kv_heads, g, head_dim).transpose(0, 2, 1, 3, 4)
@@ -191,7 +194,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodePro
           common.out_struct((batch, kv_heads, num_splits, rows, d), jnp.float32, *args),
           common.out_struct((batch, kv_heads, num_splits, rows), jnp.float32, *args),
       ],
-      compiler_params=common.compiler_params(num_warps, num_stages),
+      compiler_params=common.compiler_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name="flash2_decode",
   )(*args)
