@@ -109,7 +109,8 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, *, compute_capability: tuple
   kernel does not serve (None when it does). Arrays may be
   jax.ShapeDtypeStructs. compute_capability, sm_count: answer for such a GPU
   (e.g. (9, 0) and 132 for an H200) from any machine; None: the default
-  device's."""
+  device's (without an SM count the splits take defaults.decode_splits'
+  fixed number)."""
   del return_lse  # it does not change what runs
   if compute_capability is None:
     compute_capability = backends.default_compute_capability()

@@ -259,7 +259,8 @@ def test_bad_inputs_name_the_argument():
 def test_gpu_matches_reference(shape, dtype):
   """The compiled kernel's error, against float32, at most 2x that of the
   same math done plainly in the input dtype, and under 1e-2; ragged lengths
-  (one empty, one full)."""
+  (one full, one empty), sinks, and with seq_q 4 a causal window; the
+  default num_splits (the GPU's SM count)."""
   batch, seq_q, heads, kv_heads, head_dim, max_seq, page = shape
   lens = np.random.default_rng(batch).integers(1, max_seq, batch)
   lens[0] = max_seq
@@ -267,9 +268,10 @@ def test_gpu_matches_reference(shape, dtype):
     lens[1] = 0
   q, kc, vc, table, seqlens, k, v = _caches(batch + max_seq, batch, seq_q, heads, kv_heads, head_dim, max_seq,
                                             lens, page, dtype)
-  rng = np.random.default_rng(0)
-  sinks = jnp.asarray(rng.standard_normal(heads), jnp.float32)
+  # Around log(length): the sink takes a sizeable share of each row.
+  sinks = jnp.asarray(np.log(max_seq) + np.random.default_rng(0).standard_normal(heads), jnp.float32)
   options = dict(window_size=(4000, None)) if seq_q > 1 else {}
+  _poison().block_until_ready()
   got = jax.jit(functools.partial(flash_decode, return_lse=True, backend="triton", **options))(
       q, kc, vc, seqlens, block_table=table, sinks=sinks)
   want = reference.decode_attention(*(x.astype(jnp.float32) for x in (q, k, v)), seqlens, sinks=sinks,
@@ -277,4 +279,12 @@ def test_gpu_matches_reference(shape, dtype):
   plain = reference.decode_attention(q, k, v, seqlens, sinks=sinks.astype(dtype), compute_dtype=dtype, **options)
   for name, x, ref, base in zip(("out", "lse"), got, want, plain):
     err, base_err = rel_err(x, ref), rel_err(base, ref)
-    assert err <= max(2 * base_err, 1e-4) and err < 1e-2, f"{name}: {err:.3g} vs plain {base_err:.3g}"
+    assert err < 1e-2, f"{name}: relative error {err:.3g}"
+    assert err <= 2 * base_err, f"{name}: error {err:.3g} > 2 x plain {jnp.dtype(dtype).name} {base_err:.3g}"
+
+
+@jax.jit
+def _poison():
+  # Fill and free a large buffer with NaN first, so that an output block the
+  # kernel never writes is likely to read NaN rather than stale zeros.
+  return jnp.full((1 << 28,), jnp.nan, jnp.float32)
