@@ -62,7 +62,8 @@ def flash_decode(
           1 1 1 1 1
 
       Blocks past a sequence's length are never read. A sequence of length 0
-      gives zeros (lse -inf, or its head's sink).
+      gives zeros (lse -inf, or its head's sink); lengths are clipped to
+      [0, the cache's capacity].
     block_table: int32 [batch, max_pages_per_seq]: key j of sequence b lies
       in page block_table[b, j // page_size], row j % page_size.
     softmax_scale, softcap, sinks: as in flash_attention.
@@ -96,7 +97,11 @@ def flash_decode(
     )
   slopes = None if alibi_slopes is None else jnp.reshape(alibi_slopes, (-1, q.shape[2])).astype(jnp.float32)
   sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
-  out, lse = _without_gradient(q, k_cache, v_cache, cache_seqlens.astype(jnp.int32),
+  # Lengths past the cache's capacity (write_kv_cache counts dropped tokens
+  # too) read as the capacity: no kernel reads past the cache or the table.
+  capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+  lens = jnp.clip(cache_seqlens.astype(jnp.int32), 0, capacity)
+  out, lse = _without_gradient(q, k_cache, v_cache, lens,
                                None if block_table is None else block_table.astype(jnp.int32), slopes, sinks,
                                p=p, plan=plan, interpret=interpret)
   return (out, lse) if check_flag("return_lse", return_lse) else out

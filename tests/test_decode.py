@@ -18,9 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from conftest import rel_err
 from jax_flash2 import DecodeConfig, defaults, decode_plan, flash_decode, reference, write_kv_cache
+from jax_flash2.problem import DecodeProblem
+from jax_flash2.triton import decode as triton_decode
 
 
 def _caches(seed, batch, seq_q, heads, kv_heads, head_dim, max_seq, lens, page_size=None, dtype=jnp.float32):
@@ -180,6 +183,10 @@ def test_write_kv_cache_drops_past_capacity():
   kc, vc, lens = write_kv_cache(kc, vc, new, new, jnp.asarray([2], jnp.int32))
   np.testing.assert_array_equal(np.asarray(kc[0, :, 0, 0]), [0, 0, 1, 1])
   assert int(lens[0]) == 5
+  # flash_decode reads a length past the capacity as the capacity.
+  q = jnp.ones((1, 1, 2, 8), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(flash_decode(q, kc, vc, lens, backend="xla")),
+                                np.asarray(flash_decode(q, kc, vc, jnp.asarray([4], jnp.int32), backend="xla")))
 
 
 def test_grad_raises():
@@ -243,6 +250,31 @@ def test_bad_inputs_name_the_argument():
     write_kv_cache(kc, vc, new[..., :32], new, seqlens, block_table=table)
   with pytest.raises(ValueError, match="cache_seqlens"):
     write_kv_cache(kc, vc, new, new, seqlens[:1], block_table=table)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kernel_lowers_for_an_h200(paged):
+  """The kernel through the Pallas Triton lowering for an H200 target, on
+  any host: the block-table and length loads, the bounds' integer
+  arithmetic and every option must lower (interpret mode checks none of that)."""
+  batch, seq_q, heads, kv_heads, d = 3, 4, 16, 2, 128
+  p = DecodeProblem(seq_q=seq_q, head_dim=d, softmax_scale=0.1, dtype="bfloat16", group=heads // kv_heads,
+                    window_left=100, window_right=0, softcap=20.0, has_alibi=True,
+                    page_size=32 if paged else None, num_pages=40 if paged else None)
+  cache = (40, 32, kv_heads, d) if paged else (batch, 1000, kv_heads, d)
+  args = (jax.ShapeDtypeStruct((batch, seq_q, heads, d), jnp.bfloat16),
+          *(jax.ShapeDtypeStruct(cache, jnp.bfloat16),) * 2, jax.ShapeDtypeStruct((batch,), jnp.int32),
+          jax.ShapeDtypeStruct((batch, 12), jnp.int32) if paged else None,
+          jax.ShapeDtypeStruct((1, heads), jnp.float32))
+  config = defaults.decode_config(p.page_size, 132, batch=batch, kv_heads=kv_heads, max_seq=1000)
+
+  def run(q, k, v, lens, table, slopes):
+    return triton_decode.decode(q, k, v, lens, table, slopes, p, config)
+
+  device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+  with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+    lowered = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",))
+  assert "flash2_decode" in lowered.as_text()
 
 
 # ---------------------------------------------------------------- on a GPU: the 2x rule
