@@ -141,6 +141,9 @@ def mosaic_pays_for_padding(seq_q: int, seq_k: int) -> bool:
 
 # ---------------------------------------------------------------- decoding (flash_decode)
 
+# Chosen, not yet measured (unlike the tables above): the decode kernel has
+# not run on a GPU. Sweep block_k, warps, stages and the splits' target on
+# the H200 before trusting them.
 # K/V rows per block of the split-KV decode kernel; a paged cache takes the
 # largest power of two dividing its page size, up to this.
 DECODE_BLOCK_K = 64
