@@ -10,6 +10,7 @@ plain XLA attention over the gathered cache. It is forward only.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -200,20 +201,14 @@ def _no_gradient_bwd(residuals, cotangents):
 _no_gradient_call.defvjp(_no_gradient_fwd, _no_gradient_bwd)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Static:
-  """The static half of a call, hashable, passed through the custom_vjp."""
+  """The static half of a call (hashable), passed through the custom_vjp as
+  a pytree without leaves."""
 
-  def __init__(self, p: DecodeProblem, plan: PassPlan, interpret: bool):
-    self.p, self.plan, self.interpret = p, plan, interpret
-
-  def _key(self):
-    return (self.p, self.plan, self.interpret)
-
-  def __hash__(self):
-    return hash(self._key())
-
-  def __eq__(self, other):
-    return isinstance(other, _Static) and self._key() == other._key()
+  p: DecodeProblem
+  plan: PassPlan
+  interpret: bool
 
 
 jax.tree_util.register_static(_Static)
