@@ -11,7 +11,9 @@ the sequence's own length, so a short sequence costs what it reads and the
 blocks past it are never loaded. Each program keeps the running row max
 `m_i`, row sum `l_i` and unnormalised output `acc`, as the forward kernel
 does, and writes its normalised partial output and its rows' lse (base 2),
-float32; `combine` merges the splits exactly by their lse.
+float32; `combine` merges the splits exactly by their lse. Only the blocks
+crossing an edge of the band or the sequence's end take the element mask
+(`_band`'s full stretch runs without it, as in the forward kernel).
 
 A paged cache ([num_pages, page_size, kv_heads, D]) is read through the
 block table: K/V block j of a sequence lies in page block_table[b, j *
