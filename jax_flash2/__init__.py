@@ -2,20 +2,26 @@
 
 from jax_flash2.api import flash_attention, plan
 from jax_flash2.backends import Backend, PassPlan, Plan
-from jax_flash2.config import BlockSizes, KernelConfig, MosaicBackwardConfig, MosaicConfig, MosaicForwardConfig
+from jax_flash2.config import (BlockSizes, DecodeConfig, KernelConfig, MosaicBackwardConfig, MosaicConfig,
+                               MosaicForwardConfig)
+from jax_flash2.decode import decode_plan, flash_decode, write_kv_cache
 from jax_flash2.varlen import flash_attention_varlen
 
 __all__ = [
     "Backend",
     "BlockSizes",
+    "DecodeConfig",
     "KernelConfig",
     "MosaicBackwardConfig",
     "MosaicConfig",
     "MosaicForwardConfig",
     "PassPlan",
     "Plan",
+    "decode_plan",
     "flash_attention",
     "flash_attention_varlen",
+    "flash_decode",
     "plan",
+    "write_kv_cache",
 ]
 __version__ = "0.1.0"

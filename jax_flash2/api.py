@@ -136,8 +136,8 @@ def flash_attention(
                      alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                      sinks=sinks, softmax_scale=softmax_scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                      dropout_broadcast=dropout_broadcast)
-  requested = _check_backend(backend)
-  plan = _plan(problem, requested, Device(backends.default_compute_capability(), _check_flag("interpret", interpret)),
+  requested = check_backend(backend)
+  plan = _plan(problem, requested, Device(backends.default_compute_capability(), check_flag("interpret", interpret)),
                block_sizes, mosaic_config)
   operands = _operands(q, k, mask=mask, bias=bias, alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
                        kv_segment_ids=kv_segment_ids, sinks=sinks,
@@ -154,7 +154,7 @@ def flash_attention(
           stacklevel=2,
       )
     out, lse = backends.XLA.attention(q, k, v, operands, problem)
-  return (out, lse) if _check_flag("return_lse", return_lse) else out
+  return (out, lse) if check_flag("return_lse", return_lse) else out
 
 
 def plan(
@@ -194,8 +194,8 @@ def plan(
             and all(isinstance(x, int) and not isinstance(x, bool) for x in compute_capability)):
     raise TypeError(f"compute_capability must be a (major, minor) pair of ints or None, got {compute_capability!r}")
   problem = _problem(q, k, v, **options)
-  device = Device(compute_capability, _check_flag("interpret", interpret))
-  return _plan(problem, _check_backend(backend), device, block_sizes, mosaic_config)
+  device = Device(compute_capability, check_flag("interpret", interpret))
+  return _plan(problem, check_backend(backend), device, block_sizes, mosaic_config)
 
 
 def _plan(problem: Problem, backend: Backend, device: Device, block_sizes, mosaic_config) -> Plan:
@@ -213,20 +213,20 @@ def _problem(q, k, v, *, mask=None, bias=None, causal=False, window_size=None, s
   change nothing static: they join outside the kernels, see vjp.py.)"""
   _check_arrays(q, k, v)
   head_dim = q.shape[-1]
-  softmax_scale = _check_scale(softmax_scale, head_dim)
+  softmax_scale = check_scale(softmax_scale, head_dim)
   if not isinstance(causal, (bool, np.bool_)):
     raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-  left, right = _check_window(window_size)
+  left, right = check_window(window_size)
   if softcap is not None:
-    softcap = _check_positive("softcap", softcap)
+    softcap = check_positive("softcap", softcap)
   if mask is not None:
     _check_mask(mask, q, k)
   if bias is not None:
     _check_bias(bias, q, k)
   if alibi_slopes is not None:
-    _check_slopes(alibi_slopes, q)
+    check_slopes(alibi_slopes, q)
   if sinks is not None:
-    _check_sinks(sinks, q)
+    check_sinks(sinks, q)
   segments = _check_segments(q_segment_ids, kv_segment_ids, q, k)
   dropout_rate = _check_dropout(dropout_rate, dropout_rng)
   visibility = Mask(q.shape[1], k.shape[1], causal=bool(causal), window_left=left, window_right=right,
@@ -240,7 +240,7 @@ def _problem(q, k, v, *, mask=None, bias=None, causal=False, window_size=None, s
       softcap=softcap,
       has_alibi=alibi_slopes is not None,
       dropout_rate=dropout_rate,
-      dropout_broadcast=_check_flag("dropout_broadcast", dropout_broadcast) and dropout_rate > 0.0,
+      dropout_broadcast=check_flag("dropout_broadcast", dropout_broadcast) and dropout_rate > 0.0,
       has_bias=bias is not None,
   )
 
@@ -261,14 +261,14 @@ def _operands(q, k, *, mask, bias, alibi_slopes, q_segment_ids, kv_segment_ids, 
   )
 
 
-def _check_backend(backend) -> Backend:
+def check_backend(backend) -> Backend:
   try:
     return Backend(backend)
   except ValueError:
     raise ValueError(f"backend must be one of {[b.value for b in Backend]}, got {backend!r}") from None
 
 
-def _check_flag(name: str, value) -> bool:
+def check_flag(name: str, value) -> bool:
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
   return bool(value)
@@ -388,7 +388,7 @@ def _check_dropout(rate, rng) -> float:
   return rate
 
 
-def _check_slopes(slopes, q) -> None:
+def check_slopes(slopes, q) -> None:
   """ALiBi slopes: float [heads] or [batch, heads]."""
   if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
     raise TypeError(f"alibi_slopes must be an array, got {type(slopes).__name__}")
@@ -402,7 +402,7 @@ def _check_slopes(slopes, q) -> None:
     raise TypeError(f"alibi_slopes must be floating point, got dtype {slopes.dtype}")
 
 
-def _check_sinks(sinks, q) -> None:
+def check_sinks(sinks, q) -> None:
   """Attention sinks: float [heads], q's heads."""
   if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
     raise TypeError(f"sinks must be an array, got {type(sinks).__name__}")
@@ -413,7 +413,7 @@ def _check_sinks(sinks, q) -> None:
     raise TypeError(f"sinks must be floating point, got dtype {sinks.dtype}")
 
 
-def _check_window(window_size) -> tuple[int | None, int | None]:
+def check_window(window_size) -> tuple[int | None, int | None]:
   if window_size is None:
     return None, None
   if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -424,13 +424,13 @@ def _check_window(window_size) -> tuple[int | None, int | None]:
   return tuple(None if side is None else int(side) for side in window_size)
 
 
-def _check_scale(softmax_scale, head_dim: int) -> float:
+def check_scale(softmax_scale, head_dim: int) -> float:
   if softmax_scale is None:
     return 1.0 / math.sqrt(head_dim)
-  return _check_positive("softmax_scale", softmax_scale)
+  return check_positive("softmax_scale", softmax_scale)
 
 
-def _check_positive(name: str, value) -> float:
+def check_positive(name: str, value) -> float:
   """A static, finite, positive float (it is baked into the kernels)."""
   if isinstance(value, jax.core.Tracer):
     raise TypeError(f"{name} must be a static Python float, not a traced value")

@@ -20,14 +20,15 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash2 import defaults, reference
-from jax_flash2.config import BlockSizes, MosaicBackwardConfig, MosaicConfig, MosaicForwardConfig
+from jax_flash2.config import BlockSizes, DecodeConfig, MosaicBackwardConfig, MosaicConfig, MosaicForwardConfig
 from jax_flash2.mosaic import backward as mosaic_backward
 from jax_flash2.mosaic import backward_fused as mosaic_backward_fused
 from jax_flash2.mosaic import backward_wide as mosaic_backward_wide
 from jax_flash2.mosaic import common as mosaic_common
 from jax_flash2.mosaic import forward as mosaic_forward
-from jax_flash2.problem import Operands, Problem
+from jax_flash2.problem import DecodeProblem, Operands, Problem
 from jax_flash2.triton import backward as triton_backward
+from jax_flash2.triton import decode as triton_decode
 from jax_flash2.triton import forward as triton_forward
 
 LOG2_E = math.log2(math.e)
@@ -60,6 +61,12 @@ class Device:
     if self.compute_capability is None:
       return f"the default device is {jax.devices()[0].platform}, not an NVIDIA GPU"
     return "the GPU has compute capability {}.{}".format(*self.compute_capability)
+
+
+def default_sm_count() -> int | None:
+  """The default device's SM count when it is a GPU (132 on an H200), else None."""
+  device = jax.devices()[0]
+  return getattr(device, "core_count", None) if device.platform == "gpu" else None
 
 
 def default_compute_capability() -> tuple[int, int] | None:
@@ -371,3 +378,47 @@ def choose(problem: Problem, device: Device, backend: Backend, *, block_sizes: B
             f"{plan.forward.backend}, backward: {plan.backward.backend}); pass backend='{family.name}' to run them"
         )
   return plan
+
+
+# ---------------------------------------------------------------- decoding (flash_decode)
+
+
+def choose_decode(p: DecodeProblem, device: Device, backend: Backend, *, batch: int, kv_heads: int, max_seq: int,
+                  num_splits: int | None, sm_count: int | None) -> PassPlan:
+  """Which backend runs a flash_decode call, and with which DecodeConfig:
+  "auto" takes the Triton kernel where it runs (NVIDIA GPUs of compute
+  capability >= 8.0, or interpret=True), else XLA; "triton" and "xla" run
+  where they can. There is no Mosaic decode kernel.
+
+  Raises ValueError when the requested backend cannot run on the device."""
+  if backend is Backend.MOSAIC:
+    raise ValueError("backend='mosaic': flash_decode has no Mosaic kernel yet; use backend='auto' or 'triton'")
+  if backend is Backend.XLA:
+    if why := XLA.runs_on(device, auto=False):
+      raise ValueError(f"backend='xla': {why}")
+    return PassPlan(XLA.name)
+  why = TRITON.runs_on(device, auto=backend is Backend.AUTO)
+  if why is None:
+    return PassPlan(TRITON.name, defaults.decode_config(p.page_size, None if device.interpret else sm_count,
+                                                       batch=batch, kv_heads=kv_heads, max_seq=max_seq,
+                                                       num_splits=num_splits))
+  if backend is Backend.TRITON:
+    raise ValueError(f"backend='triton': {why}; use backend='auto'")
+  return PassPlan(XLA.name, reason=why)
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks, p: DecodeProblem, plan: PassPlan, *,
+           interpret: bool) -> tuple[jax.Array, jax.Array]:
+  """Runs a flash_decode call on its plan's backend: (out like q, lse float32
+  [batch, heads, seq_q], natural log)."""
+  if plan.backend == XLA.name:
+    out, lse = reference.decode_attention(
+        q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=p.softmax_scale,
+        causal=False, window_size=(p.window_left, p.window_right), softcap=p.softcap, alibi_slopes=slopes,
+        sinks=sinks, compute_dtype=jnp.float32)
+    return out, lse
+  config: DecodeConfig = plan.config
+  parts, lse = triton_decode.decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p, config,
+                                    interpret=interpret)
+  return triton_decode.combine(parts, lse, sinks, seq_q=q.shape[1], heads=q.shape[2], head_dim=q.shape[3],
+                               dtype=q.dtype)

@@ -3,8 +3,9 @@
 `KernelConfig` is one Triton-lowering kernel's tile and launch parameters,
 and `BlockSizes` one per kernel of that family (forward, dK/dV, dQ).
 `MosaicForwardConfig` and `MosaicBackwardConfig` tile the Mosaic GPU
-(Hopper) kernels, and `MosaicConfig` holds one of each. A bad value fails
-where it is written rather than deep inside a compile. The measured defaults
+(Hopper) kernels, and `MosaicConfig` holds one of each; `DecodeConfig` runs
+flash_decode's kernel. A bad value fails where it is written rather than
+deep inside a compile. The measured defaults
 are in jax_flash2.defaults; an explicit config always wins.
 """
 
@@ -221,3 +222,31 @@ class MosaicConfig:
       if value is not None and not isinstance(value, kind):
         raise TypeError(f"MosaicConfig.{name} must be a {kind.__name__} or None, got {type(value).__name__}")
 
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """How the split-KV decode kernel (flash_decode) runs a call.
+
+  Attributes:
+    block_k: K/V rows per loop step (power of two, >= 16; divides a paged
+      cache's page_size).
+    num_splits: runs each sequence's cache is cut into, one program each (>= 1).
+    num_warps: warps per program (1, 2, 4, 8 or 16).
+    num_stages: software-pipelining depth of the loop's loads (>= 1).
+  """
+
+  block_k: int
+  num_splits: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    _check_fields("DecodeConfig", self, (), ("block_k", "num_splits", "num_warps", "num_stages"))
+    if not _is_power_of_two(self.block_k) or self.block_k < _MIN_BLOCK:
+      raise ValueError(f"DecodeConfig.block_k must be a power of two >= {_MIN_BLOCK}, got {self.block_k!r}")
+    if self.num_warps not in _VALID_WARPS:
+      raise ValueError(f"DecodeConfig.num_warps must be one of {_VALID_WARPS}, got {self.num_warps!r}")
+    for name in ("num_splits", "num_stages"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"DecodeConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")

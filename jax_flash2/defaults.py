@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_flash2.config import BlockSizes, KernelConfig, MosaicBackwardConfig, MosaicForwardConfig
+from jax_flash2.config import BlockSizes, DecodeConfig, KernelConfig, MosaicBackwardConfig, MosaicForwardConfig
 
 # ---------------------------------------------------------------- Triton kernels
 
@@ -137,3 +137,47 @@ def mosaic_pays_for_padding(seq_q: int, seq_k: int) -> bool:
   128-row blocks, or long enough to pay for the padding."""
   whole = seq_q % MOSAIC_BLOCK_ROWS == 0 and seq_k % MOSAIC_BLOCK_ROWS == 0
   return whole or min(seq_q, seq_k) >= HOPPER_RAGGED_MIN_SEQ
+
+
+# ---------------------------------------------------------------- decoding (flash_decode)
+
+# Chosen, not yet measured (unlike the tables above): the decode kernel has
+# not run on a GPU. Sweep block_k, warps, stages and the splits' target on
+# the H200 before trusting them.
+# K/V rows per block of the split-KV decode kernel; a paged cache takes the
+# largest power of two dividing its page size, up to this.
+DECODE_BLOCK_K = 64
+# Splits per (batch, K/V head) where the SM count is unknown (CPU, interpret
+# mode): a small fixed number, which the tests exercise.
+DECODE_SPLITS_WITHOUT_GPU = 3
+# At most this many splits: each adds a partial output to write and combine.
+DECODE_MAX_SPLITS = 64
+
+
+def decode_block_k(page_size: int | None) -> int:
+  """The decode kernel's K/V block: DECODE_BLOCK_K, or for a paged cache the
+  largest power of two <= DECODE_BLOCK_K dividing page_size (a multiple of 16)."""
+  if page_size is None:
+    return DECODE_BLOCK_K
+  return min(DECODE_BLOCK_K, page_size & -page_size)
+
+
+def decode_splits(sm_count: int | None, batch: int, kv_heads: int, max_blocks: int) -> int:
+  """Splits of each sequence's cache so that batch * kv_heads * splits
+  programs fill the GPU at least once (132 SMs on an H200), never more
+  splits than a full-length cache has K/V blocks. sm_count None (no GPU):
+  DECODE_SPLITS_WITHOUT_GPU."""
+  if sm_count is None:
+    wanted = DECODE_SPLITS_WITHOUT_GPU
+  else:
+    wanted = -(-sm_count // (batch * kv_heads))
+  return max(1, min(wanted, max_blocks, DECODE_MAX_SPLITS))
+
+
+def decode_config(page_size: int | None, sm_count: int | None, *, batch: int, kv_heads: int, max_seq: int,
+                  num_splits: int | None = None) -> DecodeConfig:
+  """The decode kernel's config; an explicit num_splits wins over decode_splits."""
+  block_k = decode_block_k(page_size)
+  if num_splits is None:
+    num_splits = decode_splits(sm_count, batch, kv_heads, -(-max_seq // block_k))
+  return DecodeConfig(block_k, num_splits)

@@ -15,6 +15,11 @@ import jax
 from jax_flash2.mask import Mask
 
 
+def padded_head_dim(head_dim: int) -> int:
+  """The power of two (at least 16) that tile-based kernels pad head_dim to."""
+  return max(16, 1 << (head_dim - 1).bit_length())
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """Static facts of one attention call.
@@ -65,8 +70,7 @@ class Problem:
 
   @property
   def head_dim_padded(self) -> int:
-    """The power of two (at least 16) that tile-based kernels pad head_dim to."""
-    return max(16, 1 << (self.head_dim - 1).bit_length())
+    return padded_head_dim(self.head_dim)
 
   @property
   def has_dropout(self) -> bool:
@@ -105,3 +109,37 @@ class Operands(NamedTuple):
   dropout_seed: jax.Array | None = None
   bias: jax.Array | None = None
   sinks: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeProblem:
+  """Static facts of one flash_decode call (see jax_flash2.decode).
+
+  Attributes:
+    seq_q: new queries per sequence; query i is level with cache position
+      cache_seqlens[b] - seq_q + i.
+    head_dim, softmax_scale, dtype, group, softcap, has_alibi: as in Problem.
+    window_left, window_right: the band around each query's level key, causal
+      folded in (right <= 0); None: unbounded.
+    page_size, num_pages: the paged cache's pages (None when contiguous).
+  """
+
+  seq_q: int
+  head_dim: int
+  softmax_scale: float
+  dtype: str
+  group: int = 1
+  window_left: int | None = None
+  window_right: int | None = None
+  softcap: float | None = None
+  has_alibi: bool = False
+  page_size: int | None = None
+  num_pages: int | None = None
+
+  @property
+  def paged(self) -> bool:
+    return self.page_size is not None
+
+  @property
+  def head_dim_padded(self) -> int:
+    return padded_head_dim(self.head_dim)

@@ -138,3 +138,59 @@ def attention(
   out = jnp.einsum("bhqk,bkhd->bqhd", probs, vc, precision=jax.lax.Precision.HIGHEST)
   lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)[..., 0]
   return out.astype(q.dtype), lse
+
+
+def gather_cache(cache: jax.Array, block_table: jax.Array | None) -> jax.Array:
+  """A KV cache as [batch, max_seq, kv_heads, head_dim]: as it is when
+  contiguous; a paged one ([num_pages, page_size, ...]) gathered through
+  block_table [batch, max_pages] into max_seq = max_pages * page_size."""
+  if block_table is None:
+    return cache
+  pages = jnp.take(cache, jnp.clip(block_table, 0, cache.shape[0] - 1), axis=0)  # [batch, max_pages, page, ...]
+  return pages.reshape(pages.shape[0], pages.shape[1] * pages.shape[2], *pages.shape[3:])
+
+
+def decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cache_seqlens: jax.Array,
+    *,
+    block_table: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sinks: jax.Array | None = None,
+    compute_dtype: jnp.dtype | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Attention of seq_q new queries over a KV cache (jax_flash2.flash_decode),
+  over the gathered cache with a dense mask.
+
+  Sequence b has cache_seqlens[b] keys; query i is level with key
+  cache_seqlens[b] - seq_q + i, and the causal mask, the window and ALiBi's
+  distances are taken from that diagonal. Returns (out like q, lse
+  [batch, heads, seq_q] in compute_dtype) as `attention` does."""
+  k, v = gather_cache(k_cache, block_table), gather_cache(v_cache, block_table)
+  seq_q, max_seq = q.shape[1], k.shape[1]
+  lens = cache_seqlens.astype(jnp.int32)[:, None, None]
+  level = lens - seq_q + jnp.arange(seq_q, dtype=jnp.int32)[None, :, None]  # [batch, seq_q, 1]
+  keys = jnp.arange(max_seq, dtype=jnp.int32)[None, None, :]
+  left, right = window_size
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  visible = keys < lens
+  if right is not None:
+    visible &= keys <= level + right
+  if left is not None:
+    visible &= keys >= level - left
+  # Values past a sequence's length may be anything (NaN in a fresh
+  # buffer): zeroed, as 0 * NaN would reach the output.
+  v = jnp.where((keys < lens)[:, 0, :, None, None], v, jnp.zeros((), v.dtype))
+  bias = None
+  if alibi_slopes is not None:
+    slopes = jnp.reshape(alibi_slopes, (-1, q.shape[2]))[:, :, None, None]
+    bias = -slopes * jnp.abs(level - keys)[:, None].astype(slopes.dtype)
+  return attention(q, k, v, mask=visible[:, None], softcap=softcap, bias=bias, sinks=sinks,
+                   softmax_scale=softmax_scale, compute_dtype=compute_dtype)

@@ -412,6 +412,13 @@ def bias_tile(opt: OptionalRefs, problem: Problem, q_start, k_start, block_q: in
   return _load_score_tile(opt.bias, problem, q_start, k_start, block_q, block_k, head).astype(jnp.float32)
 
 
+def softmax_state(rows: int, d: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The online softmax's starting (acc, m_i, l_i) for `rows` rows of width d:
+  nothing accumulated, running max -inf, running sum 0."""
+  return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+
+
 def round_up(n: int, block: int) -> int:
   return -(-n // block) * block
 
