@@ -45,7 +45,6 @@ dK and dV once at the end.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -467,7 +466,7 @@ def _gradients(names, q, k, v, do, lse, delta, config, interpret, **band_and_sco
   check_operands("the Mosaic GPU dK/dV and dQ kernels (head_dim 256: backward_wide)", HEAD_DIMS, q, k, v, do, lse,
                  delta)
   if config is None:
-    config = dataclasses.replace(defaults.mosaic_backward(q.shape[-1]), fused_dq=False)
+    config = defaults.mosaic_backward(q.shape[-1], fused=False)
   if config.fused_dq:
     raise ValueError(f"{config}: fused_dq is backward_fused's kernel; the two kernels here need fused_dq=False")
   kernels = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}
