@@ -170,14 +170,6 @@ class Scores:
     return s, dcap
 
 
-def tile_positions(shape, row_start, col_start):
-  """(rows, cols): the int32 positions of a wgmma accumulator tile's
-  elements along its two axes, from row_start and col_start."""
-  rows = row_start + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-  cols = col_start + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  return rows, cols
-
-
 def triangular(mask: Mask) -> bool:
   """Whether a Q block's work grows with its index and a K/V block's
   shrinks with its own: a band with a right edge and no left one (causal
