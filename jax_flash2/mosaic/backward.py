@@ -59,8 +59,8 @@ from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands,
     PersistentSchedule, QTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
-    kv_outer_smem_bytes, kv_range, kv_ring_producer, optional_ref, optional_slopes, outer_grid, run_tiles,
-    specialized_kernel, swizzled, tile_table, triangular,
+    kv_outer_smem_bytes, kv_range, kv_ring_producer, optional_ref, optional_slopes, outer_grid, recomputed_probs,
+    run_tiles, specialized_kernel, swizzled, tile_table, triangular,
 )
 
 HEAD_DIMS = (64, 128)
@@ -215,7 +215,6 @@ def _dq_kernel(
   if interpret:
     [staging] = staging
   wg = lax.axis_index("wg")
-  qk_scale = softmax_scale * LOG2_E
   tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=OUTER_ROWS, block_kv=block_kv,
                               mask=mask)
 
@@ -260,17 +259,8 @@ def _dq_kernel(
         col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         return row, col
 
-      at, dcap = None, None
-      if scores.modified:
-        at = row, col = positions()
-        s2, dcap = scores.log2(s, row, col, slope)
-        p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s.shape, [0]))
-      else:
-        p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-      if masked:
-        row, col = at if at is not None else positions()
-        p = jnp.where(mask.visible(row, col, check_queries=False, check_keys=not mask.causal), p, 0.0)
-      return p, dcap
+      return recomputed_probs(s, lse, scores=scores, mask=mask, positions=positions, slope=slope, masked=masked,
+                              lse_axis=0)
 
     def issue_scores(s_ref, dp_ref, k_tile, v_tile):
       # S = Q K^T and dP = dO V^T: two groups.

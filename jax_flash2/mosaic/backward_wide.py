@@ -85,8 +85,8 @@ from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, Scores,
     backward_kernels, check_operands, copy_q_block, interpret_params_of, kv_range, kv_ring_producer,
-    observe_last_releases, optional_ref, optional_slopes, outer_grid, run_tiles, specialized_kernel, swizzled,
-    triangular, zero_padded_keys,
+    observe_last_releases, optional_ref, optional_slopes, outer_grid, recomputed_probs, run_tiles, specialized_kernel,
+    swizzled, triangular, zero_padded_keys,
 )
 
 # Outer rows per CTA and rows per streamed block: one wgmma M.
@@ -268,7 +268,6 @@ def _dkv_kernel(
   half, halves = _halves(head_dim)
   wg = lax.axis_index("wg")
   num_q = pl.cdiv(mask.seq_q, ROWS)
-  qk_scale = softmax_scale * LOG2_E
   shared = _SharedTile(staged, free, wg)
 
   def tile_at(kv_index, kv_head, batch) -> _KVTile:
@@ -332,19 +331,10 @@ def _dkv_kernel(
         def positions():
           key = tile.k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
           query = qb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
-          return key, query
+          return query, key
 
-        at, dcap_t = None, None
-        if scores.modified:
-          at = key, query = positions()
-          s_log2, dcap_t = scores.log2(s_t, query, key, slope)
-          p_t = jnp.exp2(s_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-        else:
-          p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-        if masked:
-          key, query = at if at is not None else positions()
-          # After the exponential: queries with lse = -inf give 0, not NaN.
-          p_t = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p_t, 0.0)
+        p_t, dcap_t = recomputed_probs(s_t, lse, scores=scores, mask=mask, positions=positions, slope=slope,
+                                       masked=masked, lse_axis=1)
         delta = plgpu.load(delta_smem.at[slot, queries], layout=vec_layout)
         ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
         if dcap_t is not None:
@@ -456,7 +446,6 @@ def _dq_kernel(
   head_dim = q_ref.shape[-1]
   half, halves = _halves(head_dim)
   wg = lax.axis_index("wg")
-  qk_scale = softmax_scale * LOG2_E
   shared = _SharedTile(staged, free, wg)
   tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=ROWS, block_kv=ROWS, mask=mask)
 
@@ -512,16 +501,8 @@ def _dq_kernel(
           key = kb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
           return query, key
 
-        at, dcap = None, None
-        if scores.modified:
-          at = query, key = positions()
-          s_log2, dcap = scores.log2(s, query, key, slope)
-          p = jnp.exp2(s_log2 - lax.broadcast_in_dim(lse, s.shape, [0]))
-        else:
-          p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-        if masked:
-          query, key = at if at is not None else positions()
-          p = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p, 0.0)
+        p, dcap = recomputed_probs(s, lse, scores=scores, mask=mask, positions=positions, slope=slope, masked=masked,
+                                   lse_axis=0)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         if dcap is not None:
           ds = ds * dcap  # d(softcap * tanh) / d(scaled score)

@@ -170,6 +170,27 @@ class Scores:
     return s, dcap
 
 
+def recomputed_probs(s, lse_log2, *, scores: Scores, mask: Mask, positions, slope, masked: bool, lse_axis: int):
+  """(P, the softcap's derivative or None) that a backward kernel recomputes
+  for a tile s = Q K^T (or its transpose) from the forward's lse, taken to
+  base 2 (lse_log2; broadcast along the tile's axis lse_axis): P =
+  exp2(scores in base 2 - lse_log2), with the element mask where `masked`,
+  after the exponential, so that rows that see no key (lse = -inf) give 0
+  and not NaN. positions(): the tile's (query, key) positions, computed only
+  where ALiBi or the mask reads them, once."""
+  at, dcap = None, None
+  if scores.modified:
+    at = query, key = positions()
+    s, dcap = scores.log2(s, query, key, slope)
+    p = jnp.exp2(s - lax.broadcast_in_dim(lse_log2, s.shape, [lse_axis]))
+  else:
+    p = jnp.exp2(s * (scores.softmax_scale * LOG2_E) - lax.broadcast_in_dim(lse_log2, s.shape, [lse_axis]))
+  if masked:
+    query, key = at if at is not None else positions()
+    p = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p, 0.0)
+  return p, dcap
+
+
 def triangular(mask: Mask) -> bool:
   """Whether a Q block's work grows with its index and a K/V block's
   shrinks with its own: a band with a right edge and no left one (causal
@@ -1055,22 +1076,10 @@ class KVOuter:
     def positions():
       key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
       query = qb * self.block_q + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
-      return key, query
+      return query, key
 
-    at, dcap_t = None, None
-    if self.scores.modified:
-      at = key, query = positions()
-      s_t, dcap_t = self.scores.log2(s_t, query, key, slope)
-      p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-    else:
-      qk_scale = self.scores.softmax_scale * LOG2_E
-      p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-    if masked:
-      key, query = at if at is not None else positions()
-      # After the exponential: queries with lse = -inf (no visible key) give 0, not NaN.
-      visible = self.mask.visible(query, key, check_queries=False, check_keys=not self.mask.causal)
-      p_t = jnp.where(visible, p_t, 0.0)
-    return p_t, dcap_t
+    return recomputed_probs(s_t, lse, scores=self.scores, mask=self.mask, positions=positions, slope=slope,
+                            masked=masked, lse_axis=1)
 
   def grad_scores_t(self, p_t, dp_t, slot, *, delta=None, dcap_t=None):
     """dS^T = P^T * (dP^T - delta), delta of the Q block in `slot` (loaded

@@ -22,9 +22,8 @@ passed, so a tree from before an option was added fingerprints the same way.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
-import re
+import pathlib
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -35,6 +34,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax_flash2.config import MosaicBackwardConfig as B  # noqa: E402
 from jax_flash2.config import MosaicForwardConfig as F  # noqa: E402
 from jax_flash2.mosaic import backward, backward_fused, backward_wide, forward  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import kernel_fingerprint  # noqa: E402  (its MLIR extraction, names and hashes)
 
 # (batch, seq_q, seq_k, heads, kv_heads, head_dim)
 WHOLE, GQA, RAGGED, TALL = (1, 1024, 1024, 2, 2, 0), (1, 1024, 2048, 8, 2, 0), (1, 1000, 1537, 4, 2, 0), \
@@ -117,32 +119,9 @@ def _cases():
 
 def kernels_text(f, *args) -> list[str]:
   """The Mosaic GPU kernels of f lowered for CUDA: MLIR without debug
-  locations or the per-process dump name (tests/test_mosaic.py's
-  _kernels_text)."""
-  from jax._src.interpreters import mlir as jax_mlir
-  from jax._src.lib.mlir import ir
-  from jax.experimental.mosaic.gpu import dialect
-
-  module = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
-  context = jax_mlir.make_ir_context()
-  dialect.register_dialect(context)
-  context.allow_unregistered_dialects = True
-  kernels = []
-
-  def visit(op):
-    if op.name == "stablehlo.custom_call" and "mhlo.backend_config" in op.attributes:
-      config = ir.DictAttr(op.attributes["mhlo.backend_config"])
-      if "module" in config:
-        kernel = ir.Module.parse(ir.StringAttr(config["module"]).value_bytes, context=context)
-        kernels.append(re.sub(r'mosaic_gpu\.dump_basename = "[^"]*"', "",
-                              kernel.operation.get_asm(enable_debug_info=False)))
-    for region in op.regions:
-      for block in region.blocks:
-        for inner in block.operations:
-          visit(inner.operation)
-
-  visit(module.operation)
-  return kernels
+  locations or the per-process dump name (kernel_fingerprint's)."""
+  lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  return [text for text, _ in kernel_fingerprint._mosaic_kernels(lowered)]
 
 
 def main() -> int:
@@ -158,9 +137,7 @@ def main() -> int:
       print(f"{name} - {str(error).split(':')[0][-60:]}", flush=True)
       continue
     for i, text in enumerate(texts):
-      kernel = re.search(r"\b(flash2_\w+?)(?:_mosaic_gpu)?\b", text)
-      print(f"{name} {i} {kernel.group(1) if kernel else '?'} {hashlib.sha256(text.encode()).hexdigest()[:16]}",
-            flush=True)
+      print(f"{name} {i} {kernel_fingerprint._name(text)} {kernel_fingerprint._digest(text)}", flush=True)
   return 0
 
 
