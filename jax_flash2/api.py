@@ -113,8 +113,9 @@ def flash_attention(
       (and of its head's sink, with sinks).
     backend: a `Backend` or its name. "auto": each pass on the first backend
       that serves it, in measured order: the Mosaic GPU kernels on Hopper
-      (bf16/fp16, head_dim 64/128/256, full or causal attention, GQA; ragged
-      lengths under defaults.HOPPER_RAGGED_MIN_SEQ stay on Triton), the
+      (bf16/fp16, head_dim 64/128/256, full or causal attention, windows,
+      softcap, ALiBi, GQA; ragged lengths under defaults.HOPPER_RAGGED_MIN_SEQ
+      stay on Triton), the
       Triton-lowering kernels on NVIDIA GPUs of compute capability >= 8.0,
       else plain XLA with a warning. "mosaic": the Mosaic kernels where they
       serve a pass, the Triton ones for the rest. "triton": the Triton

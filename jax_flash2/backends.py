@@ -224,8 +224,17 @@ class TritonKernels(Kernels):
 
 class MosaicKernels(Kernels):
   """The Pallas Mosaic GPU kernels for Hopper: bf16/fp16, head_dim 64, 128
-  and 256, full or causal attention with GQA and any lengths (ragged ones
-  padded to whole blocks inside), no other option."""
+  and 256, full or causal attention, sliding windows, softcap and ALiBi,
+  alone or together, with GQA and any lengths (ragged ones padded to whole
+  blocks inside). A dense mask, segment ids, a bias and dropout run on the
+  Triton kernels.
+
+  The backward at head_dim 64 fuses dQ into the dK/dV kernel for full and
+  causal attention only; windows, softcap and ALiBi take the two kernels
+  (dK/dV, then dQ) there, as at 128: the fused kernel's order of additions
+  models the causal schedule, and Mosaic's interpreter cannot run the
+  semaphores and TMA reduce-adds that keep it on the GPU, so a banded
+  fused kernel could not be checked on a CPU."""
 
   name = Backend.MOSAIC.value
   lse_log2 = False
@@ -244,8 +253,9 @@ class MosaicKernels(Kernels):
       return f"the Mosaic kernels take bfloat16 and float16, not {problem.dtype}"
     if problem.head_dim not in mosaic_common.SUPPORTED_HEAD_DIMS:
       return f"the Mosaic kernels take head_dim 64, 128 or 256, not {problem.head_dim}"
-    if not problem.is_plain:
-      return f"the Mosaic kernels serve full and causal attention only, not {_options(problem)}"
+    if unserved := _options(problem, MOSAIC_UNSERVED):
+      return (f"the Mosaic kernels serve full and causal attention, windows, softcap and ALiBi, not "
+              f"{unserved}")
     if auto and not defaults.mosaic_pays_for_padding(problem.seq_q, problem.seq_k):
       return (f"ragged lengths under {defaults.HOPPER_RAGGED_MIN_SEQ} run faster on the Triton kernels "
               f"(padding to whole {defaults.MOSAIC_BLOCK_ROWS}-row blocks costs more than the Mosaic kernels gain)")
@@ -253,29 +263,31 @@ class MosaicKernels(Kernels):
 
   def config(self, problem, *, backward, block_sizes, mosaic_config):
     given = None if mosaic_config is None else (mosaic_config.backward if backward else mosaic_config.forward)
+    if given is not None and backward and given.fused_dq and not problem.is_plain:
+      raise ValueError(f"{given}: the fused Mosaic backward (fused_dq) serves full and causal attention only, not "
+                       f"{_options(problem)}; pass fused_dq=False")
     if given is not None:
       return given
     if backward:
-      return defaults.mosaic_backward(problem.head_dim)
+      return defaults.mosaic_backward(problem.head_dim, fused=problem.is_plain)
     return defaults.mosaic_forward(problem.head_dim, seq_q=problem.seq_q, causal=problem.causal)
 
   def forward(self, q, k, v, operands, problem, config: MosaicForwardConfig, *, interpret):
-    del operands  # a plain problem has none
-    return mosaic_forward.forward(q, k, v, causal=problem.causal, softmax_scale=problem.softmax_scale,
-                                  config=config, interpret=interpret)
+    return mosaic_forward.forward(q, k, v, **_mosaic_options(operands, problem), config=config,
+                                  interpret=interpret)
 
   def backward(self, q, k, v, out, lse, do, dlse, operands, problem, config: MosaicBackwardConfig, *, interpret):
-    del operands
     # delta = rowsum(dO * O) - dlse comes from the Triton kernels' small delta kernel.
     delta = triton_backward.backward_delta(out, do, dlse, problem, interpret=interpret)
     if problem.head_dim in mosaic_common.WIDE_HEAD_DIMS:
       kernels = mosaic_backward_wide
-    elif config.fused_dq:
-      kernels = mosaic_backward_fused
+    elif config.fused_dq:  # full or causal attention only (see `config`)
+      return mosaic_backward_fused.backward(q, k, v, do, lse, delta, causal=problem.causal,
+                                            softmax_scale=problem.softmax_scale, config=config, interpret=interpret)
     else:
       kernels = mosaic_backward
-    return kernels.backward(q, k, v, do, lse, delta, causal=problem.causal, softmax_scale=problem.softmax_scale,
-                            config=config, interpret=interpret)
+    return kernels.backward(q, k, v, do, lse, delta, **_mosaic_options(operands, problem), config=config,
+                            interpret=interpret)
 
   def partitionable(self, interpret):
     # Mosaic's interpreter steps a kernel through ordered io_callbacks, which
@@ -311,16 +323,29 @@ class XlaAttention(Implementation):
     )
 
 
-def _options(problem: Problem) -> str:
-  """The options of `problem` that make it more than full or causal attention."""
+def _mosaic_options(operands: Operands, problem: Problem) -> dict:
+  """The Mosaic entry points' band and score arguments for `problem`:
+  causal where the band stops each query at its level key (a window's
+  right side of 0 included), the window's other sides, softcap, ALiBi."""
   mask = problem.mask
-  names = []
-  if mask.left is not None or mask.right not in (None, 0):
-    names.append("a window")
-  names += [name for name, present in (
-      ("a dense mask", mask.dense), ("segment ids", mask.segments), ("a softcap", problem.softcap is not None),
-      ("ALiBi", problem.has_alibi), ("dropout", problem.has_dropout), ("a bias", problem.has_bias)) if present]
-  return ", ".join(names)
+  return dict(causal=problem.causal, window_size=(mask.left, None if problem.causal else mask.right),
+              softcap=problem.softcap, alibi_slopes=operands.alibi_slopes, softmax_scale=problem.softmax_scale)
+
+
+# The options the Mosaic kernels do not serve (yet): they run on the Triton kernels.
+MOSAIC_UNSERVED = ("a dense mask", "segment ids", "dropout", "a bias")
+
+
+def _options(problem: Problem, among: tuple[str, ...] | None = None) -> str:
+  """The options of `problem` that make it more than full or causal
+  attention (those named in `among`, where given)."""
+  mask = problem.mask
+  present = {
+      "a window": mask.left is not None or mask.right not in (None, 0), "a dense mask": mask.dense,
+      "segment ids": mask.segments, "a softcap": problem.softcap is not None, "ALiBi": problem.has_alibi,
+      "dropout": problem.has_dropout, "a bias": problem.has_bias,
+  }
+  return ", ".join(name for name, here in present.items() if here and (among is None or name in among))
 
 
 MOSAIC = MosaicKernels()

@@ -123,8 +123,10 @@ class MosaicForwardConfig:
     persistent: one CTA per SM, each taking tiles in turn, so that a tile's
       first loads and last stores overlap its neighbours' work (a second Q
       buffer in shared memory).
-    balanced: with persistent, causal tiles come from a table built on the
-      host that evens out the CTAs' work.
+    balanced: with persistent, causal tiles (and those of a window's right
+      side alone, whose work grows with the Q block alike) come from a table
+      built on the host that evens out the CTAs' work; a window with a left
+      side has tiles of nearly equal work, dealt round-robin either way.
     consumers: consumer warpgroups per CTA, 2 or 3 (240 or 160 registers
       each).
   """

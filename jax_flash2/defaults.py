@@ -99,8 +99,10 @@ def mosaic_forward(head_dim: int, *, seq_q: int, causal: bool) -> MosaicForwardC
   return MosaicForwardConfig(block_q=128, block_kv=64, stages=2, softmax_overlap=True)
 
 
-def mosaic_backward(head_dim: int) -> MosaicBackwardConfig:
-  """The Mosaic backward's tiling.
+def mosaic_backward(head_dim: int, *, fused: bool = True) -> MosaicBackwardConfig:
+  """The Mosaic backward's tiling. fused: whether the problem may take the
+  fused kernel (full and causal attention; windows, softcap and ALiBi take
+  the two kernels at head_dim 64 too, with its tiles otherwise).
 
   head_dim 64: one kernel computes dQ as well (fused_dq), faster than two
   by 9-20%, with lse and delta loaded under the score products (1-2% faster
@@ -112,7 +114,7 @@ def mosaic_backward(head_dim: int) -> MosaicBackwardConfig:
   persistent dQ CTAs (persistent dK/dV CTAs spill)."""
   if head_dim <= 64:
     return MosaicBackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
-                                dkv_persistent=True, fused_dq=True, early_vectors=True)
+                                dkv_persistent=True, fused_dq=fused, early_vectors=True)
   if head_dim <= 128:
     return MosaicBackwardConfig(block_q=64, block_kv=64, stages=2, dq_softmax_overlap=True, dq_persistent=True,
                                 dkv_persistent=True)

@@ -58,25 +58,80 @@ def _options(name: str, q, k) -> dict:
 OPTIONS = ["none", "causal", "mask", "bias", "window", "window_as_causal", "softcap", "alibi", "segments",
            "dropout", "scale", "sinks"]
 PLAIN = {"none", "causal", "window_as_causal", "scale", "sinks"}
+# What the Mosaic kernels serve besides plain attention (issue 27).
+MOSAIC_OPTIONS = {"window", "softcap", "alibi"}
+# The options they leave to the Triton kernels, as their reason names them.
+TRITON_ONLY = {"mask": "a dense mask", "bias": "a bias", "segments": "segment ids", "dropout": "dropout"}
 
 
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_auto_on_hopper(option, head_dim):
-  """The Mosaic kernels for plain full/causal attention at head_dim 64, 128
-  and 256; the Triton kernels for everything else, with the reason."""
+  """The Mosaic kernels for full/causal attention, windows, softcap and ALiBi
+  at head_dim 64, 128 and 256; the Triton kernels for everything else, with
+  the reason naming the option."""
   q, k, v = _structs(head_dim=head_dim)
   got = plan(q, k, v, compute_capability=HOPPER, **_options(option, q, k))
-  mosaic = option in PLAIN and head_dim != 96
+  mosaic = option in PLAIN | MOSAIC_OPTIONS and head_dim != 96
   for pass_plan in (got.forward, got.backward):
     assert pass_plan.backend == ("mosaic" if mosaic else "triton")
     assert (pass_plan.reason is None) == mosaic
   if not mosaic:
     assert got.forward.reason.startswith("the Mosaic kernels")
     assert isinstance(got.forward.config, BlockSizes)
+    if option in TRITON_ONLY and head_dim != 96:
+      assert got.forward.reason.endswith(f"not {TRITON_ONLY[option]}")
   else:
     assert isinstance(got.forward.config, MosaicForwardConfig)
     assert isinstance(got.backward.config, MosaicBackwardConfig)
+    # The fused backward (the d64 default) serves full and causal attention only.
+    assert got.backward.config.fused_dq == (head_dim == 64 and option in PLAIN)
+
+
+BENCH_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("options", [
+    dict(window_size=(1024, 0)), dict(causal=True, window_size=(256, None)), dict(window_size=(512, 512)),
+    dict(window_size=(None, 128)), dict(window_size=(2048, None)), dict(causal=True, softcap=30.0),
+    dict(softcap=50.0), dict(causal=True, alibi=True), dict(alibi=True, batched_slopes=True),
+    dict(causal=True, window_size=(1024, 0), softcap=30.0, alibi=True),
+], ids=["sliding", "causal_left", "both", "right_only", "left_only", "causal_softcap", "softcap", "causal_alibi",
+        "alibi_per_batch", "all"])
+def test_options_run_mosaic_at_the_bench_shapes(head_dim, options):
+  """The bench's shapes (batch x seq = 16k tokens, hidden 2048, seq 512 to
+  16k, GQA by 4 among them) with each option the Mosaic kernels serve: both
+  passes on them on an H200, their measured tiles (the two-kernel backward
+  at head_dim 64)."""
+  options = dict(options)
+  alibi, batched = options.pop("alibi", False), options.pop("batched_slopes", False)
+  for seq in BENCH_SEQLENS:
+    batch, heads = 16384 // seq, 2048 // head_dim
+    for kv_heads in (heads, heads // 4):
+      q, k, v = _structs(seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, batch=batch)
+      if alibi:
+        options["alibi_slopes"] = jax.ShapeDtypeStruct((batch, heads) if batched else (heads,), jnp.float32)
+      got = plan(q, k, v, compute_capability=HOPPER, **options)
+      assert (got.forward.backend, got.backward.backend) == ("mosaic", "mosaic"), (seq, kv_heads, got.forward.reason)
+      causal = options.get("causal", False) or options.get("window_size", (None, None))[1] == 0
+      assert got.forward.config == defaults.mosaic_forward(head_dim, seq_q=seq, causal=causal)
+      assert got.backward.config == defaults.mosaic_backward(head_dim, fused=False)
+
+
+def test_fused_backward_config_refused_for_options():
+  """An explicit fused_dq config (the d64 default for plain attention) with
+  an option only the two kernels serve is an error naming it, not a switch."""
+  q, k, v = _structs(head_dim=64)
+  fused = MosaicConfig(backward=defaults.mosaic_backward(64))
+  assert plan(q, k, v, causal=True, mosaic_config=fused, compute_capability=HOPPER).backward.config.fused_dq
+  with pytest.raises(ValueError, match="fused_dq.*serves full and causal attention only, not a window"):
+    plan(q, k, v, window_size=(64, 0), mosaic_config=fused, compute_capability=HOPPER)
+  with pytest.raises(ValueError, match="not a softcap, ALiBi"):
+    plan(q, k, v, softcap=5.0, alibi_slopes=jax.ShapeDtypeStruct((2,), jnp.float32), mosaic_config=fused,
+         compute_capability=HOPPER)
+  two = MosaicConfig(backward=defaults.mosaic_backward(64, fused=False))
+  assert plan(q, k, v, softcap=5.0, mosaic_config=two, compute_capability=HOPPER).backward.backend == "mosaic"
 
 
 @pytest.mark.parametrize("dtype, backend", [(jnp.bfloat16, "mosaic"), (jnp.float16, "mosaic"), (jnp.float32, "triton")])
@@ -137,8 +192,9 @@ def test_no_gpu_runs_xla_and_interpret_runs_triton():
 def test_explicit_backends():
   q, k, v = _structs()
   assert plan(q, k, v, backend="triton", compute_capability=HOPPER).forward.backend == "triton"
-  mixed = plan(q, k, v, backend="mosaic", softcap=5.0, compute_capability=HOPPER)
-  assert mixed.forward.backend == "triton" and "softcap" in mixed.forward.reason
+  mixed = plan(q, k, v, backend="mosaic", dropout_rate=0.1, dropout_rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
+               compute_capability=HOPPER)
+  assert mixed.forward.backend == "triton" and "not dropout" in mixed.forward.reason
   with pytest.raises(ValueError, match="backend='triton': the Triton kernels need an NVIDIA GPU"):
     plan(q, k, v, backend="triton", compute_capability=None)
   with pytest.raises(ValueError, match="backend='mosaic': the Mosaic kernels need a Hopper GPU"):
@@ -159,7 +215,9 @@ def test_explicit_configs_win_and_never_switch_family():
   with pytest.raises(ValueError, match="block_sizes configures the Triton kernels, but neither pass runs them"):
     plan(q, k, v, block_sizes=tiles, compute_capability=HOPPER)
   with pytest.raises(ValueError, match="mosaic_config configures the Mosaic kernels.*backend='mosaic'"):
-    plan(q, k, v, softcap=3.0, mosaic_config=MosaicConfig(), compute_capability=HOPPER)
+    plan(q, k, v, q_segment_ids=jax.ShapeDtypeStruct((1, 256), jnp.int32),
+         kv_segment_ids=jax.ShapeDtypeStruct((1, 256), jnp.int32), mosaic_config=MosaicConfig(),
+         compute_capability=HOPPER)
   # Where no kernel runs (XLA on a CPU), configs have nothing to tile.
   assert plan(q, k, v, block_sizes=tiles, compute_capability=None).forward.backend == "xla"
   with pytest.raises(TypeError, match="mosaic_config must be a jax_flash2.MosaicConfig"):

@@ -916,7 +916,7 @@ def test_bwd_interpreter_ragged_matches_reference(shape, dtype, causal, kv_heads
   operands, refs = _bwd_problem(*shape, dtype, causal, kv_heads)
   seq_q, seq_k, head_dim = shape[1], shape[2], shape[4]
   padded = common.pad_backward(*operands)
-  kwargs = dict(mask=Mask(seq_q, seq_k, causal=causal), softmax_scale=head_dim ** -0.5,
+  kwargs = dict(mask=Mask(seq_q, seq_k, causal=causal), scores=common.Scores(head_dim ** -0.5), slopes=None,
                 config=MosaicBackwardConfig(64, 64, 2), interpret=True)
   dk, dv = mosaic_bwd._dkv_call(*padded, **kwargs)
   dq = mosaic_bwd._dq_call(*padded, **kwargs)

@@ -25,6 +25,16 @@ and dQ *= softmax_scale at the end. With `dq_softmax_overlap` P is
 computed while dP is still on the tensor cores. K is released after dQ's
 product, V after dP's.
 
+A band (causal attention, a sliding window) bounds the inner blocks as in
+the forward: the dK/dV tile's producer loads the Q blocks its keys' band
+touches (common.KVOuter.tile_at), the dQ tile's the K/V blocks
+(common.q_tile_blocks); each consumer masks only the blocks crossing an
+edge and drains the ones only its neighbour needs. A softcap or ALiBi
+(common.Scores) changes the recomputed P, and the softcap's derivative
+multiplies dS. These options take these two kernels at head_dim 64 too:
+the fused kernel (backward_fused.py) serves full and causal attention
+only.
+
 Ragged lengths: `dkv`, `dq` and `backward` pad seq_q and seq_k to multiples
 of OUTER_ROWS once (common.pad_backward) and slice the gradients back;
 bounds and masks use the real lengths. Keys past seq_k: under causal
@@ -35,7 +45,6 @@ dK and dV once at the end.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -49,8 +58,9 @@ from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands,
-    PersistentSchedule, QTile, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
-    kv_outer_smem_bytes, kv_ring_producer, outer_grid, run_tiles, specialized_kernel, swizzled, tile_table,
+    PersistentSchedule, QTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
+    kv_outer_smem_bytes, kv_range, kv_ring_producer, optional_ref, optional_slopes, outer_grid, recomputed_probs,
+    run_tiles, specialized_kernel, swizzled, tile_table, triangular,
 )
 
 HEAD_DIMS = (64, 128)
@@ -86,18 +96,20 @@ def dq_smem_bytes(config: MosaicBackwardConfig, head_dim: int, dtype) -> int:
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, dk_ref, dv_ref, *scratch,
-    mask: Mask, group: int, schedule: PersistentSchedule | None, softmax_scale: float,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, *refs,
+    mask: Mask, group: int, schedule: PersistentSchedule | None, scores: Scores,
     config: MosaicBackwardConfig, interpret: bool,
 ):
-  # Operands and scratch: common.Operands, common.KVOuterScratch (and the
-  # interpreter's staging tile). tiles_ref: the persistent schedule's table
-  # (common.tile_table). schedule: None for one CTA per tile (grid kv x heads
-  # x batch), else the persistent CTAs' tiles over K/V blocks.
+  # Operands and scratch: common.Operands (slopes_ref with ALiBi only),
+  # common.KVOuterScratch (and the interpreter's staging tile). tiles_ref:
+  # the persistent schedule's table (common.tile_table). schedule: None for
+  # one CTA per tile (grid kv x heads x batch), else the persistent CTAs'
+  # tiles over K/V blocks.
+  slopes_ref, (dk_ref, dv_ref, *scratch) = optional_ref(refs, scores.alibi)
   wg = lax.axis_index("wg")
   smem, staging, _ = KVOuterScratch.take(scratch, interpret=interpret)
-  kv = KVOuter(Operands(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), dk_ref, dv_ref, smem, staging, wg=wg,
-               mask=mask, group=group, block_q=config.block_q, stages=config.stages, softmax_scale=softmax_scale,
+  kv = KVOuter(Operands(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slopes_ref), dk_ref, dv_ref, smem, staging,
+               wg=wg, mask=mask, group=group, block_q=config.block_q, stages=config.stages, scores=scores,
                early_vectors=config.early_vectors, interpret=interpret)
   head_dim = q_ref.shape[-1]
 
@@ -108,34 +120,41 @@ def _dkv_kernel(
     """(dK unscaled, dV) of this consumer's rows of `tile`, its Q blocks at
     the ring's steps from ring_base; its K and V rows are in `buffer`."""
     k_start, k_tile, v_tile = kv.wait_kv(tile, buffer)
-    lo, full_lo = kv.q_blocks(k_start)
+    lo, full_lo, full_hi, hi = kv.q_blocks(k_start)
 
     def slot_of(g, qb):
       return lax.rem(ring_base + tile.step_of(g, qb), jnp.int32(config.stages))
 
-    def step(qb, carry, *, g, masked: bool):
+    def step(qb, carry, *, g, slope, masked: bool):
       dk, dv = carry
       slot = slot_of(g, qb)
-      p_t, ds_t, q_tile, do_tile = kv.p_and_ds_t(k_tile, v_tile, k_start, qb, slot, masked=masked)
+      p_t, ds_t, q_tile, do_tile = kv.p_and_ds_t(k_tile, v_tile, k_start, qb, slot, masked=masked, slope=slope)
       dk, dv = kv.add_grads(dk, dv, p_t, ds_t, q_tile, do_tile)
       kv.release_q_block(slot)
       return dk, dv
 
     def drain(qb, _, *, g):
-      # Q blocks before this warpgroup's diagonal that the other consumer
-      # needs: release their slots without computing (waiting for them
-      # first keeps the barrier phases in step).
+      # Q blocks before this warpgroup's diagonal (or past its left edge)
+      # that the other consumer needs: release their slots without computing
+      # (waiting for them first keeps the barrier phases in step).
       slot = slot_of(g, qb)
       for ready in (kv.smem.q_ready, kv.smem.lse_ready, kv.smem.do_ready, kv.smem.delta_ready):
         plgpu.barrier_wait(ready.at[slot])
       kv.release_q_block(slot)
 
     def one_head(g, carry):
-      # Query head kv_head * group + g: its Q blocks, in the producer's order.
-      if mask.causal:
+      # Query head kv_head * group + g: its Q blocks, in the producer's order:
+      # [lo, full_lo) cross the band's right edge (the diagonal), [full_hi,
+      # hi) its left edge; full_hi = hi = num_q without one.
+      visit = functools.partial(step, g=g, slope=scores.slope(slopes_ref, tile.batch, tile.kv_head * group + g))
+      if mask.right is not None:
         lax.fori_loop(tile.lo, lo, functools.partial(drain, g=g), None)
-        carry = lax.fori_loop(lo, full_lo, functools.partial(step, g=g, masked=True), carry)
-      return lax.fori_loop(full_lo, kv.num_q, functools.partial(step, g=g, masked=False), carry)
+        carry = lax.fori_loop(lo, full_lo, functools.partial(visit, masked=True), carry)
+      carry = lax.fori_loop(full_lo, full_hi, functools.partial(visit, masked=False), carry)
+      if mask.left is not None:
+        carry = lax.fori_loop(full_hi, hi, functools.partial(visit, masked=True), carry)
+        lax.fori_loop(hi, tile.end, functools.partial(drain, g=g), None)
+      return carry
 
     acc = plgpu.layout_cast(jnp.zeros((WGMMA_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     dk, dv = one_head(jnp.int32(0), (acc, acc)) if group == 1 else lax.fori_loop(0, group, one_head, (acc, acc))
@@ -145,7 +164,7 @@ def _dkv_kernel(
             compute=gradients, store=kv.store_gradients, buffers=_dkv_buffers(config), tiles_ref=tiles_ref)
 
 
-def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, config: MosaicBackwardConfig,
+def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, config: MosaicBackwardConfig,
               interpret) -> tuple[jax.Array, jax.Array]:
   """The dK/dV kernel on operands padded by `pad_backward`: (dk, dv)."""
   batch, _, heads, head_dim = q.shape
@@ -155,28 +174,28 @@ def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, conf
                              buffers=_dkv_buffers(config), interpret=interpret)
   # K/V blocks fastest: CTAs running together share one (batch, kv head)
   # and read the same Q and dO from L2. Block 0 (causal: the most Q
-  # blocks) runs first.
+  # blocks) runs first; persistent CTAs pair heavy and light blocks where
+  # the band is triangular (common.triangular).
   schedule, grid, grid_names = outer_grid(k.shape[1] // OUTER_ROWS, kv_heads, batch, axis="kv",
-                                          persistent=config.dkv_persistent, causal=mask.causal, interpret=interpret)
+                                          persistent=config.dkv_persistent, causal=triangular(mask),
+                                          interpret=interpret)
   kernel = functools.partial(_dkv_kernel, mask=mask, group=heads // kv_heads, schedule=schedule,
-                             softmax_scale=softmax_scale, config=config, interpret=interpret)
+                             scores=scores, config=config, interpret=interpret)
   out_type = (jax.ShapeDtypeStruct(k.shape, q.dtype), jax.ShapeDtypeStruct(v.shape, q.dtype))
   return specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                             interpret_params=interpret_params, name="flash2_bwd_dkv_mosaic")(
-                                q, k, v, do, lse, delta, tile_table(schedule))
+                                q, k, v, do, lse, delta, tile_table(schedule), *optional_slopes(slopes))
 
 
 # ---------------------------------------------------------------- dQ
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, dq_ref,
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-    q_ready, k_ready, v_ready, k_consumed, v_consumed, *staging,
-    mask: Mask, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, softmax_scale: float,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, *refs,
+    mask: Mask, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, scores: Scores,
     config: MosaicBackwardConfig, interpret: bool,
 ):
-  # Operands in GMEM as common.Operands; dq_ref like q_ref.
+  # Operands in GMEM as common.Operands (slopes_ref with ALiBi only); dq_ref like q_ref.
   # q_smem, do_smem: [buffers, 2, 64, D] (per consumer; Q's tile stages dQ
   # at the end; two buffers in a persistent CTA, which loads the next tile's
   # rows while the current one's dQ is stored); lse_smem, delta_smem:
@@ -186,13 +205,16 @@ def _dq_kernel(
   # arrivals. staging (interpreter only): [2, 64, block_kv], dS for wgmma.
   # schedule: None for one CTA per tile (grid q x heads x batch), else the
   # persistent CTAs' tiles.
+  slopes_ref, refs = optional_ref(refs, scores.alibi)
+  (dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_consumed, v_consumed,
+   *staging) = refs
+  softmax_scale = scores.softmax_scale
   rows, block_kv, stages = WGMMA_M, config.block_kv, config.stages
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   if interpret:
     [staging] = staging
   wg = lax.axis_index("wg")
-  qk_scale = softmax_scale * LOG2_E
   tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=OUTER_ROWS, block_kv=block_kv,
                               mask=mask)
 
@@ -221,18 +243,24 @@ def _dq_kernel(
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
     lse = plgpu.load(lse_smem.at[buffer, wg], layout=row_layout) * LOG2_E
     delta = plgpu.load(delta_smem.at[buffer, wg], layout=row_layout)
-    full_hi, hi = mask.kv_blocks_right(q_start, rows, block_kv)
+    # As in the forward: [lo, full_lo) and [full_hi, hi) take the element
+    # mask; lo = full_lo = 0 without a left edge.
+    lo, full_lo, full_hi, hi = kv_range(mask, q_start, rows, block_kv)
+    slope = scores.slope(slopes_ref, tile.batch, tile.head)
 
     def slot_of(kb):
-      return lax.rem(ring_base + kb, jnp.int32(stages))
+      return lax.rem(ring_base + tile.step_of(kb), jnp.int32(stages))
 
     def probs(s, kb, *, masked: bool):
-      p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-      if masked:
+      """(P, the softcap's derivative or None) of K/V block kb's scores s."""
+
+      def positions():
         row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
         col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        p = jnp.where(mask.visible(row, col, check_queries=False, check_keys=not mask.causal), p, 0.0)
-      return p
+        return row, col
+
+      return recomputed_probs(s, lse, scores=scores, mask=mask, positions=positions, slope=slope, masked=masked,
+                              lse_axis=0)
 
     def issue_scores(s_ref, dp_ref, k_tile, v_tile):
       # S = Q K^T and dP = dO V^T: two groups.
@@ -266,7 +294,7 @@ def _dq_kernel(
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[slot])
 
-      def scores(s_ref, dp_ref):
+      def score_products(s_ref, dp_ref):
         issue_scores(s_ref, dp_ref, k_tile, v_tile)
         return s_ref[...], dp_ref[...]  # waits for both
 
@@ -279,16 +307,18 @@ def _dq_kernel(
       tile_acc = plgpu.ACC((rows, block_kv), jnp.float32)
       if config.dq_softmax_overlap:
         with jax.named_scope("scores"):
-          p, dp = pl.run_scoped(probs_under_dp, tile_acc, tile_acc)
+          (p, dcap), dp = pl.run_scoped(probs_under_dp, tile_acc, tile_acc)
         plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
       else:
         with jax.named_scope("scores"):
-          s, dp = pl.run_scoped(scores, tile_acc, tile_acc)
+          s, dp = pl.run_scoped(score_products, tile_acc, tile_acc)
         plgpu.barrier_arrive(v_consumed.at[slot])
         with jax.named_scope("softmax"):
-          p = probs(s, kb, masked=masked)
+          p, dcap = probs(s, kb, masked=masked)
       with jax.named_scope("dq"):
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+        if dcap is not None:
+          ds = ds * dcap  # d(softcap * tanh) / d(scaled score)
         dq = add_dq(dq, ds, k_tile)
       plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
       return dq
@@ -301,11 +331,14 @@ def _dq_kernel(
       plgpu.barrier_arrive(k_consumed.at[slot])
 
     dq = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    dq = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), dq)
-    if mask.causal or mask.seq_k % block_kv:  # a diagonal, or a last block partly of padding
+    if mask.left is not None:
+      lax.fori_loop(tile.kv_lo, lo, drain, None)  # before this warpgroup's left edge
+      dq = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), dq)
+    dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
+    if mask.right is not None or mask.seq_k % block_kv:  # a diagonal, or a last block partly of padding
       dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
-    if mask.causal:
-      lax.fori_loop(hi, tile.num_steps, drain, None)
+    if mask.right is not None:
+      lax.fori_loop(hi, tile.kv_end, drain, None)  # past this warpgroup's right edge
     return dq
 
   def store_dq(tile: QTile, buffer, dq):
@@ -325,7 +358,7 @@ def _dq_kernel(
             store=store_dq, tiles_ref=tiles_ref)
 
 
-def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, config: MosaicBackwardConfig,
+def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, config: MosaicBackwardConfig,
              interpret) -> jax.Array:
   """The dQ kernel on operands padded by `pad_backward`."""
   interpret_params, interpret = interpret_params_of(interpret)
@@ -351,21 +384,24 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, confi
     scratch.append(plgpu.SMEM((NUM_CONSUMERS, WGMMA_M, block_kv), dtype, transforms=swizzled(block_kv, dtype)))
   num_q_blocks = q.shape[1] // OUTER_ROWS
   schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.dq_persistent,
-                                          causal=mask.causal, interpret=interpret)
+                                          causal=triangular(mask), interpret=interpret)
   kernel = functools.partial(
       _dq_kernel, mask=mask, group=heads // kv_heads, num_q_blocks=num_q_blocks, schedule=schedule,
-      softmax_scale=softmax_scale, config=config, interpret=interpret,
+      scores=scores, config=config, interpret=interpret,
   )
   return specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
                             grid_names=grid_names, interpret_params=interpret_params,
-                            name="flash2_bwd_dq_mosaic")(q, k, v, do, lse, delta, tile_table(schedule))
+                            name="flash2_bwd_dq_mosaic")(q, k, v, do, lse, delta, tile_table(schedule),
+                                                         *optional_slopes(slopes))
 
 
 # ---------------------------------------------------------------- entry points
 
 
 def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
-        causal: bool = False, softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
+        causal: bool = False, window_size: tuple[int | None, int | None] = (None, None), softcap: float | None = None,
+        alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
+        config: MosaicBackwardConfig | None = None,
         interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array]:
   """dK and dV of FlashAttention-2 on Hopper via Mosaic GPU.
 
@@ -376,7 +412,8 @@ def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
       blocks and sliced back).
     lse: float32 [batch, heads, seq_q], natural log, as the forward writes it.
     delta: float32 [batch, heads, seq_q], rowsum(dO * O).
-    causal, softmax_scale: as in the forward.
+    causal, window_size, softcap, alibi_slopes, softmax_scale: as in the
+      forward (jax_flash2.mosaic.forward.forward).
     config: tiling, fused_dq False; defaults to
       `defaults.mosaic_backward(head_dim)` with fused_dq off.
     interpret: run Mosaic GPU's interpreter (CPU) instead of compiling.
@@ -384,38 +421,44 @@ def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
   Returns:
     (dk, dv), like k.
   """
-  return _gradients(("dkv",), q, k, v, do, lse, delta, causal, softmax_scale, config, interpret)
+  return _gradients(("dkv",), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
 
 
 def dq(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
-       causal: bool = False, softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
-       interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+       causal: bool = False, window_size: tuple[int | None, int | None] = (None, None), softcap: float | None = None,
+       alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
+       config: MosaicBackwardConfig | None = None, interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
   """dQ of FlashAttention-2 on Hopper via Mosaic GPU, like q; arguments as
   `dkv`."""
-  return _gradients(("dq",), q, k, v, do, lse, delta, causal, softmax_scale, config, interpret)
+  return _gradients(("dq",), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
-             causal: bool = False, softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
+             causal: bool = False, window_size: tuple[int | None, int | None] = (None, None),
+             softcap: float | None = None, alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
+             config: MosaicBackwardConfig | None = None,
              interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`dq` and `dkv` on one padding of the operands; arguments as `dkv`.
 
   Returns:
     (dq, dk, dv), each like its primal.
   """
-  return _gradients(("dkv", "dq"), q, k, v, do, lse, delta, causal, softmax_scale, config, interpret)
+  return _gradients(("dkv", "dq"), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
 
 
-def _gradients(names, q, k, v, do, lse, delta, causal, softmax_scale, config, interpret):
+def _gradients(names, q, k, v, do, lse, delta, config, interpret, **band_and_scores):
   """The gradients of the kernels `names` ("dkv", "dq") on the checked
   operands; config None takes the measured default tiling, with dQ in a
   kernel of its own."""
   check_operands("the Mosaic GPU dK/dV and dQ kernels (head_dim 256: backward_wide)", HEAD_DIMS, q, k, v, do, lse,
                  delta)
   if config is None:
-    config = dataclasses.replace(defaults.mosaic_backward(q.shape[-1]), fused_dq=False)
+    config = defaults.mosaic_backward(q.shape[-1], fused=False)
   if config.fused_dq:
     raise ValueError(f"{config}: fused_dq is backward_fused's kernel; the two kernels here need fused_dq=False")
   kernels = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}
-  return backward_kernels({name: kernels[name] for name in names}, q, k, v, do, lse, delta, causal=causal,
-                          softmax_scale=softmax_scale, config=config, interpret=interpret)
+  return backward_kernels({name: kernels[name] for name in names}, q, k, v, do, lse, delta, config=config,
+                          interpret=interpret, **band_and_scores)

@@ -29,6 +29,12 @@ from shared memory.
 In Mosaic's interpreter, which has neither semaphores nor TMA reduce-adds,
 one CTA takes every tile in turn and the producer makes the additions
 itself, by load, add and store, between its loads.
+
+Full and causal attention only: windows, softcap and ALiBi take
+backward.py's two kernels (backends.MosaicKernels routes them there). The
+order of additions models the causal schedule (`_visit`, `_dq_order`), and
+the interpreter runs neither the semaphores nor the reduce-adds that keep
+it on the GPU, so a banded variant could not be checked on a CPU.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from jax_flash2 import defaults
 from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import NUMPY, Mask
 from jax_flash2.mosaic.common import (
-    NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, KVTile, Operands, PersistentSchedule,
+    NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, KVTile, Operands, PersistentSchedule, Scores,
     check_operands, check_smem, interpret_params_of, kv_outer_scratch, kv_outer_smem_bytes, pad_backward, run_tiles,
     sm_count, softmax_scale_of, specialized_kernel, swizzled, tile_table, unpad_seq,
 )
@@ -234,7 +240,7 @@ def _fused_kernel(
   tile_type = functools.partial(_SpreadTile, num_kv=num_kv, causal=mask.causal)
   smem, staging, scratch = KVOuterScratch.take(scratch, interpret=interpret)
   kv = KVOuter(Operands(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), dk_ref, dv_ref, smem, staging, wg=wg,
-               mask=mask, group=group, block_q=block_q, stages=stages, softmax_scale=softmax_scale,
+               mask=mask, group=group, block_q=block_q, stages=stages, scores=Scores(softmax_scale),
                early_vectors=config.early_vectors, interpret=interpret, tile_type=tile_type)
   ds_smem, dq_smem, ds_ready, tile_done, dq_staged, dq_free = scratch[:6]
   if interpret:
@@ -385,7 +391,7 @@ def _fused_kernel(
     k_start, k_a, v_a = kv.wait_kv(tile, buffer)
     if head_dim == 64 and not interpret:  # K and V into registers, once per tile
       k_a, v_a = (plgpu.load(t, layout=plgpu.Layout.WGMMA) for t in (k_a, v_a))
-    _, full_lo = kv.q_blocks(k_start)
+    _, full_lo, _, _ = kv.q_blocks(k_start)
 
     def step(position, carry, *, g, masked: bool):
       # The Q block at `position` of the tile's visits: dK, dV and this

@@ -47,9 +47,10 @@ score products contract over both halves (two wgmmas into one accumulator).
 The ring's tiles are whole [64, 256]; the products take row (32-query or
 32-key) and column (128) slices of them.
 
-The contract is backward.py's: causal attention bottom-right aligned
-(invisible blocks skipped, the diagonal's blocks masked, P = 0 after the
-exponential so that rows that see no key give 0 and not NaN), ragged
+The contract is backward.py's: causal attention and sliding windows
+bottom-right aligned (invisible blocks skipped, the blocks crossing an edge
+of the band masked, P = 0 after the exponential so that rows that see no
+key give 0 and not NaN), softcap and ALiBi (common.Scores), ragged
 lengths padded once to multiples of OUTER_ROWS (common.pad_backward; the
 grids cover the 64-row blocks that hold a real row), grouped-query attention
 (dK, dV summed over the query heads of a kv head), bf16 and fp16, float32
@@ -70,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,9 +83,10 @@ from jax_flash2 import defaults
 from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
-    BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, backward_kernels,
-    check_operands, copy_q_block, interpret_params_of, kv_ring_producer, observe_last_releases, outer_grid,
-    run_tiles, specialized_kernel, swizzled, zero_padded_keys,
+    BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, Scores,
+    backward_kernels, check_operands, copy_q_block, interpret_params_of, kv_range, kv_ring_producer,
+    observe_last_releases, optional_ref, optional_slopes, outer_grid, recomputed_probs, run_tiles, specialized_kernel,
+    swizzled, triangular, zero_padded_keys,
 )
 
 # Outer rows per CTA and rows per streamed block: one wgmma M.
@@ -227,8 +230,9 @@ def _halves(head_dim: int):
 @dataclasses.dataclass(frozen=True)
 class _KVTile:
   """64 key rows of one (batch, kv head): a CTA's work. It visits Q blocks
-  [lo, num_q) of every query head of the group, [lo, full_lo) masked (the
-  diagonal). int32 scalars."""
+  [lo, hi) of every query head of the group, [lo, full_lo) masked (the
+  band's right edge: the diagonal) and [full_hi, hi) masked (its left edge).
+  int32 scalars; full_hi and hi are num_q, an int, without a left edge."""
 
   batch: jax.Array
   kv_head: jax.Array
@@ -237,14 +241,13 @@ class _KVTile:
   full_lo: jax.Array
   visits: jax.Array  # Q blocks per query head
   num_steps: jax.Array  # ring steps: group * visits
+  full_hi: Any
+  hi: Any
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-    kv_ready, q_ready, do_ready, q_consumed, do_consumed, p_smem, ds_smem, staged, free,
-    *, mask: Mask, group: int, schedule: PersistentSchedule | None, softmax_scale: float, stages: int,
-    interpret: bool,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, mask: Mask, group: int,
+    schedule: PersistentSchedule | None, scores: Scores, stages: int, interpret: bool,
 ):
   # q_ref, do_ref: [batch, seq_q', heads, D]; k_ref, v_ref, dk_ref, dv_ref:
   # [batch, seq_k', kv_heads, D]; lse_ref, delta_ref: [batch, heads, seq_q']
@@ -255,19 +258,27 @@ def _dkv_kernel(
   # kv_ready: a barrier of 4 arrivals (both consumers' halves of K and V);
   # q_ready (Q, lse), do_ready (dO, delta): [stages], 2 arrivals (TMA);
   # q_consumed, do_consumed: [stages], 2 arrivals; staged, free: 2 arrivals.
+  # slopes_ref (ALiBi only): float32 [batch or 1, heads].
+  slopes_ref, refs = optional_ref(refs, scores.alibi)
+  (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_consumed,
+   do_consumed, p_smem, ds_smem, staged, free) = refs
+  softmax_scale = scores.softmax_scale
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   half, halves = _halves(head_dim)
   wg = lax.axis_index("wg")
   num_q = pl.cdiv(mask.seq_q, ROWS)
-  qk_scale = softmax_scale * LOG2_E
   shared = _SharedTile(staged, free, wg)
 
   def tile_at(kv_index, kv_head, batch) -> _KVTile:
     k_start = kv_index * ROWS
     lo, full_lo = mask.q_blocks_right(k_start, ROWS, ROWS)
-    visits = jnp.int32(num_q) - lo
-    return _KVTile(batch, kv_head, k_start, lo, full_lo, visits, group * visits)
+    if mask.left is None:
+      visits = jnp.int32(num_q) - lo
+      return _KVTile(batch, kv_head, k_start, lo, full_lo, visits, group * visits, num_q, num_q)
+    lo, full_lo, full_hi, hi = mask.q_blocks(k_start, ROWS, ROWS)
+    visits = hi - lo
+    return _KVTile(batch, kv_head, k_start, lo, full_lo, visits, group * visits, full_hi, hi)
 
   @jax.named_scope("load")
   def load_step(tile: _KVTile, ring_base, step):
@@ -304,7 +315,7 @@ def _dkv_kernel(
     vec_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
     my_half = pl.ds(wg * half, half)  # this consumer's columns of dK, dV
 
-    def update(step, qb, dk, dv, *, masked: bool):
+    def update(step, qb, dk, dv, *, slope, masked: bool):
       slot = lax.rem(ring_base + step, jnp.int32(stages))
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
       # (Named scopes: the regions of Mosaic GPU's profiler, where it is on.)
@@ -316,14 +327,18 @@ def _dkv_kernel(
         s_t, dp_t = _score_products((k_smem, v_smem), (q_tile, do_tile), queries, halves)
       with jax.named_scope("softmax"):
         lse = plgpu.load(lse_smem.at[slot, queries], layout=vec_layout) * LOG2_E
-        p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-        if masked:
+
+        def positions():
           key = tile.k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
           query = qb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
-          # After the exponential: queries with lse = -inf give 0, not NaN.
-          p_t = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p_t, 0.0)
+          return query, key
+
+        p_t, dcap_t = recomputed_probs(s_t, lse, scores=scores, mask=mask, positions=positions, slope=slope,
+                                       masked=masked, lse_axis=1)
         delta = plgpu.load(delta_smem.at[slot, queries], layout=vec_layout)
         ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+        if dcap_t is not None:
+          ds_t = ds_t * dcap_t  # d(softcap * tanh) / d(scaled score)
       with jax.named_scope("stage"):
         shared.write(ring_base + step, ((p_smem, p_t.astype(dtype)), (ds_smem, ds_t.astype(dtype))))
 
@@ -344,12 +359,18 @@ def _dkv_kernel(
 
     def one_head(g, carry):
       # Query head kv_head * group + g: its Q blocks, in the producer's order.
-      def block(qb, carry, *, masked: bool):
-        return update(g * tile.visits + qb - tile.lo, qb, *carry, masked=masked)
+      slope = scores.slope(slopes_ref, tile.batch, tile.kv_head * group + g)
 
-      if mask.causal:
+      def block(qb, carry, *, masked: bool):
+        return update(g * tile.visits + qb - tile.lo, qb, *carry, slope=slope, masked=masked)
+
+      if mask.right is not None:
         carry = lax.fori_loop(tile.lo, tile.full_lo, functools.partial(block, masked=True), carry)
-      return lax.fori_loop(tile.full_lo, jnp.int32(num_q), functools.partial(block, masked=False), carry)
+      full_hi = jnp.int32(num_q) if mask.left is None else tile.full_hi
+      carry = lax.fori_loop(tile.full_lo, full_hi, functools.partial(block, masked=False), carry)
+      if mask.left is not None:
+        carry = lax.fori_loop(tile.full_hi, tile.hi, functools.partial(block, masked=True), carry)
+      return carry
 
     acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
     dk, dv = one_head(jnp.int32(0), (acc, acc)) if group == 1 else lax.fori_loop(0, group, one_head, (acc, acc))
@@ -372,7 +393,7 @@ def _dkv_kernel(
             compute=gradients, store=store_gradients, epilogue=shared.observe_last, buffers=1)
 
 
-def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, config: MosaicBackwardConfig,
+def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, config: MosaicBackwardConfig,
               interpret) -> tuple[jax.Array, jax.Array]:
   """The dK/dV kernel on operands padded by `pad_backward`."""
   batch, _, heads, head_dim = q.shape
@@ -393,24 +414,21 @@ def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, conf
   ]
   num_kv = pl.cdiv(mask.seq_k, ROWS)  # 64-row blocks holding a real key; the rest of the padding stays unwritten
   schedule, grid, grid_names = outer_grid(num_kv, kv_heads, batch, axis="kv", persistent=config.dkv_persistent,
-                                          causal=mask.causal, interpret=interpret)
+                                          causal=triangular(mask), interpret=interpret)
   kernel = functools.partial(_dkv_kernel, mask=mask, group=heads // kv_heads, schedule=schedule,
-                             softmax_scale=softmax_scale, stages=stages, interpret=interpret)
+                             scores=scores, stages=stages, interpret=interpret)
   out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
   return specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                             interpret_params=interpret_params,
-                            name="flash2_bwd_dkv_wide_mosaic")(q, k, v, do, lse, delta)
+                            name="flash2_bwd_dkv_wide_mosaic")(q, k, v, do, lse, delta, *optional_slopes(slopes))
 
 
 # ---------------------------------------------------------------- dQ
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-    q_ready, k_ready, v_ready, k_consumed, v_consumed, ds_smem, staged, free, rows_read,
-    *, mask: Mask, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, softmax_scale: float,
-    stages: int, interpret: bool,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, mask: Mask, group: int, num_q_blocks: int,
+    schedule: PersistentSchedule | None, scores: Scores, stages: int, interpret: bool,
 ):
   # Arrays in GMEM as in _dkv_kernel. q_smem, do_smem: [2, 64, D/2] (column
   # halves; each consumer loads one and stages its half of dQ in Q's);
@@ -419,12 +437,15 @@ def _dq_kernel(
   # Q and dO, lse, delta); k_ready, v_ready: [stages] (TMA); k_consumed,
   # v_consumed: [stages], 2 arrivals; staged, free: 2 arrivals; rows_read: 2
   # arrivals (both consumers have passed the tile's q_ready and read its lse
-  # and delta).
+  # and delta). slopes_ref (ALiBi only): float32 [batch or 1, heads].
+  slopes_ref, refs = optional_ref(refs, scores.alibi)
+  (dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_consumed, v_consumed,
+   ds_smem, staged, free, rows_read) = refs
+  softmax_scale = scores.softmax_scale
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   half, halves = _halves(head_dim)
   wg = lax.axis_index("wg")
-  qk_scale = softmax_scale * LOG2_E
   shared = _SharedTile(staged, free, wg)
   tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=ROWS, block_kv=ROWS, mask=mask)
 
@@ -456,12 +477,15 @@ def _dq_kernel(
     # seq_k) has no step at which they meet otherwise.
     plgpu.barrier_arrive(rows_read)
     plgpu.barrier_wait(rows_read)
-    full_hi, hi = mask.kv_blocks_right(tile.q_start, ROWS, ROWS)
+    # Both consumers share the rows, so the same K/V blocks: [lo, full_lo)
+    # and [full_hi, hi) masked; lo = full_lo = 0 without a left edge.
+    lo, full_lo, full_hi, hi = kv_range(mask, tile.q_start, ROWS, ROWS)
+    slope = scores.slope(slopes_ref, tile.batch, tile.head)
     keys = pl.ds(wg * COLS, COLS)  # this consumer's key columns of a K/V block
     my_half = pl.ds(wg * half, half)
 
     def step(kb, dq, *, masked: bool):
-      slot = lax.rem(ring_base + kb, jnp.int32(stages))
+      slot = lax.rem(ring_base + tile.step_of(kb), jnp.int32(stages))
       k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
       with jax.named_scope("wait_kv"):
         plgpu.barrier_wait(k_ready.at[slot])
@@ -471,14 +495,19 @@ def _dq_kernel(
         s, dp = _score_products((q_smem, do_smem), (k_tile, v_tile), keys, halves)
       plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
       with jax.named_scope("softmax"):
-        p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-        if masked:
+
+        def positions():
           query = tile.q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
           key = kb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-          p = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p, 0.0)
+          return query, key
+
+        p, dcap = recomputed_probs(s, lse, scores=scores, mask=mask, positions=positions, slope=slope, masked=masked,
+                                   lse_axis=0)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+        if dcap is not None:
+          ds = ds * dcap  # d(softcap * tanh) / d(scaled score)
       with jax.named_scope("stage"):
-        shared.write(ring_base + kb, ((ds_smem, ds.astype(dtype)),))
+        shared.write(ring_base + tile.step_of(kb), ((ds_smem, ds.astype(dtype)),))
 
       def dq_product(refs):
         # dQ[:, half c] += dS K[:, half c]: all 64 keys, both consumers' columns.
@@ -492,8 +521,10 @@ def _dq_kernel(
       return dq
 
     dq = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
-    dq = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), dq)
-    if mask.causal or mask.seq_k % ROWS:  # a diagonal, or a last block partly of padding
+    if mask.left is not None:
+      dq = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), dq)
+    dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
+    if mask.right is not None or mask.seq_k % ROWS:  # a diagonal, or a last block partly of padding
       dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
     return dq
 
@@ -512,7 +543,7 @@ def _dq_kernel(
             compute=gradient, store=store_dq, epilogue=shared.observe_last, buffers=1)
 
 
-def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, config: MosaicBackwardConfig,
+def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, config: MosaicBackwardConfig,
              interpret) -> jax.Array:
   """The dQ kernel on operands padded by `pad_backward`."""
   batch, _, heads, head_dim = q.shape
@@ -534,48 +565,56 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, softmax_scale: float, confi
   ]
   num_q_blocks = pl.cdiv(mask.seq_q, ROWS)  # 64-row blocks holding a real query
   schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.dq_persistent,
-                                          causal=mask.causal, interpret=interpret)
+                                          causal=triangular(mask), interpret=interpret)
   kernel = functools.partial(_dq_kernel, mask=mask, group=heads // kv_heads, num_q_blocks=num_q_blocks,
-                             schedule=schedule, softmax_scale=softmax_scale, stages=stages, interpret=interpret)
+                             schedule=schedule, scores=scores, stages=stages, interpret=interpret)
   return specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
                             grid_names=grid_names, interpret_params=interpret_params,
-                            name="flash2_bwd_dq_wide_mosaic")(q, k, v, do, lse, delta)
+                            name="flash2_bwd_dq_wide_mosaic")(q, k, v, do, lse, delta, *optional_slopes(slopes))
 
 
 # ---------------------------------------------------------------- entry points
 
 
 def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
-        causal: bool = False, softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
+        causal: bool = False, window_size: tuple[int | None, int | None] = (None, None), softcap: float | None = None,
+        alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
+        config: MosaicBackwardConfig | None = None,
         interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array]:
   """dK and dV at head_dim 256; arguments and results as backward.dkv (q, do:
   [batch, seq_q, heads, 256]; k, v: [batch, seq_k, kv_heads, 256]; lse,
   delta: float32 [batch, heads, seq_q]); config: block_q = block_kv = 64,
   defaults to `defaults.mosaic_backward(256)`."""
-  return _gradients(("dkv",), q, k, v, do, lse, delta, causal, softmax_scale, config, interpret)
+  return _gradients(("dkv",), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
 
 
 def dq(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
-       causal: bool = False, softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
-       interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
+       causal: bool = False, window_size: tuple[int | None, int | None] = (None, None), softcap: float | None = None,
+       alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
+       config: MosaicBackwardConfig | None = None, interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
   """dQ at head_dim 256, like q; arguments as `dkv`."""
-  return _gradients(("dq",), q, k, v, do, lse, delta, causal, softmax_scale, config, interpret)
+  return _gradients(("dq",), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
-             causal: bool = False, softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
+             causal: bool = False, window_size: tuple[int | None, int | None] = (None, None),
+             softcap: float | None = None, alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
+             config: MosaicBackwardConfig | None = None,
              interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(dq, dk, dv) at head_dim 256 on one padding of the operands; arguments
   as `dkv`."""
-  return _gradients(("dkv", "dq"), q, k, v, do, lse, delta, causal, softmax_scale, config, interpret)
+  return _gradients(("dkv", "dq"), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
 
 
-def _gradients(names, q, k, v, do, lse, delta, causal, softmax_scale, config, interpret):
+def _gradients(names, q, k, v, do, lse, delta, config, interpret, **band_and_scores):
   """The gradients of the kernels `names` ("dkv", "dq") on the checked
   operands; config None takes the measured default tiling."""
   check_operands("the wide Mosaic GPU backward", HEAD_DIMS, q, k, v, do, lse, delta)
   config = defaults.mosaic_backward(q.shape[-1]) if config is None else config
   _check_config(config)
   kernels = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}
-  return backward_kernels({name: kernels[name] for name in names}, q, k, v, do, lse, delta, causal=causal,
-                          softmax_scale=softmax_scale, config=config, interpret=interpret)
+  return backward_kernels({name: kernels[name] for name in names}, q, k, v, do, lse, delta, config=config,
+                          interpret=interpret, **band_and_scores)

@@ -21,6 +21,16 @@ The kernels work on whole blocks: the entry points pad ragged lengths with
 and mask uses the real lengths (jax_flash2.mask.Mask: causal attention is
 bottom-right aligned). `KVOuter` holds what the dK/dV kernel and the fused
 kernel share: the tile, the Q-block copies, and the per-block P^T and dS^T.
+
+Bands and score modifiers are static. A tile visits only the inner blocks its
+band touches (causal attention, a sliding window: `q_tile_blocks` for a Q
+tile, `KVOuter.tile_at` for a K/V tile), each consumer the part of them its
+own rows touch (`kv_range`, `KVOuter.q_blocks`), and only blocks that cross
+an edge take the element mask. `Scores` turns Q K^T into the softmax's
+base-2 scores (the scale; a softcap and ALiBi where the problem has them).
+Every option is a Python branch on the static Mask and Scores, and a band
+without a left edge keeps its first block the int 0: the kernels of plain
+full and causal attention are the programs they were before the options.
 """
 
 from __future__ import annotations
@@ -112,6 +122,118 @@ def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
   return float(head_dim ** -0.5 if softmax_scale is None else softmax_scale)
 
 
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """What turns a tile of Q K^T into the softmax's scores, as
+  jax_flash2.reference and the Triton kernels define them: the scale, then
+  softcap * tanh(scores / softcap), then ALiBi's -slope * |i + offset - j|
+  (offset = seq_k - seq_q, the band's bottom-right alignment).
+
+  softcap: None for none; alibi: the kernel reads one float32 slope per
+  (batch, head) from a [batch or 1, heads] array (`slope`)."""
+
+  softmax_scale: float
+  softcap: float | None = None
+  alibi: bool = False
+  offset: int = 0
+
+  @property
+  def modified(self) -> bool:
+    """Whether anything but the scale changes the scores: the kernels then
+    take them to base 2 up front; plain scores fold the scale into the
+    exponential's argument (one FFMA a score)."""
+    return self.softcap is not None or self.alibi
+
+  def slope(self, slopes_ref, batch, head):
+    """This (batch, head)'s ALiBi slope, a float32 scalar read from global
+    memory (slopes_ref: [batch or 1, heads]), or None without ALiBi."""
+    if not self.alibi:
+      return None
+    return slopes_ref[batch if slopes_ref.shape[0] > 1 else 0, head]
+
+  def log2(self, s, query, key, slope):
+    """(the scores of the tile s = Q K^T in base 2, the softcap's derivative
+    d(softcap * t) / d(scaled score) = 1 - t^2 that dS takes in the backward,
+    or None without a softcap). query, key: int32 positions of s's elements
+    (any broadcast, e.g. a transposed tile's), read only by ALiBi.
+
+    On the GPU tanh is tanh.approx.f32 (approx_math), as FlashAttention-3's
+    softcap: one MUFU op a score beside the exponential's."""
+    if self.softcap is not None:
+      t = jnp.tanh(s * (self.softmax_scale / self.softcap))
+      s, dcap = t * (self.softcap * LOG2_E), 1.0 - t * t
+    else:
+      s, dcap = s * (self.softmax_scale * LOG2_E), None
+    if self.alibi:
+      distance = jnp.abs((query - key + self.offset).astype(jnp.float32))
+      s = s - (slope * LOG2_E) * distance
+    return s, dcap
+
+
+def recomputed_probs(s, lse_log2, *, scores: Scores, mask: Mask, positions, slope, masked: bool, lse_axis: int):
+  """(P, the softcap's derivative or None) that a backward kernel recomputes
+  for a tile s = Q K^T (or its transpose) from the forward's lse, taken to
+  base 2 (lse_log2; broadcast along the tile's axis lse_axis): P =
+  exp2(scores in base 2 - lse_log2), with the element mask where `masked`,
+  after the exponential, so that rows that see no key (lse = -inf) give 0
+  and not NaN. positions(): the tile's (query, key) positions, computed only
+  where ALiBi or the mask reads them, once."""
+  at, dcap = None, None
+  if scores.modified:
+    at = query, key = positions()
+    s, dcap = scores.log2(s, query, key, slope)
+    p = jnp.exp2(s - lax.broadcast_in_dim(lse_log2, s.shape, [lse_axis]))
+  else:
+    p = jnp.exp2(s * (scores.softmax_scale * LOG2_E) - lax.broadcast_in_dim(lse_log2, s.shape, [lse_axis]))
+  if masked:
+    query, key = at if at is not None else positions()
+    p = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p, 0.0)
+  return p, dcap
+
+
+def triangular(mask: Mask) -> bool:
+  """Whether a Q block's work grows with its index and a K/V block's
+  shrinks with its own: a band with a right edge and no left one (causal
+  attention; a window's right side alone). The kernels then run the
+  heaviest tiles first and persistent CTAs pair heavy tiles with light ones
+  (`PersistentSchedule`). Under a window's two sides every tile visits about
+  as many blocks as the next ((left + right) / block + 1 or 2; fewer only
+  near the sequence's start), and under a left side alone the work shrinks
+  the other way: those tiles go round-robin in grid order, so that CTAs
+  running together take neighbouring outer blocks, whose inner blocks
+  (their windows) overlap in L2."""
+  return mask.left is None and mask.right is not None
+
+
+def kv_range(mask: Mask, q_start, rows: int, block_kv: int):
+  """(lo, full_lo, full_hi, hi) over K/V blocks for the queries [q_start,
+  q_start + rows) (mask.Mask.kv_blocks): lo and full_lo are the int 0
+  without a left edge, and then only the right side's bounds are computed,
+  as the kernels did before windows."""
+  if mask.left is None:
+    full_hi, hi = mask.kv_blocks_right(q_start, rows, block_kv)
+    return 0, 0, full_hi, hi
+  return mask.kv_blocks(q_start, rows, block_kv)
+
+
+def at_least(x, floor):
+  """max(x, floor): a Python int where both are (a stretch's static start)."""
+  if isinstance(x, int) and isinstance(floor, int):
+    return max(x, floor)
+  return jnp.maximum(x, floor)
+
+
+def optional_slopes(slopes) -> tuple:
+  """A kernel's trailing optional input: (the ALiBi slopes,) or ()."""
+  return () if slopes is None else (slopes,)
+
+
+def optional_ref(refs, present: bool):
+  """(the first of a kernel's remaining refs, the rest) where an optional
+  input is present, else (None, refs)."""
+  return (refs[0], refs[1:]) if present else (None, refs)
+
+
 def swizzled(cols: int, dtype) -> tuple:
   """The transforms of a shared-memory tile of `cols` columns: the widest
   swizzle its rows allow (128 bytes from 64 16-bit columns), so that wgmma
@@ -199,21 +321,45 @@ def pad_backward(q, k, v, do, lse, delta):
   return q, k, v, do, lse, delta
 
 
-def backward_kernels(kernels: dict, q, k, v, do, lse, delta, *, causal: bool, softmax_scale: float | None,
-                     config, interpret) -> jax.Array | tuple[jax.Array, ...]:
+def band_of(seq_q: int, seq_k: int, causal: bool, window_size) -> Mask:
+  """The Mask of an entry point's causal and window_size ((left, right),
+  None on a side leaving it unbounded; causal caps the right side at 0)."""
+  if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
+      side is None or (isinstance(side, int) and not isinstance(side, bool) and side >= 0) for side in window_size):
+    raise ValueError(f"window_size must be a pair (left, right) of ints >= 0 or None, got {window_size!r}")
+  left, right = window_size
+  return Mask(seq_q, seq_k, causal=bool(causal), window_left=left, window_right=right)
+
+
+def scores_of(q, mask: Mask, softmax_scale: float | None, softcap: float | None, alibi_slopes) -> Scores:
+  """The Scores of an entry point's arguments, checked: softcap > 0 or
+  None; alibi_slopes float32 [batch or 1, heads] or None."""
+  if softcap is not None and not softcap > 0:
+    raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
+  if alibi_slopes is not None:
+    batch, heads = q.shape[0], q.shape[2]
+    if alibi_slopes.dtype != jnp.float32 or alibi_slopes.shape not in ((1, heads), (batch, heads)):
+      raise ValueError(f"alibi_slopes must be float32 [batch or 1, heads] = [{batch} or 1, {heads}], got "
+                       f"{alibi_slopes.dtype} {alibi_slopes.shape}")
+  return Scores(softmax_scale_of(softmax_scale, q.shape[-1]), None if softcap is None else float(softcap),
+                alibi_slopes is not None, mask.offset)
+
+
+def backward_kernels(kernels: dict, q, k, v, do, lse, delta, *, causal: bool, window_size, softcap, alibi_slopes,
+                     softmax_scale: float | None, config, interpret) -> jax.Array | tuple[jax.Array, ...]:
   """Runs a module's backward kernels on one padding of the operands
   (`pad_backward`; ragged lengths pad once, not once per kernel) and slices
   their gradients back to the real lengths: (dq, dk, dv), (dk, dv) or dq.
   kernels: {"dkv" and/or "dq": (call, smem_bytes)}, call(*padded operands,
-  mask=, softmax_scale=, config=, interpret=) giving (dk, dv) or dq, and
+  mask=, scores=, slopes=, config=, interpret=) giving (dk, dv) or dq, and
   smem_bytes(config, head_dim, dtype) its shared memory, checked here."""
   head_dim = q.shape[-1]
   check_smem(config, {name: smem_bytes(config, head_dim, q.dtype) for name, (_, smem_bytes) in kernels.items()},
              head_dim)
-  mask = Mask(q.shape[1], k.shape[1], causal=causal)
+  mask = band_of(q.shape[1], k.shape[1], causal, window_size)
+  scores = scores_of(q, mask, softmax_scale, softcap, alibi_slopes)
   padded = pad_backward(q, k, v, do, lse, delta)
-  kwargs = dict(mask=mask, softmax_scale=softmax_scale_of(softmax_scale, head_dim), config=config,
-                interpret=interpret)
+  kwargs = dict(mask=mask, scores=scores, slopes=alibi_slopes, config=config, interpret=interpret)
   grads = []
   if "dkv" in kernels:
     grads += [unpad_seq(x, mask.seq_k) for x in kernels["dkv"][0](*padded, **kwargs)]
@@ -226,17 +372,20 @@ def backward_kernels(kernels: dict, q, k, v, do, lse, delta, *, causal: bool, so
 
 
 def load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, *,
-                   batch, kv_head, num_steps, first_step, block_kv: int, stages: int) -> None:
-  """TMA copies of K/V blocks 0..num_steps-1 of (batch, kv_head) into the
-  ring, block i into the ring's step `first_step + i` (slot (first_step + i)
-  % stages): a persistent CTA keeps one ring across its tiles. A slot is
-  refilled once both consumers released what it held `stages` steps before."""
+                   batch, kv_head, num_steps, first_step, block_kv: int, stages: int, first_block=0) -> None:
+  """TMA copies of K/V blocks first_block..first_block + num_steps - 1 of
+  (batch, kv_head) into the ring, the tile's i-th block into the ring's step
+  `first_step + i` (slot (first_step + i) % stages): a persistent CTA keeps
+  one ring across its tiles. A slot is refilled once both consumers released
+  what it held `stages` steps before. first_block: the int 0 unless a band's
+  left edge skips the leading blocks."""
 
   @pl.loop(0, num_steps)
   def _load(step):
     ring_step = first_step + step
     slot = lax.rem(ring_step, jnp.int32(stages))
-    kv_rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+    block = step if isinstance(first_block, int) and first_block == 0 else first_block + step
+    kv_rows = (batch, pl.ds(block * block_kv, block_kv), kv_head)
 
     # The first round of slots is free from the start.
     @pl.when(ring_step >= stages)
@@ -274,7 +423,7 @@ def kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed,
   def produce(tile: QTile, ring_base):
     load_kv_blocks(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed, batch=tile.batch,
                    kv_head=tile.kv_head(group), num_steps=tile.num_steps, first_step=ring_base,
-                   block_kv=block_kv, stages=stages)
+                   block_kv=block_kv, stages=stages, first_block=tile.kv_lo)
 
   def observe(end_step):
     observe_last_releases(k_consumed, v_consumed, end_step=end_step, stages=stages)
@@ -409,45 +558,72 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
 @dataclasses.dataclass(frozen=True)
 class QTile:
   """block_q query rows of one (batch, head): the unit of work of a Q-outer
-  kernel's CTA (the forward, dQ). Fields are int32 scalars."""
+  kernel's CTA (the forward, dQ). It visits K/V blocks [kv_lo, kv_lo +
+  num_steps). Fields are int32 scalars, but kv_lo is the int 0 without a
+  left edge (`q_tile_blocks`)."""
 
   batch: jax.Array
   head: jax.Array
   q_start: jax.Array  # first query row
   num_steps: jax.Array  # K/V blocks the producer loads for it
+  kv_lo: Any = dataclasses.field(default=0, kw_only=True)  # the first of them
 
   @classmethod
   def at(cls, q_index, head, batch, *, num_q_blocks: int, block_q: int, block_kv: int, mask: Mask,
          consumers: int = NUM_CONSUMERS) -> QTile:
-    """The tile of grid position q_index (a causal kernel runs Q blocks
-    heaviest first: those near the end of the sequence visit the most K/V
-    blocks, and taking them first keeps them off the critical path at the
-    tail)."""
-    if mask.causal:
+    """The tile of grid position q_index (where the work grows with the Q
+    block, `triangular`, a kernel runs Q blocks heaviest first: those near
+    the end of the sequence visit the most K/V blocks, and taking them first
+    keeps them off the critical path at the tail)."""
+    if triangular(mask):
       q_index = jnp.int32(num_q_blocks - 1) - q_index
     q_start = q_index * block_q
-    return cls(batch, head, q_start, q_tile_steps(q_start, block_q=block_q, block_kv=block_kv, mask=mask,
-                                                  consumers=consumers))
+    lo, hi = q_tile_blocks(q_start, block_q=block_q, block_kv=block_kv, mask=mask, consumers=consumers)
+    if isinstance(lo, int):
+      return cls(batch, head, q_start, hi)
+    return cls(batch, head, q_start, hi - lo, kv_lo=lo)
 
   def kv_head(self, group: int) -> jax.Array:
     """The K/V head of this tile's query head (grouped-query attention)."""
     return lax.div(self.head, jnp.int32(group))
 
+  def step_of(self, kb):
+    """The tile's ring step (from its first) of K/V block kb."""
+    return kb if isinstance(self.kv_lo, int) else kb - self.kv_lo
 
-def q_tile_steps(q_start, *, block_q: int, block_kv: int, mask: Mask, consumers: int, ints: Arithmetic = JNP):
-  """K/V blocks the producer loads for the Q tile from row q_start: every
-  block any consumer needs; the last consumer's rows are the latest, so its
-  bound covers them all. ints: jnp in a kernel, numpy on the host."""
+  @property
+  def kv_end(self):
+    """The K/V block after the tile's last."""
+    return self.num_steps if isinstance(self.kv_lo, int) else self.kv_lo + self.num_steps
+
+
+def q_tile_blocks(q_start, *, block_q: int, block_kv: int, mask: Mask, consumers: int, ints: Arithmetic = JNP):
+  """(lo, hi): the K/V blocks [lo, hi) the producer loads for the Q tile
+  from row q_start, every block any consumer needs: the first consumer's
+  rows are the earliest, so its left bound is the tile's, and the last
+  consumer's the latest, so its right bound covers them all. lo is the int
+  0 without a left edge. ints: jnp in a kernel, numpy on the host."""
   rows = block_q // consumers
   _, hi = mask.kv_blocks_right(q_start + (consumers - 1) * rows, rows, block_kv, ints)
-  return hi
+  if mask.left is None:
+    return 0, hi
+  # hi >= lo: the last consumer's right bound is at or past its own left
+  # one (mask.Mask.kv_blocks), which is at or past the first consumer's.
+  lo, _ = mask.kv_blocks_left(q_start, rows, block_kv, ints)
+  return lo, hi
+
+
+def q_tile_steps(q_start, *, block_q: int, block_kv: int, mask: Mask, consumers: int, ints: Arithmetic = JNP):
+  """K/V blocks the producer loads for the Q tile from row q_start (`q_tile_blocks`)."""
+  lo, hi = q_tile_blocks(q_start, block_q=block_q, block_kv=block_kv, mask=mask, consumers=consumers, ints=ints)
+  return hi - lo
 
 
 def q_tile_work(num_q_blocks: int, *, block_q: int, block_kv: int, mask: Mask,
                 consumers: int = NUM_CONSUMERS) -> tuple[int, ...]:
-  """The ring steps of each causal Q tile, numbered as QTile.at numbers
-  them (block 0 the heaviest): the work a balanced PersistentSchedule
-  evens out."""
+  """The ring steps of each Q tile of a `triangular` mask, numbered as
+  QTile.at numbers them (block 0 the heaviest): the work a balanced
+  PersistentSchedule evens out."""
   return tuple(
       int(q_tile_steps((num_q_blocks - 1 - b) * block_q, block_q=block_q, block_kv=block_kv, mask=mask,
                        consumers=consumers, ints=NUMPY))
@@ -634,10 +810,11 @@ def tile_table(schedule: PersistentSchedule | None) -> jax.Array:
 def zero_padded_keys(mask: Mask, padded_seq_k: int, k_start, dk, dv):
   """dK and dV [rows from key k_start, D] with the rows of keys past seq_k
   zeroed. A K/V-outer kernel does not mask those keys (under causal
-  attention the diagonal hides them; else their P^T is exp2(-lse), not 0),
-  but a key's P^T and dS^T reach only its own rows of dV and dK, so zeroing
-  them once serves as well as a mask on every Q block would. dK and dV as
-  they are under causal attention or without padding."""
+  attention, a band whose right edge is 0, the band hides them; else their
+  P^T is exp2(-lse), not 0, in the blocks it runs unmasked), but a key's P^T
+  and dS^T reach only its own rows of dV and dK, so zeroing them once serves
+  as well as a mask on every Q block would. dK and dV as they are under
+  causal attention or without padding."""
   if not mask.causal and padded_seq_k > mask.seq_k:
     key = k_start + plgpu.broadcasted_iota(jnp.int32, dk.shape, 0, layout=plgpu.Layout.WGMMA)
     dk, dv = (jnp.where(key < mask.seq_k, x, 0.0) for x in (dk, dv))
@@ -665,9 +842,11 @@ def copy_q_block(gmem, smem, ready, released, *, ring_step, stages: int, rows, v
 @dataclasses.dataclass(frozen=True)
 class KVTile:
   """OUTER_ROWS key rows of one (batch, kv head): a K/V-outer CTA's unit of
-  work. It visits Q blocks [lo, num_q) of every query head of the group
-  (the first consumer's keys come first, so its range covers both), in the
-  order `q_block` gives. Fields are int32 scalars but num_q, an int."""
+  work. It visits Q blocks [lo, q_end) of every query head of the group
+  (the first consumer's keys come first, so its range starts the tile's;
+  the second one's last key ends it), in the order `q_block` gives. q_end
+  None: every Q block from lo on (num_q; no left edge). Fields are int32
+  scalars but num_q, an int."""
 
   batch: jax.Array
   kv_head: jax.Array
@@ -676,11 +855,17 @@ class KVTile:
   lo: jax.Array
   num_steps: jax.Array  # ring steps: Q blocks the producer loads for it
   num_q: int  # Q blocks of a query head
+  q_end: Any = dataclasses.field(default=None, kw_only=True)
 
   @property
   def visits(self):
     """Q blocks visited per query head."""
-    return jnp.int32(self.num_q) - self.lo
+    return jnp.int32(self.num_q) - self.lo if self.q_end is None else self.q_end - self.lo
+
+  @property
+  def end(self):
+    """The Q block after the tile's last."""
+    return self.num_q if self.q_end is None else self.q_end
 
   def q_block(self, position):
     """The Q block at `position` of the visits for one query head."""
@@ -754,7 +939,8 @@ def kv_outer_smem_bytes(head_dim: int, dtype, *, block_q: int, stages: int, buff
 class Operands(NamedTuple):
   """A backward kernel's inputs in global memory: q, do [batch, seq_q',
   heads, D]; k, v [batch, seq_k', kv_heads, D]; lse, delta float32 [batch,
-  heads, seq_q'] (seq' padded to multiples of OUTER_ROWS)."""
+  heads, seq_q'] (seq' padded to multiples of OUTER_ROWS); slopes: float32
+  [batch or 1, heads], the ALiBi slopes, where the problem has them."""
 
   q: Any
   k: Any
@@ -762,6 +948,7 @@ class Operands(NamedTuple):
   do: Any
   lse: Any
   delta: Any
+  slopes: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -777,9 +964,11 @@ class KVOuter:
     dV += P^T dO, dK += dS^T Q                 (one wgmma group, P^T and
                                                 dS^T from registers)
 
-  and dK is scaled by softmax_scale once, at the end. P is set to 0 after
-  the exponential where masked, so that rows that see no key (lse = -inf)
-  give 0 and not NaN; keys past seq_k are not masked (`zero_padded_keys`).
+  and dK is scaled by softmax_scale once, at the end. With a softcap or
+  ALiBi (`scores`) P^T takes the modified scores, and a softcap's derivative
+  multiplies dS^T. P is set to 0 after the exponential where masked, so
+  that rows that see no key (lse = -inf) give 0 and not NaN; keys past
+  seq_k are not masked (`zero_padded_keys`).
 
   In Mosaic's interpreter (jax 0.11.2 runs wgmma only from shared-memory
   operands into fresh accumulators) P^T and dS^T go through `staging`
@@ -796,7 +985,7 @@ class KVOuter:
   group: int
   block_q: int
   stages: int
-  softmax_scale: float
+  scores: Scores
   early_vectors: bool
   interpret: bool
   tile_type: Callable[..., KVTile] = KVTile
@@ -815,8 +1004,12 @@ class KVOuter:
     order of the Q-outer kernels)."""
     k_start = kv_index * OUTER_ROWS
     lo, _ = self.mask.q_blocks_right(k_start, WGMMA_M, self.block_q)
-    return self.tile_type(batch, kv_head, kv_index, k_start, lo, self.group * (jnp.int32(self.num_q) - lo),
-                          self.num_q)
+    if self.mask.left is None:
+      return self.tile_type(batch, kv_head, kv_index, k_start, lo, self.group * (jnp.int32(self.num_q) - lo),
+                            self.num_q)
+    # The tile's last key bounds its last query; hi >= lo (mask.Mask.q_blocks).
+    _, hi = self.mask.q_blocks_left(k_start, OUTER_ROWS, self.block_q)
+    return self.tile_type(batch, kv_head, kv_index, k_start, lo, self.group * (hi - lo), self.num_q, q_end=hi)
 
   @jax.named_scope("load")
   def load_q_block(self, tile: KVTile, ring_base, step) -> None:
@@ -854,10 +1047,15 @@ class KVOuter:
     return k_start, k_tile, v_tile
 
   def q_blocks(self, k_start):
-    """(lo, full_lo): no query of Q blocks [0, lo) sees a key of this
-    consumer's rows from k_start, some of blocks [lo, full_lo) do (the
-    diagonal), and every query of the blocks from full_lo on sees all."""
-    return self.mask.q_blocks_right(k_start, WGMMA_M, self.block_q)
+    """(lo, full_lo, full_hi, hi): no query of Q blocks outside [lo, hi)
+    sees a key of this consumer's rows from k_start, some of blocks [lo,
+    full_lo) (the band's right edge: the causal diagonal) and [full_hi, hi)
+    (its left edge) do, and every query of the blocks in [full_lo, full_hi)
+    sees all. full_hi and hi are num_q, an int, without a left edge."""
+    lo, full_lo = self.mask.q_blocks_right(k_start, WGMMA_M, self.block_q)
+    if self.mask.left is None:
+      return lo, full_lo, self.num_q, self.num_q
+    return self.mask.q_blocks(k_start, WGMMA_M, self.block_q)
 
   def _load_vector(self, smem, ready, slot):
     plgpu.barrier_wait(ready.at[slot])
@@ -869,27 +1067,28 @@ class KVOuter:
   def load_delta(self, slot):
     return self._load_vector(self.smem.delta, self.smem.delta_ready, slot)
 
-  def probs_t(self, s_t, k_start, qb, slot, *, masked: bool, lse=None):
-    """P^T [keys, queries] from S^T and the lse of Q block qb in `slot`
-    (loaded here unless given)."""
+  def probs_t(self, s_t, k_start, qb, slot, *, masked: bool, lse=None, slope=None):
+    """(P^T [keys, queries], the softcap's derivative or None) from S^T and
+    the lse of Q block qb in `slot` (loaded here unless given); slope: the
+    query head's ALiBi slope (`Scores.slope`)."""
     lse = (self.load_lse(slot) if lse is None else lse) * LOG2_E
-    qk_scale = self.softmax_scale * LOG2_E
-    p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-    if masked:
+
+    def positions():
       key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
       query = qb * self.block_q + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
-      # After the exponential: queries with lse = -inf (no visible key) give 0, not NaN.
-      visible = self.mask.visible(query, key, check_queries=False, check_keys=not self.mask.causal)
-      p_t = jnp.where(visible, p_t, 0.0)
-    return p_t
+      return query, key
 
-  def grad_scores_t(self, p_t, dp_t, slot, *, delta=None):
+    return recomputed_probs(s_t, lse, scores=self.scores, mask=self.mask, positions=positions, slope=slope,
+                            masked=masked, lse_axis=1)
+
+  def grad_scores_t(self, p_t, dp_t, slot, *, delta=None, dcap_t=None):
     """dS^T = P^T * (dP^T - delta), delta of the Q block in `slot` (loaded
-    here unless given)."""
+    here unless given), times the softcap's derivative where there is one."""
     delta = self.load_delta(slot) if delta is None else delta
-    return p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+    ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+    return ds_t if dcap_t is None else ds_t * dcap_t
 
-  def p_and_ds_t(self, k_a, v_a, k_start, qb, slot, *, masked: bool):
+  def p_and_ds_t(self, k_a, v_a, k_start, qb, slot, *, masked: bool, slope=None):
     """(P^T, dS^T in the inputs' dtype, Q tile, dO tile) of Q block qb in
     `slot`, once loaded: S^T = K Q^T and dP^T = V dO^T in one wgmma group
     (k_a, v_a: this consumer's K and V, in shared memory or registers), then
@@ -913,8 +1112,8 @@ class KVOuter:
     with jax.named_scope("scores"):
       s_t, dp_t, (lse, delta) = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
     with jax.named_scope("softmax"):
-      p_t = self.probs_t(s_t, k_start, qb, slot, masked=masked, lse=lse)
-      ds_t = self.grad_scores_t(p_t, dp_t, slot, delta=delta).astype(self.dtype)
+      p_t, dcap_t = self.probs_t(s_t, k_start, qb, slot, masked=masked, lse=lse, slope=slope)
+      ds_t = self.grad_scores_t(p_t, dp_t, slot, delta=delta, dcap_t=dcap_t).astype(self.dtype)
     return p_t, ds_t, q_tile, do_tile
 
   @jax.named_scope("grads")
@@ -966,7 +1165,7 @@ class KVOuter:
     dk, dv = result
     k_tile, v_tile = self.smem.k.at[buffer, self.wg], self.smem.v.at[buffer, self.wg]
     kv_rows = self._kv_rows(tile)
-    k_tile[...] = (dk * self.softmax_scale).astype(self.dtype)
+    k_tile[...] = (dk * self.scores.softmax_scale).astype(self.dtype)
     v_tile[...] = dv.astype(self.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_tile, self.dk_ref.at[kv_rows])

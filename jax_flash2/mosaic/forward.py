@@ -19,15 +19,22 @@ and a K slot refills while P V still reads the V slot of the same step.
 With `softmax_overlap` each consumer is software-pipelined as in
 FlashAttention-3: a step issues S = Q K^T of its block and P V of the
 previous block back to back and computes its softmax while the tensor cores
-still run that P V. Causal attention (bottom-right aligned) visits only the
-K/V blocks at or left of each consumer's diagonal and masks only those
-crossing it; a consumer past its diagonal drains the slots its neighbour
-still needs.
+still run that P V.
+
+A band (causal attention, a sliding window; bottom-right aligned) bounds
+the K/V blocks: a tile's producer loads only the blocks some consumer's
+rows see (common.q_tile_blocks), each consumer computes the ones its own
+rows see and masks only those crossing an edge of the band, and drains the
+slots its neighbours still need before its left edge and past its right
+one. A softcap or ALiBi (common.Scores) takes the scores to base 2 before
+the softmax's max, on every block; plain scores keep the scale folded into
+the exponential.
 
 Supported: bf16 and fp16; head_dim 64, 128 and 256; grouped-query attention
-(heads a multiple of kv_heads); any seq_q, seq_k >= 1 (ragged lengths are
-padded to whole blocks and sliced back; keys past seq_k get probability 0
-in the last, masked K/V block).
+(heads a multiple of kv_heads); causal, windows, softcap and ALiBi, alone
+or together; any seq_q, seq_k >= 1 (ragged lengths are padded to whole
+blocks and sliced back; keys past seq_k get probability 0 in the last,
+masked K/V block).
 """
 
 from __future__ import annotations
@@ -44,9 +51,9 @@ from jax_flash2 import defaults
 from jax_flash2.config import MosaicForwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
-    LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, check_operands, check_smem, interpret_params_of,
-    kv_ring_producer, outer_grid, pad_seq, q_tile_work, run_tiles, softmax_scale_of, specialized_kernel, swizzled,
-    tile_table, unpad_seq,
+    LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, Scores, at_least, band_of, check_operands,
+    check_smem, interpret_params_of, kv_range, kv_ring_producer, optional_ref, optional_slopes, outer_grid, pad_seq,
+    q_tile_work, run_tiles, scores_of, specialized_kernel, swizzled, tile_table, triangular, unpad_seq,
 )
 
 # Shared memory Mosaic reserves for itself beside the forward's buffers
@@ -71,17 +78,16 @@ def smem_bytes(config: MosaicForwardConfig, head_dim: int, dtype) -> int:
 
 
 def _forward_kernel(
-    q_ref, k_ref, v_ref, tiles_ref, out_ref, lse_ref,
-    q_smem, k_smem, v_smem, lse_smem,
-    q_ready, k_ready, v_ready, k_consumed, v_consumed, *staging,
-    mask: Mask, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, softmax_scale: float,
+    q_ref, k_ref, v_ref, tiles_ref, *refs,
+    mask: Mask, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, scores: Scores,
     config: MosaicForwardConfig, interpret: bool,
 ):
   # q_ref, out_ref: [batch, seq_q', heads, D] in GMEM; k_ref, v_ref: [batch,
   # seq_k', heads // group, D]; lse_ref: [batch, heads, seq_q'] f32; seq_q',
   # seq_k': the real lengths (mask) padded to whole blocks (seq_q on the GPU
   # only to whole consumer tiles; see `forward`); tiles_ref: the persistent
-  # schedule's table (`tile_table`).
+  # schedule's table (`tile_table`); slopes_ref (ALiBi only): float32 [batch
+  # or 1, heads].
   # C = config.consumers. q_smem: [buffers, C, rows, D] (one Q tile per
   # consumer, reused for its output; `q_buffers`); k_smem, v_smem: [stages,
   # block_kv, D] (the ring); lse_smem: [C, rows] f32.
@@ -91,17 +97,29 @@ def _forward_kernel(
   # to wgmma.
   # schedule: None for one CTA per tile (grid q x heads x batch); else the
   # persistent CTAs' tiles.
+  slopes_ref, refs = optional_ref(refs, scores.alibi)
+  (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_consumed, v_consumed,
+   *staging) = refs
   rows, block_kv, stages, consumers = config.rows_per_consumer, config.block_kv, config.stages, config.consumers
   dtype = q_ref.dtype
   p_staging = staging[0] if interpret else None
   wg = lax.axis_index("wg")
-  qk_scale = softmax_scale * LOG2_E
+  qk_scale = scores.softmax_scale * LOG2_E
   causal = mask.causal
-  # Only causal attention with seq_q > seq_k has rows that see no key at
-  # all: they keep m_i = -inf and l_i = 0, which needs guards (see below).
-  may_see_nothing = causal and mask.seq_q > mask.seq_k
-  overlap = config.softmax_overlap and not may_see_nothing
-  any_masked = causal or bool(mask.seq_k % block_kv)  # a diagonal, or a last block partly of padding
+  # Only a right edge with seq_q > seq_k + right (causal attention with
+  # seq_q > seq_k) has rows that see no key at all, the first ones: they
+  # keep m_i = -inf and l_i = 0, which needs guards (see below).
+  may_see_nothing = mask.right is not None and mask.seq_q > mask.seq_k + mask.right
+  # Under a left edge a row meets its first blocks, masked, before any key
+  # it sees: its m_i may still be -inf after one (the same guard).
+  unseen_first = mask.left is not None
+  # The overlapped steps start with a block: every consumer needs one. Under
+  # a left edge a consumer of padding rows far enough past seq_q has none.
+  padding_past_band = unseen_first and (
+      num_q_blocks * config.block_q - rows + mask.offset - mask.left >= k_ref.shape[1])
+  overlap = config.softmax_overlap and not (may_see_nothing or padding_past_band)
+  # A band's edge (the causal diagonal, a window's sides), or a last block partly of padding.
+  any_masked = mask.has_band or bool(mask.seq_k % block_kv)
   tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=config.block_q, block_kv=block_kv,
                               mask=mask, consumers=consumers)
 
@@ -114,10 +132,14 @@ def _forward_kernel(
     ring's steps ring_base, ring_base + 1, ...: (acc, m_i, l_i), acc not yet
     divided by l_i."""
     q_start = tile.q_start + wg * rows
-    full_hi, hi = mask.kv_blocks_right(q_start, rows, block_kv)
+    # This consumer's K/V blocks: [lo, full_lo) and [full_hi, hi) cross an
+    # edge of the band (or hold the padding past seq_k) and take the
+    # element mask; lo = full_lo = 0 without a left edge.
+    lo, full_lo, full_hi, hi = kv_range(mask, q_start, rows, block_kv)
+    slope = scores.slope(slopes_ref, tile.batch, tile.head)
 
     def slot_of(kb):
-      return lax.rem(ring_base + kb, jnp.int32(stages))
+      return lax.rem(ring_base + tile.step_of(kb), jnp.int32(stages))
 
     def issue_scores(s_ref, slot):
       # Starts S = Q K^T of the K block in `slot` on the tensor cores.
@@ -142,17 +164,27 @@ def _forward_kernel(
       """The online-softmax update for K/V block kb's scores s [rows,
       block_kv]: (p, m_new, l_new, alpha), alpha rescaling what was
       accumulated under the old max m_i."""
-      if masked:
+
+      def positions():
         row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
         col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+        return row, col
+
+      at = positions() if scores.alibi else None
+      if scores.modified:
+        # Softcap and ALiBi need the scaled scores: base 2 from here on.
+        s = scores.log2(s, *(at or (None, None)), slope)[0]
+      if masked:
+        row, col = at if at is not None else positions()
         s = jnp.where(mask.visible(row, col, check_queries=False, check_keys=not causal), s, -jnp.inf)
-      m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * qk_scale)
-      if masked and may_see_nothing:
+      to_log2 = (lambda x: x) if scores.modified else (lambda x: x * qk_scale)
+      m_new = jnp.maximum(m_i, to_log2(jnp.max(s, axis=1)))
+      if masked and (may_see_nothing or unseen_first):
         # A row with only masked scores so far keeps m = -inf; shift it by 0
         # so that exp2 gives 0 rather than exp2(-inf + inf) = NaN.
         m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      p = jnp.exp2(to_log2(s) - lax.broadcast_in_dim(m_new, s.shape, [0]))
       return p, m_new, l_i * alpha + jnp.sum(p, axis=1), alpha
 
     def rescale(acc, alpha):
@@ -232,17 +264,17 @@ def _forward_kernel(
         stage_p(p)  # P V of kb-1 has read the old P
       return rescale(o, alpha), m_new, l_i, p.astype(dtype)
 
-    def first_overlapped_step(carry, *, masked: bool):
-      # Block 0: scores and softmax only; its P V starts with block 1's scores.
+    def first_overlapped_step(kb, carry, *, masked: bool):
+      # The first block: scores and softmax only; its P V starts with the next block's scores.
       acc, m_i, l_i = carry
-      p, m_new, l_i, _ = online_softmax(0, scores_now(slot_of(0)), m_i, l_i, masked=masked)  # acc is 0: no rescale
+      p, m_new, l_i, _ = online_softmax(kb, scores_now(slot_of(kb)), m_i, l_i, masked=masked)  # acc is 0: no rescale
       if interpret:
         stage_p(p)
       return acc, m_new, l_i, p.astype(dtype)
 
     def drain(kb, _):
-      # Blocks past this warpgroup's diagonal that the other consumers still
-      # need: release the slots without computing. Waiting on the ready
+      # Blocks past this warpgroup's diagonal (or before its left edge) that
+      # the other consumers still need: release the slots without computing. Waiting on the ready
       # barriers first keeps this warpgroup's barrier phases in step and
       # guarantees that its arrival counts toward this block's phase, not an
       # earlier one still owed by another consumer.
@@ -255,25 +287,37 @@ def _forward_kernel(
     acc = plgpu.layout_cast(jnp.zeros((rows, q_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    if mask.left is not None:
+      lax.fori_loop(tile.kv_lo, lo, drain, None)  # before this warpgroup's left edge
     if overlap:
-      # Every warpgroup sees at least block 0 here (hi >= 1). Block 0 takes
-      # the masked path wherever any block may need it: exact either way.
-      carry = first_overlapped_step((acc, m_i, l_i), masked=any_masked)
-      carry = lax.fori_loop(1, full_hi, functools.partial(overlapped_step, masked=False), carry)
+      # Every warpgroup sees at least its block lo here (hi > lo). That first
+      # block takes the masked path wherever any block may need it: exact
+      # either way. The other blocks after it: [lo + 1, hi), in the stretches.
+      carry = first_overlapped_step(lo, (acc, m_i, l_i), masked=any_masked)
+      after_first = 1 if isinstance(lo, int) else lo + 1
+      if mask.left is not None:
+        carry = lax.fori_loop(after_first, jnp.maximum(full_lo, after_first),
+                              functools.partial(overlapped_step, masked=True), carry)
+      carry = lax.fori_loop(at_least(full_lo, after_first), full_hi, functools.partial(overlapped_step, masked=False),
+                            carry)
       if any_masked:
-        carry = lax.fori_loop(jnp.maximum(full_hi, 1), hi, functools.partial(overlapped_step, masked=True), carry)
+        carry = lax.fori_loop(jnp.maximum(full_hi, after_first), hi, functools.partial(overlapped_step, masked=True),
+                              carry)
       acc, m_i, l_i, p = carry
       last = slot_of(hi - 1)
       plgpu.barrier_wait(v_ready.at[last])
       acc = add_pv(acc, p, last)
       plgpu.barrier_arrive(v_consumed.at[last])
     else:
-      carry = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), (acc, m_i, l_i))
+      carry = (acc, m_i, l_i)
+      if mask.left is not None:
+        carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+      carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
       if any_masked:
         carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
       acc, m_i, l_i = carry
-    if causal:
-      lax.fori_loop(hi, tile.num_steps, drain, None)
+    if mask.right is not None:
+      lax.fori_loop(hi, tile.kv_end, drain, None)  # past this warpgroup's right edge
     return acc, m_i, l_i
 
   def store_output(tile: QTile, q_tile, acc, m_i, l_i):
@@ -320,6 +364,9 @@ def forward(
     v: jax.Array,
     *,
     causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
     softmax_scale: float | None = None,
     config: MosaicForwardConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -331,6 +378,13 @@ def forward(
       head_dim] with heads a multiple of kv_heads; bf16 or fp16; any
       lengths (ragged ones are padded to whole blocks and sliced back).
     causal: bottom-right aligned causal mask.
+    window_size: (left, right) sliding window, bottom-right aligned as
+      causal (jax_flash2.mask.Mask); None on a side leaves it unbounded;
+      causal caps the right side at 0.
+    softcap: scores (after softmax_scale) become softcap * tanh(scores /
+      softcap); None for none.
+    alibi_slopes: float32 [batch or 1, heads]: adds -slope * |i + seq_k -
+      seq_q - j| to the scores (after the softcap); None for none.
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
     config: tiling; defaults to `defaults.mosaic_forward(head_dim,
       seq_q=..., causal=...)`.
@@ -338,8 +392,9 @@ def forward(
       True, or plgpu.InterpretGPUParams (e.g. detect_races=True).
 
   Returns:
-    out: like q. lse: float32 [batch, heads, seq_q], natural log (-inf for
-      rows that see no key, which only causal with seq_q > seq_k has).
+    out: like q. lse: float32 [batch, heads, seq_q], natural log. Rows that
+      see no key (a band's right edge with seq_q > seq_k + right: causal
+      with seq_q > seq_k) get zeros and lse = -inf.
 
   Raises:
     NotImplementedError: head_dim not in (64, 128, 256), dtypes other than
@@ -350,6 +405,8 @@ def forward(
   check_operands("the Mosaic GPU forward", SUPPORTED_HEAD_DIMS, q, k, v)
   batch, seq_q, heads, head_dim = q.shape
   seq_k, kv_heads = k.shape[1], k.shape[2]
+  mask = band_of(seq_q, seq_k, causal, window_size)
+  scores = scores_of(q, mask, softmax_scale, softcap, alibi_slopes)
   if config is None:
     config = defaults.mosaic_forward(head_dim, seq_q=seq_q, causal=causal)
   check_smem(config, {"the forward": smem_bytes(config, head_dim, q.dtype)}, head_dim)
@@ -364,7 +421,6 @@ def forward(
   # its end, where the TMA engine loads zeros and the kernel stores nothing.
   k, v = pad_seq(k, config.block_kv), pad_seq(v, config.block_kv)
   num_q_blocks = pl.cdiv(q.shape[1], config.block_q)
-  mask = Mask(seq_q, seq_k, causal=causal)
 
   # head_dim is a multiple of 64: every tile takes the 128-byte swizzle.
   transforms = swizzled(head_dim, dtype)
@@ -382,18 +438,22 @@ def forward(
   ]
   if interpret:
     scratch.append(plgpu.SMEM((consumers, rows, config.block_kv), dtype, transforms=swizzled(config.block_kv, dtype)))
+  # Persistent CTAs: work that grows with the Q block (causal attention, a
+  # right edge alone) goes in heavy-light pairs, or from the balanced table;
+  # a window's tiles, of nearly equal work, go round-robin in order
+  # (common.triangular says why).
   work = None
-  if causal and config.balanced:
+  if triangular(mask) and config.balanced:
     work = q_tile_work(num_q_blocks, block_q=config.block_q, block_kv=config.block_kv, mask=mask,
                        consumers=consumers)
   schedule, grid, grid_names = outer_grid(num_q_blocks, heads, batch, axis="q", persistent=config.persistent,
-                                          causal=causal, interpret=interpret, work=work)
+                                          causal=triangular(mask), interpret=interpret, work=work)
   kernel = functools.partial(
       _forward_kernel, mask=mask, group=heads // kv_heads, num_q_blocks=num_q_blocks, schedule=schedule,
-      softmax_scale=softmax_scale_of(softmax_scale, head_dim), config=config, interpret=interpret,
+      scores=scores, config=config, interpret=interpret,
   )
   out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32))
   out, lse = specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                                 interpret_params=interpret_params, name="flash2_fwd_mosaic",
-                                consumers=consumers)(q, k, v, tile_table(schedule))
+                                consumers=consumers)(q, k, v, tile_table(schedule), *optional_slopes(alibi_slopes))
   return unpad_seq(out, seq_q), unpad_seq(lse, seq_q, axis=2)

@@ -65,8 +65,17 @@ def _cases():
     cases.append((f"triton_d128_{name}", dict(kwargs, causal=True, backend="triton"), (2, 640, 768, 4, 2, 128),
                   "bfloat16"))
   cases.append(("triton_d64_f32", dict(causal=True, backend="triton"), (1, 256, 256, 2, 2, 64), "float32"))
-  cases.append(("mosaic_d128_softcap_falls_back", dict(causal=True, softcap=30.0, backend="mosaic"),
+  # auto on Hopper with the options the Mosaic kernels serve (issue 27).
+  cases.append(("mosaic_d128_softcap", dict(causal=True, softcap=30.0, backend="mosaic"),
                 (1, 1024, 1024, 2, 2, 128), "bfloat16"))
+  mosaic_options = {
+      "window": dict(window_size=(1024, 0)), "window_both": dict(window_size=(512, 512)),
+      "alibi": dict(causal=True, alibi_slopes=True),
+      "all": dict(causal=True, window_size=(1024, 0), softcap=20.0, alibi_slopes=True),
+  }
+  for head_dim in (64, 128, 256):
+    for name, kwargs in mosaic_options.items():
+      cases.append((f"auto_d{head_dim}_{name}_4096", kwargs, (1, 4096, 4096, 4, 2, head_dim), "bfloat16"))
   return cases
 
 
