@@ -137,6 +137,7 @@ def flash_attention(
                      alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                      sinks=sinks, softmax_scale=softmax_scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                      dropout_broadcast=dropout_broadcast)
+  return_lse = check_flag("return_lse", return_lse)  # before any work, not after it
   requested = check_backend(backend)
   plan = _plan(problem, requested, Device(backends.default_compute_capability(), check_flag("interpret", interpret)),
                block_sizes, mosaic_config)
@@ -155,7 +156,7 @@ def flash_attention(
           stacklevel=2,
       )
     out, lse = backends.XLA.attention(q, k, v, operands, problem)
-  return (out, lse) if check_flag("return_lse", return_lse) else out
+  return (out, lse) if return_lse else out
 
 
 def plan(

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash2.api import flash_attention
+from jax_flash2.api import check_flag, flash_attention
 from jax_flash2.backends import Backend
 
 
@@ -73,6 +73,7 @@ def flash_attention_varlen(
     raise ValueError(
         "flash_attention_varlen takes q [total_q, heads, head_dim] and k, v [total_k, kv_heads, head_dim], "
         f"got {[getattr(x, 'shape', type(x).__name__) for x in (q, k, v)]}")
+  return_lse = check_flag("return_lse", return_lse)
   same = cu_seqlens_q is cu_seqlens_k
   cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
   cu_k = cu_q if same else _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])

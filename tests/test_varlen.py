@@ -143,6 +143,7 @@ def test_no_sequences():
         (dict(max_seqlen_q=3), ValueError, r"max_seqlen_q=3 is less than the longest sequence \(5\)"),
         (dict(max_seqlen_k=True), TypeError, "max_seqlen_k must be a non-negative int"),
         (dict(alibi_slopes=jnp.ones((2, 4))), ValueError, r"alibi_slopes must have shape \[heads\]"),
+        (dict(return_lse="no"), TypeError, "return_lse must be a bool"),
     ],
 )
 def test_bad_inputs_name_the_argument(change, error, match):
