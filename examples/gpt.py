@@ -55,11 +55,14 @@ class GPT(nn.Module):
   causal_mask: bool = True
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """positions: int [batch, seq], each token's index into the position
+    embedding; None: 0..seq-1 (training, prefill). A decode step passes its
+    new tokens' positions (each sequence's cached length)."""
     embed = nn.initializers.normal(0.02)
     x = nn.Embed(self.vocab_size, self.d_model, embedding_init=embed, name="tok_embed")(tokens)
     pos = self.param("pos_embed", embed, (self.max_len, self.d_model))
-    x = (x + pos[: tokens.shape[-1]]).astype(self.dtype)
+    x = (x + (pos[: tokens.shape[-1]] if positions is None else pos[positions])).astype(self.dtype)
     mask = nn.make_causal_mask(tokens) if self.causal_mask else None
     for i in range(self.layers):
       x = Block(self.d_model, self.heads, self.dtype, self.attention_fn, name=f"block_{i}")(x, mask)
