@@ -97,7 +97,7 @@ def make_generate(model: GPT, args: argparse.Namespace):
   [batch, steps]: prefill, then args.steps greedy decode steps."""
   attention = dict(backend=args.backend, interpret=args.interpret)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=(3,))
   def prefill(params, prompts, prompt_lens, caches, block_table):
     fn = CachedAttention(caches, jnp.zeros_like(prompt_lens), block_table, prefill=True, **attention)
     logits = model.clone(attention_fn=fn, causal_mask=False).apply({"params": params}, prompts)
