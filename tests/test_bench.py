@@ -753,7 +753,7 @@ def test_json_and_csv_schema(tmp_path):
   path = tmp_path / "r.json"
   report.write_json(str(path), meta, cfg, [ok, bad, win, packed], [check], [])
   doc = json.loads(path.read_text())  # strict JSON: the NaN became null
-  assert doc["schema_version"] == report.SCHEMA_VERSION == 4
+  assert doc["schema_version"] == report.SCHEMA_VERSION == 5
   for key in ("date_utc", "command", "gpu_name", "driver_version", "jax_version", "jaxlib_version",
               "python_version", "device_kind", "backend", "cuda_runtime_version", "cudnn_version", "cupti_version",
               "jax_cuda_plugin", "jax_cuda_plugin_version", "tokamax_version"):
