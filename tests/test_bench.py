@@ -1235,7 +1235,7 @@ def test_decode_bytes_by_hand():
   assert decode.bytes_moved(paged) == 134_348_800 + 8 * 128 * 4
   # float32, q_len 3.
   f32 = decode.DecodeShape(2, 64, 4, 2, 32, 3, "float32", 16)
-  assert decode.bytes_moved(f32) == 2 * 64 * 2 * 32 * 2 * 4 + 2 * 4 + 2 * 2 * 3 * 4 * 32 * 4
+  assert decode.bytes_moved(f32) == 2 * 64 * 2 * 32 * 2 * 4 + 2 * (64 // 16) * 4 + 2 * 2 * 3 * 4 * 32 * 4
   assert decode.tb_per_s(2 * 10**9, 1.0) == 2.0 and decode.tb_per_s(1, None) is None
 
 
