@@ -153,6 +153,27 @@ def _varlens(values: Sequence[Sequence[str]] | None) -> tuple[tuple[int, ...], .
   return tuple(out)
 
 
+def _dtypes(values: Sequence[str] | None) -> tuple[str, ...]:
+  dtypes: list[str] = []
+  for name in _split(values) or []:
+    if name.lower() not in DTYPE_ALIASES:
+      raise UsageError(f"--dtype: unknown {name!r}; choose bf16, fp16 or fp32")
+    if DTYPE_ALIASES[name.lower()] not in dtypes:
+      dtypes.append(DTYPE_ALIASES[name.lower()])
+  return tuple(dtypes)
+
+
+def _timing(ns: argparse.Namespace, defaults: dict) -> tuple[int, int]:
+  """(warmup, iters) of `ns` or the platform's `defaults`; checks them and the output flags."""
+  warmup = ns.warmup if ns.warmup is not None else defaults["warmup"]
+  iters = ns.iters if ns.iters is not None else defaults["iters"]
+  if warmup < 0 or iters < 1 or ns.input_sets < 1:
+    raise UsageError("--warmup must be >= 0, --iters and --input-sets >= 1")
+  if ns.no_save and ns.out:
+    raise UsageError("--no-save writes nothing; --out names where to write")
+  return warmup, iters
+
+
 def _causal(values: Sequence[str]) -> tuple[bool, ...]:
   table = {"both": (False, True), "true": (True,), "false": (False,), "causal": (True,), "none": (False,)}
   out: list[bool] = []
@@ -291,12 +312,7 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
     for seqlen in seqlens:
       if seqlen % n:
         raise UsageError(f"--segments {n} does not divide seqlen {seqlen}")
-  dtypes = []
-  for name in _split(ns.dtype) or []:
-    if name.lower() not in DTYPE_ALIASES:
-      raise UsageError(f"--dtype: unknown {name!r}; choose bf16, fp16 or fp32")
-    if DTYPE_ALIASES[name.lower()] not in dtypes:
-      dtypes.append(DTYPE_ALIASES[name.lower()])
+  dtypes = _dtypes(ns.dtype)
   modes = []
   for m in _split(ns.modes) or []:
     m = {"fwdbwd": "fwd+bwd", "fwd_bwd": "fwd+bwd", "both": "fwd+bwd"}.get(m.lower(), m.lower())
@@ -316,18 +332,13 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
   impls, left_out = impls_lib.select(names, opts, requested=requested)
   if not impls:
     raise UsageError("--impls: none can run here: " + "; ".join(f"{lo.impl}: {lo.reason}" for lo in left_out))
-  warmup = ns.warmup if ns.warmup is not None else d["warmup"]
-  iters = ns.iters if ns.iters is not None else d["iters"]
-  if warmup < 0 or iters < 1 or ns.input_sets < 1:
-    raise UsageError("--warmup must be >= 0, --iters and --input-sets >= 1")
-  if ns.no_save and ns.out:
-    raise UsageError("--no-save writes nothing; --out names where to write")
+  warmup, iters = _timing(ns, d)
   max_seq = _ints([ns.memory_max_seqlen], "--memory-max-seqlen")[0] if ns.memory_max_seqlen else None
   return SweepConfig(
       seqlens=seqlens,
       head_dims=head_dims,
       causal=_causal(ns.causal),
-      dtypes=tuple(dtypes),
+      dtypes=dtypes,
       modes=tuple(modes),
       impls=impls,
       tokens=ns.tokens,
@@ -400,12 +411,7 @@ def decode_config_from_args(ns: argparse.Namespace, platform: str) -> DecodeConf
   for n in cache_lens:
     if q_len > n:
       raise UsageError(f"--q-len {q_len} exceeds cache length {n}")
-  dtypes = []
-  for name in _split(ns.dtype) or []:
-    if name.lower() not in DTYPE_ALIASES:
-      raise UsageError(f"--dtype: unknown {name!r}; choose bf16, fp16 or fp32")
-    if DTYPE_ALIASES[name.lower()] not in dtypes:
-      dtypes.append(DTYPE_ALIASES[name.lower()])
+  dtypes = _dtypes(ns.dtype)
   requested = ns.impls is not None
   names = []
   for name in _split(ns.impls) if requested else decode_lib.DECODE_IMPLS:
@@ -417,14 +423,9 @@ def decode_config_from_args(ns: argparse.Namespace, platform: str) -> DecodeConf
   impls, left_out = decode_lib.select(names, platform, requested=requested)
   if not impls:
     raise UsageError("--impls: none can run here: " + "; ".join(f"{lo.impl}: {lo.reason}" for lo in left_out))
-  warmup = ns.warmup if ns.warmup is not None else d["warmup"]
-  iters = ns.iters if ns.iters is not None else d["iters"]
-  if warmup < 0 or iters < 1 or ns.input_sets < 1:
-    raise UsageError("--warmup must be >= 0, --iters and --input-sets >= 1")
-  if ns.no_save and ns.out:
-    raise UsageError("--no-save writes nothing; --out names where to write")
+  warmup, iters = _timing(ns, d)
   return DecodeConfig(
-      cache_lens=cache_lens, page_sizes=page_sizes, head_dims=head_dims, dtypes=tuple(dtypes), batch=batch,
+      cache_lens=cache_lens, page_sizes=page_sizes, head_dims=head_dims, dtypes=dtypes, batch=batch,
       heads=heads, kv_heads=kv_heads, q_len=q_len, impls=impls, left_out=left_out, warmup=warmup, iters=iters,
       input_sets=ns.input_sets, check=not ns.no_check, interpret=bool(ns.interpret or tiny), platform=platform,
       kernel_time=not (ns.no_kernel_time or tiny), save=not ns.no_save, out=ns.out, seed=ns.seed,
