@@ -11,9 +11,9 @@ order through a block_table. Each cell's output is checked against the
 float32 reference (reference.decode_attention) on its first input set.
 
 Implementations (`DECODE_IMPLS`): flash2 (jax_flash2.flash_decode, its
-split-KV kernel, num_splits by default), xla (reference.decode_attention in
-the input dtype: the cache gathered through the table, a dense mask, plain
-XLA), cudnn and tokamax (their dot_product_attention over the contiguous
+split-KV kernel, num_splits by default), xla (jax.nn.dot_product_attention's
+XLA attention in the input dtype over the cache gathered through the table,
+key_value_seq_lengths and decoding's causal mask), cudnn and tokamax (their dot_product_attention over the contiguous
 cache with key_value_seq_lengths: one query row only, no block table).
 """
 
@@ -180,9 +180,18 @@ def _flash2(shape: DecodeShape, cfg: DecodeConfig) -> DecodeFn:
 
 
 def _xla(shape: DecodeShape, cfg: DecodeConfig) -> DecodeFn:
+  """jax.nn's XLA attention over the gathered cache: in the input dtype, GQA
+  by grouping (no repeated K/V), decoding's bottom-right causal mask."""
   from jax_flash2 import reference
 
-  return lambda q, k, v, lens, table: reference.decode_attention(q, k, v, lens, block_table=table)[0]
+  def attn(q, k, v, lens, table):
+    k, v = reference.gather_cache(k, table), reference.gather_cache(v, table)
+    level = lens[:, None] - q.shape[1] + jnp.arange(q.shape[1], dtype=jnp.int32)[None]  # [batch, q_len]
+    visible = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None] <= level[:, :, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=visible[:, None], key_value_seq_lengths=lens,
+                                        implementation="xla")
+
+  return attn
 
 
 def _one_row_contiguous(shape: DecodeShape) -> str | None:
@@ -230,8 +239,8 @@ DECODE_REGISTRY: dict[str, DecodeImpl] = {
     for impl in (
         DecodeImpl("flash2", "jax_flash2.flash_decode (split-KV Triton kernel; interpret mode on a CPU)", _flash2,
                    lambda shape, cfg: None),
-        DecodeImpl("xla", "jax_flash2.reference.decode_attention in the input dtype (plain XLA over the gathered "
-                   "cache)", _xla, lambda shape, cfg: None),
+        DecodeImpl("xla", 'jax.nn.dot_product_attention(implementation="xla") over the gathered cache, '
+                   "key_value_seq_lengths and a causal mask", _xla, lambda shape, cfg: None),
         DecodeImpl("cudnn", 'jax.nn.dot_product_attention(implementation="cudnn", key_value_seq_lengths=...)',
                    _cudnn, _cudnn_supports, lambda platform: None if platform == "gpu" else "needs an NVIDIA GPU"),
         DecodeImpl("tokamax", "tokamax.dot_product_attention(key_value_seq_lengths=...)", _tokamax,
