@@ -1286,3 +1286,23 @@ def test_decode_tiny_cpu_run(tmp_path, no_tokamax):
     rows = list(csv.DictReader(f))
   assert [r["impl"] for r in rows] == ["flash2", "xla", "flash2", "xla"] and list(rows[0]) == list(
       decode.DECODE_FIELDS)
+
+
+def test_decode_tokamax_stand_in(monkeypatch):
+  """tokamax (a stand-in with its signature, jax.nn's XLA attention inside) runs q_len 2 over a contiguous
+  cache with decoding's causal mask and passes the check; a paged cache is unsupported, with the reason."""
+  from jax_flash2.bench import decode
+
+  fake = types.ModuleType("tokamax")
+  fake.dot_product_attention = lambda query, key, value, bias=None, mask=None, *, key_value_seq_lengths=None, \
+      **kw: jax.nn.dot_product_attention(query, key, value, bias, mask, key_value_seq_lengths=key_value_seq_lengths)
+  monkeypatch.setitem(sys.modules, "tokamax", fake)
+  cfg = cli.parse(["--decode", "--impls", "tokamax", "--iters", "1", "--warmup", "0"], "cpu")
+  assert cfg.impls == ("tokamax",)
+  shape = decode.DecodeShape(2, 32, 4, 2, 32, 2, "float32")
+  x = decode.make_inputs(shape, 0)
+  cell = decode.run_cell(decode.DECODE_REGISTRY["tokamax"], shape, [x], cfg, 1.0, decode.reference_out(x))
+  assert cell.status == "ok" and cell.rel_err_out < 1e-5, cell
+  paged = decode.run_cell(decode.DECODE_REGISTRY["tokamax"], dataclasses.replace(shape, page_size=16), [], cfg,
+                          1.0, None)
+  assert paged.status == "unsupported" and "contiguous" in paged.error

@@ -13,8 +13,9 @@ float32 reference (reference.decode_attention) on its first input set.
 Implementations (`DECODE_IMPLS`): flash2 (jax_flash2.flash_decode, its
 split-KV kernel, num_splits by default), xla (jax.nn.dot_product_attention's
 XLA attention in the input dtype over the cache gathered through the table,
-key_value_seq_lengths and decoding's causal mask), cudnn and tokamax (their dot_product_attention over the contiguous
-cache with key_value_seq_lengths: one query row only, no block table).
+key_value_seq_lengths and decoding's causal mask), cudnn (one query row) and
+tokamax (a mask where q_len > 1), their dot_product_attention over a
+contiguous cache with key_value_seq_lengths.
 """
 
 from __future__ import annotations
@@ -179,6 +180,13 @@ def _flash2(shape: DecodeShape, cfg: DecodeConfig) -> DecodeFn:
                                                    interpret=cfg.interpret)
 
 
+def causal_mask(q: jax.Array, k: jax.Array, lens: jax.Array) -> jax.Array:
+  """[batch, 1, q_len, cache_len]: query i of sequence b sees key j iff j <= lens[b] - q_len + i
+  (flash_decode's bottom-right causal mask; the lengths themselves go as key_value_seq_lengths)."""
+  level = lens[:, None] - q.shape[1] + jnp.arange(q.shape[1], dtype=jnp.int32)[None]  # [batch, q_len]
+  return (jnp.arange(k.shape[1], dtype=jnp.int32)[None, None] <= level[:, :, None])[:, None]
+
+
 def _xla(shape: DecodeShape, cfg: DecodeConfig) -> DecodeFn:
   """jax.nn's XLA attention over the gathered cache: in the input dtype, GQA
   by grouping (no repeated K/V), decoding's bottom-right causal mask."""
@@ -186,20 +194,20 @@ def _xla(shape: DecodeShape, cfg: DecodeConfig) -> DecodeFn:
 
   def attn(q, k, v, lens, table):
     k, v = reference.gather_cache(k, table), reference.gather_cache(v, table)
-    level = lens[:, None] - q.shape[1] + jnp.arange(q.shape[1], dtype=jnp.int32)[None]  # [batch, q_len]
-    visible = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None] <= level[:, :, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=visible[:, None], key_value_seq_lengths=lens,
+    return jax.nn.dot_product_attention(q, k, v, mask=causal_mask(q, k, lens), key_value_seq_lengths=lens,
                                         implementation="xla")
 
   return attn
 
 
+def _contiguous(shape: DecodeShape) -> str | None:
+  return "reads a contiguous cache only (no block table)" if shape.page_size is not None else None
+
+
 def _one_row_contiguous(shape: DecodeShape) -> str | None:
-  if shape.page_size is not None:
-    return "reads a contiguous cache only (no block table)"
   if shape.q_len != 1:
     return "one query row only (is_causal aligns top-left; decoding's causal mask is bottom-right)"
-  return None
+  return _contiguous(shape)
 
 
 def _cudnn_supports(shape: DecodeShape, cfg: DecodeConfig) -> str | None:
@@ -217,7 +225,8 @@ def _cudnn(shape: DecodeShape, cfg: DecodeConfig) -> DecodeFn:
 
 # tokamax.dot_product_attention (openxla/tokamax, tokamax/_src/ops/attention/
 # api.py) takes jax.nn.dot_product_attention's arguments, key_value_seq_lengths
-# among them, and no paged cache; implementation=None is tokamax as users call it.
+# ([batch]) and a boolean mask among them (so q_len > 1 gets decoding's causal
+# mask), and no paged cache; implementation=None is tokamax as users call it.
 def _tokamax_available(platform: str) -> str | None:
   try:
     tokamax = importlib.import_module("tokamax")
@@ -231,7 +240,11 @@ def _tokamax_available(platform: str) -> str | None:
 def _tokamax(shape: DecodeShape, cfg: DecodeConfig) -> DecodeFn:
   import tokamax
 
-  return lambda q, k, v, lens, table: tokamax.dot_product_attention(q, k, v, key_value_seq_lengths=lens)
+  def attn(q, k, v, lens, table):
+    mask = None if q.shape[1] == 1 else causal_mask(q, k, lens)
+    return tokamax.dot_product_attention(q, k, v, mask=mask, key_value_seq_lengths=lens)
+
+  return attn
 
 
 DECODE_REGISTRY: dict[str, DecodeImpl] = {
@@ -244,7 +257,7 @@ DECODE_REGISTRY: dict[str, DecodeImpl] = {
         DecodeImpl("cudnn", 'jax.nn.dot_product_attention(implementation="cudnn", key_value_seq_lengths=...)',
                    _cudnn, _cudnn_supports, lambda platform: None if platform == "gpu" else "needs an NVIDIA GPU"),
         DecodeImpl("tokamax", "tokamax.dot_product_attention(key_value_seq_lengths=...)", _tokamax,
-                   lambda shape, cfg: _tokamax_available(cfg.platform) or _one_row_contiguous(shape),
+                   lambda shape, cfg: _tokamax_available(cfg.platform) or _contiguous(shape),
                    _tokamax_available),
     )
 }
