@@ -26,7 +26,7 @@ from jax_flash2.decode import PAGE_MULTIPLE
 from jax_flash2.bench import decode as decode_lib
 from jax_flash2.bench import impls as impls_lib
 from jax_flash2.bench.decode import DecodeConfig
-from jax_flash2.bench.spec import (DTYPE_ALIASES, MODES, SweepConfig, Window, softcap_text, varlen_text,
+from jax_flash2.bench.spec import (DTYPE_ALIASES, MODES, LeftOut, SweepConfig, Window, softcap_text, varlen_text,
                                    window_text)
 
 GPU_DEFAULTS = dict(
@@ -172,6 +172,25 @@ def _timing(ns: argparse.Namespace, defaults: dict) -> tuple[int, int]:
   if ns.no_save and ns.out:
     raise UsageError("--no-save writes nothing; --out names where to write")
   return warmup, iters
+
+
+def _impl_names(values: Sequence[str] | None, defaults: Sequence[str], known: Sequence[str], what: str) -> list[str]:
+  """--impls (or `defaults` without it), each in `known`, without repeats."""
+  names: list[str] = []
+  for name in _split(values) if values is not None else defaults:
+    if name not in known:
+      raise UsageError(f"--impls: unknown {what}{name!r}; known: {', '.join(known)}")
+    if name not in names:
+      names.append(name)
+  return names
+
+
+def _kept(selected: tuple[tuple[str, ...], tuple[LeftOut, ...]]) -> tuple[tuple[str, ...], tuple[LeftOut, ...]]:
+  """`selected` (kept, left out) as it is, unless nothing is kept: a usage error saying why."""
+  impls, left_out = selected
+  if not impls:
+    raise UsageError("--impls: none can run here: " + "; ".join(f"{lo.impl}: {lo.reason}" for lo in left_out))
+  return impls, left_out
 
 
 def _causal(values: Sequence[str]) -> tuple[bool, ...]:
@@ -323,15 +342,8 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
   interpret = bool(ns.interpret or tiny)
   opts = impls_lib.Options(platform=platform, interpret=interpret, sinks=ns.sinks, varlen=bool(varlens))
   requested = ns.impls is not None
-  names = []
-  for name in _split(ns.impls) if requested else impls_lib.default_impls(opts):
-    if name not in impls_lib.REGISTRY:
-      raise UsageError(f"--impls: unknown {name!r}; known: {', '.join(impls_lib.REGISTRY)}")
-    if name not in names:
-      names.append(name)
-  impls, left_out = impls_lib.select(names, opts, requested=requested)
-  if not impls:
-    raise UsageError("--impls: none can run here: " + "; ".join(f"{lo.impl}: {lo.reason}" for lo in left_out))
+  names = _impl_names(ns.impls, impls_lib.default_impls(opts), impls_lib.REGISTRY, "")
+  impls, left_out = _kept(impls_lib.select(names, opts, requested=requested))
   warmup, iters = _timing(ns, d)
   max_seq = _ints([ns.memory_max_seqlen], "--memory-max-seqlen")[0] if ns.memory_max_seqlen else None
   return SweepConfig(
@@ -413,16 +425,8 @@ def decode_config_from_args(ns: argparse.Namespace, platform: str) -> DecodeConf
       raise UsageError(f"--q-len {q_len} exceeds cache length {n}")
   dtypes = _dtypes(ns.dtype)
   requested = ns.impls is not None
-  names = []
-  for name in _split(ns.impls) if requested else decode_lib.DECODE_IMPLS:
-    if name not in decode_lib.DECODE_REGISTRY:
-      raise UsageError(f"--impls: unknown decode implementation {name!r}; known: "
-                       f"{', '.join(decode_lib.DECODE_REGISTRY)}")
-    if name not in names:
-      names.append(name)
-  impls, left_out = decode_lib.select(names, platform, requested=requested)
-  if not impls:
-    raise UsageError("--impls: none can run here: " + "; ".join(f"{lo.impl}: {lo.reason}" for lo in left_out))
+  names = _impl_names(ns.impls, decode_lib.DECODE_IMPLS, decode_lib.DECODE_REGISTRY, "decode implementation ")
+  impls, left_out = _kept(decode_lib.select(names, platform, requested=requested))
   warmup, iters = _timing(ns, d)
   return DecodeConfig(
       cache_lens=cache_lens, page_sizes=page_sizes, head_dims=head_dims, dtypes=dtypes, batch=batch,
