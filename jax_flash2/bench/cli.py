@@ -488,6 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       default = " (default)" if impl.name in impls_lib.DEFAULT_IMPLS else ""
       default = " (default with --varlen)" if impl.name in impls_lib.VARLEN_DEFAULT_IMPLS else default
       print(f"{impl.name:<{width}} {impl.description}{default}")
+    print("with --decode:")
+    for impl in decode_lib.DECODE_REGISTRY.values():
+      print(f"{impl.name:<{width}} {impl.description}")
     return 0
 
   import jax
