@@ -753,7 +753,7 @@ def test_json_and_csv_schema(tmp_path):
   path = tmp_path / "r.json"
   report.write_json(str(path), meta, cfg, [ok, bad, win, packed], [check], [])
   doc = json.loads(path.read_text())  # strict JSON: the NaN became null
-  assert doc["schema_version"] == report.SCHEMA_VERSION == 4
+  assert doc["schema_version"] == report.SCHEMA_VERSION == 5
   for key in ("date_utc", "command", "gpu_name", "driver_version", "jax_version", "jaxlib_version",
               "python_version", "device_kind", "backend", "cuda_runtime_version", "cudnn_version", "cupti_version",
               "jax_cuda_plugin", "jax_cuda_plugin_version", "tokamax_version"):
@@ -1166,3 +1166,143 @@ def test_results_go_to_a_dated_folder_unless_told_otherwise(tmp_path, monkeypatc
   made = [report.make_dated_dir(str(tmp_path / "runs"), now) for _ in range(3)]
   assert [os.path.basename(m) for m in made] == ["20261202T031532Z", "20261202T031532Z-2", "20261202T031532Z-3"]
   assert all(os.path.isdir(m) for m in made)
+
+
+# ------------------------------------------------------------------- --decode
+
+
+def test_decode_parsing(no_tokamax):
+  """--decode defaults (GPU: bf16, d128, 32/4 heads, batch 8, 8k..32k; CPU tiny), its flags, and the
+  defaults it leaves out with their reasons."""
+  from jax_flash2.bench.decode import DecodeConfig, DecodeShape
+
+  cfg = cli.parse(["--decode"], "gpu")
+  assert isinstance(cfg, DecodeConfig)
+  assert (cfg.cache_lens, cfg.page_sizes, cfg.head_dims, cfg.dtypes) == ((8192, 16384, 32768), (None,), (128,),
+                                                                          ("bfloat16",))
+  assert (cfg.batch, cfg.heads, cfg.kv_heads, cfg.q_len, cfg.kernel_time) == (8, 32, 4, 1, True)
+  assert cfg.impls == ("flash2", "xla", "cudnn")
+  assert cfg.left_out == (NO_TOKAMAX,)
+  cpu = cli.parse(["--decode"], "cpu")
+  assert cpu.interpret and not cpu.kernel_time and cpu.impls == ("flash2", "xla")
+  assert LeftOut("cudnn", "needs an NVIDIA GPU", requested=False) in cpu.left_out
+  cfg = cli.parse(["--decode", "--cache-lens", "8k", "128k", "--page-size", "none", "64,256", "--batch", "2",
+                   "--kv-heads", "8", "--q-len", "4", "--impls", "flash2", "xla"], "gpu")
+  assert cfg.cache_lens == (8192, 131072) and cfg.page_sizes == (None, 64, 256)
+  assert (cfg.batch, cfg.heads, cfg.kv_heads, cfg.q_len, cfg.impls) == (2, 32, 8, 4, ("flash2", "xla"))
+  assert cfg.num_cells() == 2 * 3 * 2
+  assert cfg.shapes()[-1] == DecodeShape(2, 131072, 32, 8, 128, 4, "bfloat16", 256)
+  # --heads alone: kv_heads follows it (no GQA) unless --kv-heads says otherwise.
+  assert cli.parse(["--decode", "--heads", "6"], "gpu").kv_heads == 6
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--decode", "--seqlens", "1k"], "drop --seqlens"),
+        (["--decode", "--varlen", "16,16"], "drop --varlen"),
+        (["--decode", "--window", "8"], "drop --window"),
+        (["--decode", "--sinks"], "drop --sinks"),
+        (["--decode", "--memory"], "drop --memory"),
+        (["--cache-lens", "8k"], "--cache-lens belongs to --decode"),
+        (["--page-size", "16"], "--page-size belongs to --decode"),
+        (["--q-len", "2"], "--q-len belongs to --decode"),
+        (["--decode", "--page-size", "24"], "not a multiple of 16"),
+        (["--decode", "--page-size", "x"], "not an integer"),
+        (["--decode", "--cache-lens", "1000", "--page-size", "16"], "does not divide cache length 1000"),
+        (["--decode", "--cache-lens", "0"], "must be positive"),
+        (["--decode", "--q-len", "0"], "--q-len must be positive"),
+        (["--decode", "--cache-lens", "16", "--q-len", "32"], "exceeds cache length 16"),
+        (["--decode", "--kv-heads", "5"], "does not divide heads 32"),
+        (["--decode", "--impls", "flash2-mosaic"], "unknown decode implementation"),
+        (["--decode", "--impls", "cudnn"], "cudnn: needs an NVIDIA GPU"),
+    ],
+)
+def test_decode_bad_flags_exit_2(argv, message, capsys):
+  with pytest.raises(SystemExit) as exc:
+    cli.parse(argv, "cpu" if "cudnn" in argv else "gpu")
+  assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_decode_bytes_by_hand():
+  from jax_flash2.bench import decode
+
+  # K and V: 8 x 8192 x 4 x 128 x 2 tensors x 2 bytes; q and out: 2 x 8 x 1 x 32 x 128 x 2 bytes.
+  shape = decode.DecodeShape(8, 8192, 32, 4, 128, 1, "bfloat16")
+  assert decode.bytes_moved(shape) == 8 * 8192 * 4 * 128 * 2 * 2 + 2 * 8 * 32 * 128 * 2 == 134_348_800
+  # Paged: plus the int32 block table, 8 sequences x 8192 / 64 pages.
+  paged = dataclasses.replace(shape, page_size=64)
+  assert decode.bytes_moved(paged) == 134_348_800 + 8 * 128 * 4
+  # float32, q_len 3.
+  f32 = decode.DecodeShape(2, 64, 4, 2, 32, 3, "float32", 16)
+  assert decode.bytes_moved(f32) == 2 * 64 * 2 * 32 * 2 * 4 + 2 * (64 // 16) * 4 + 2 * 2 * 3 * 4 * 32 * 4
+  assert decode.tb_per_s(2 * 10**9, 1.0) == 2.0 and decode.tb_per_s(1, None) is None
+
+
+def test_decode_unsupported_cells_say_why(monkeypatch):
+  """cuDNN and tokamax read one query row of a contiguous cache; tokamax is left out where not installed."""
+  from jax_flash2.bench import decode
+
+  cfg = cli.parse(["--decode", "--impls", "flash2", "xla", "--no-save"], "gpu")
+  one = decode.DecodeShape(8, 8192, 32, 4, 128, 1, "bfloat16")
+  assert decode.DECODE_REGISTRY["cudnn"].supports(one, cfg) is None
+  assert "contiguous" in decode.DECODE_REGISTRY["cudnn"].supports(dataclasses.replace(one, page_size=64), cfg)
+  assert "one query row" in decode.DECODE_REGISTRY["cudnn"].supports(dataclasses.replace(one, q_len=2), cfg)
+  assert "fp16/bf16" in decode.DECODE_REGISTRY["cudnn"].supports(dataclasses.replace(one, dtype="float32"), cfg)
+  monkeypatch.setitem(sys.modules, "tokamax", None)
+  assert decode.DECODE_REGISTRY["tokamax"].supports(one, cfg) == "tokamax is not installed (pip install tokamax)"
+  fake = types.ModuleType("tokamax")
+  fake.dot_product_attention = lambda query, key, value, *, is_causal=False: None
+  monkeypatch.setitem(sys.modules, "tokamax", fake)
+  assert decode.DECODE_REGISTRY["tokamax"].supports(one, cfg) == "this tokamax has no key_value_seq_lengths"
+  cell = decode.run_cell(decode.DECODE_REGISTRY["cudnn"], dataclasses.replace(one, page_size=64), [], cfg, 4.0, None)
+  assert cell.status == "unsupported" and "contiguous" in cell.error and cell.bytes == 134_348_800 + 8 * 128 * 4
+
+
+def test_decode_tiny_cpu_run(tmp_path, no_tokamax):
+  """A tiny --decode run on the CPU, contiguous and paged, q_len 2: each cell passes its check and the
+  files say the bandwidth figures are host figures."""
+  from jax_flash2.bench import decode
+
+  argv = ["--decode", "--cache-lens", "32", "--page-size", "none", "16", "--q-len", "2", "--iters", "1",
+          "--warmup", "0", "--input-sets", "1", "--impls", "flash2", "xla", "cudnn", "--out", str(tmp_path),
+          "--no-progress"]
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    assert cli.main(argv) == 0
+  text = printed.getvalue()
+  assert "left out cudnn: needs an NVIDIA GPU" in text and "host figures" in text
+  doc = json.loads((tmp_path / "results.json").read_text())
+  assert doc["schema_version"] == 5 and doc["kind"] == "decode" and doc["notes"]["tiny_cpu_run"]
+  assert doc["metadata"]["copy_tb_s"] > 0 and "host" in doc["metadata"]["copy_note"]
+  cells = doc["cells"]
+  assert [(c["impl"], c["page_size"]) for c in cells] == [("flash2", None), ("xla", None), ("flash2", 16),
+                                                         ("xla", 16)]
+  for c in cells:
+    assert c["status"] == "ok", c
+    assert c["rel_err_out"] < 2e-2 and c["kernel_ms"] is None and c["tb_s"] > 0
+    assert c["bytes"] == decode.bytes_moved(decode.DecodeShape(2, 32, 4, 2, 32, 2, "bfloat16", c["page_size"]))
+  with open(tmp_path / "results.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert [r["impl"] for r in rows] == ["flash2", "xla", "flash2", "xla"] and list(rows[0]) == list(
+      decode.DECODE_FIELDS)
+
+
+def test_decode_tokamax_stand_in(monkeypatch):
+  """tokamax (a stand-in with its signature, jax.nn's XLA attention inside) runs q_len 2 over a contiguous
+  cache with decoding's causal mask and passes the check; a paged cache is unsupported, with the reason."""
+  from jax_flash2.bench import decode
+
+  fake = types.ModuleType("tokamax")
+  fake.dot_product_attention = lambda query, key, value, bias=None, mask=None, *, key_value_seq_lengths=None, \
+      **kw: jax.nn.dot_product_attention(query, key, value, bias, mask, key_value_seq_lengths=key_value_seq_lengths)
+  monkeypatch.setitem(sys.modules, "tokamax", fake)
+  cfg = cli.parse(["--decode", "--impls", "tokamax", "--iters", "1", "--warmup", "0"], "cpu")
+  assert cfg.impls == ("tokamax",)
+  shape = decode.DecodeShape(2, 32, 4, 2, 32, 2, "float32")
+  x = decode.make_inputs(shape, 0)
+  cell = decode.run_cell(decode.DECODE_REGISTRY["tokamax"], shape, [x], cfg, 1.0, decode.reference_out(x))
+  assert cell.status == "ok" and cell.rel_err_out < 1e-5, cell
+  paged = decode.run_cell(decode.DECODE_REGISTRY["tokamax"], dataclasses.replace(shape, page_size=16), [], cfg,
+                          1.0, None)
+  assert paged.status == "unsupported" and "contiguous" in paged.error

@@ -21,8 +21,12 @@ import os
 import sys
 from typing import Sequence
 
+from jax_flash2.decode import PAGE_MULTIPLE
+
+from jax_flash2.bench import decode as decode_lib
 from jax_flash2.bench import impls as impls_lib
-from jax_flash2.bench.spec import (DTYPE_ALIASES, MODES, SweepConfig, Window, softcap_text, varlen_text,
+from jax_flash2.bench.decode import DecodeConfig
+from jax_flash2.bench.spec import (DTYPE_ALIASES, MODES, LeftOut, SweepConfig, Window, softcap_text, varlen_text,
                                    window_text)
 
 GPU_DEFAULTS = dict(
@@ -149,6 +153,46 @@ def _varlens(values: Sequence[Sequence[str]] | None) -> tuple[tuple[int, ...], .
   return tuple(out)
 
 
+def _dtypes(values: Sequence[str] | None) -> tuple[str, ...]:
+  dtypes: list[str] = []
+  for name in _split(values) or []:
+    if name.lower() not in DTYPE_ALIASES:
+      raise UsageError(f"--dtype: unknown {name!r}; choose bf16, fp16 or fp32")
+    if DTYPE_ALIASES[name.lower()] not in dtypes:
+      dtypes.append(DTYPE_ALIASES[name.lower()])
+  return tuple(dtypes)
+
+
+def _timing(ns: argparse.Namespace, defaults: dict) -> tuple[int, int]:
+  """(warmup, iters) of `ns` or the platform's `defaults`; checks them and the output flags."""
+  warmup = ns.warmup if ns.warmup is not None else defaults["warmup"]
+  iters = ns.iters if ns.iters is not None else defaults["iters"]
+  if warmup < 0 or iters < 1 or ns.input_sets < 1:
+    raise UsageError("--warmup must be >= 0, --iters and --input-sets >= 1")
+  if ns.no_save and ns.out:
+    raise UsageError("--no-save writes nothing; --out names where to write")
+  return warmup, iters
+
+
+def _impl_names(values: Sequence[str] | None, defaults: Sequence[str], known: Sequence[str], what: str) -> list[str]:
+  """--impls (or `defaults` without it), each in `known`, without repeats."""
+  names: list[str] = []
+  for name in _split(values) if values is not None else defaults:
+    if name not in known:
+      raise UsageError(f"--impls: unknown {what}{name!r}; known: {', '.join(known)}")
+    if name not in names:
+      names.append(name)
+  return names
+
+
+def _kept(selected: tuple[tuple[str, ...], tuple[LeftOut, ...]]) -> tuple[tuple[str, ...], tuple[LeftOut, ...]]:
+  """`selected` (kept, left out) as it is, unless nothing is kept: a usage error saying why."""
+  impls, left_out = selected
+  if not impls:
+    raise UsageError("--impls: none can run here: " + "; ".join(f"{lo.impl}: {lo.reason}" for lo in left_out))
+  return impls, left_out
+
+
 def _causal(values: Sequence[str]) -> tuple[bool, ...]:
   table = {"both": (False, True), "true": (True,), "false": (False,), "causal": (True,), "none": (False,)}
   out: list[bool] = []
@@ -208,6 +252,15 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--sinks", action="store_true",
                  help="attention sinks (gpt-oss): one random logit per head in every softmax denominator; runs the "
                  "jax_flash2 implementations only (the others have none)")
+  g.add_argument("--decode", action="store_true",
+                 help="decoding mode: q_len queries per sequence over a KV cache (flash_decode vs XLA, cuDNN, "
+                 "tokamax), timed as bandwidth (bytes read / time, and / the measured copy bandwidth)")
+  g.add_argument("--cache-lens", nargs="+", metavar="N",
+                 help="with --decode: cache lengths (default 8k 16k 32k; 64 128 on CPU); '32k' ok")
+  g.add_argument("--q-len", type=int, help="with --decode: queries per sequence (default 1)")
+  g.add_argument("--page-size", nargs="+", metavar="P",
+                 help="with --decode: paged caches of P-token pages (a multiple of 16) in shuffled order through a "
+                 "block_table; none = contiguous; several values compare them (default none)")
   g.add_argument("--dtype", nargs="+", default=["bf16"], metavar="bf16|fp16|fp32", help="dtypes (default bf16)")
   g.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE", help="fwd, bwd, fwd+bwd (default all)")
   g.add_argument(
@@ -278,12 +331,7 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
     for seqlen in seqlens:
       if seqlen % n:
         raise UsageError(f"--segments {n} does not divide seqlen {seqlen}")
-  dtypes = []
-  for name in _split(ns.dtype) or []:
-    if name.lower() not in DTYPE_ALIASES:
-      raise UsageError(f"--dtype: unknown {name!r}; choose bf16, fp16 or fp32")
-    if DTYPE_ALIASES[name.lower()] not in dtypes:
-      dtypes.append(DTYPE_ALIASES[name.lower()])
+  dtypes = _dtypes(ns.dtype)
   modes = []
   for m in _split(ns.modes) or []:
     m = {"fwdbwd": "fwd+bwd", "fwd_bwd": "fwd+bwd", "both": "fwd+bwd"}.get(m.lower(), m.lower())
@@ -294,27 +342,15 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
   interpret = bool(ns.interpret or tiny)
   opts = impls_lib.Options(platform=platform, interpret=interpret, sinks=ns.sinks, varlen=bool(varlens))
   requested = ns.impls is not None
-  names = []
-  for name in _split(ns.impls) if requested else impls_lib.default_impls(opts):
-    if name not in impls_lib.REGISTRY:
-      raise UsageError(f"--impls: unknown {name!r}; known: {', '.join(impls_lib.REGISTRY)}")
-    if name not in names:
-      names.append(name)
-  impls, left_out = impls_lib.select(names, opts, requested=requested)
-  if not impls:
-    raise UsageError("--impls: none can run here: " + "; ".join(f"{lo.impl}: {lo.reason}" for lo in left_out))
-  warmup = ns.warmup if ns.warmup is not None else d["warmup"]
-  iters = ns.iters if ns.iters is not None else d["iters"]
-  if warmup < 0 or iters < 1 or ns.input_sets < 1:
-    raise UsageError("--warmup must be >= 0, --iters and --input-sets >= 1")
-  if ns.no_save and ns.out:
-    raise UsageError("--no-save writes nothing; --out names where to write")
+  names = _impl_names(ns.impls, impls_lib.default_impls(opts), impls_lib.REGISTRY, "")
+  impls, left_out = _kept(impls_lib.select(names, opts, requested=requested))
+  warmup, iters = _timing(ns, d)
   max_seq = _ints([ns.memory_max_seqlen], "--memory-max-seqlen")[0] if ns.memory_max_seqlen else None
   return SweepConfig(
       seqlens=seqlens,
       head_dims=head_dims,
       causal=_causal(ns.causal),
-      dtypes=tuple(dtypes),
+      dtypes=dtypes,
       modes=tuple(modes),
       impls=impls,
       tokens=ns.tokens,
@@ -345,11 +381,71 @@ def config_from_args(ns: argparse.Namespace, platform: str) -> SweepConfig:
   )
 
 
-def parse(argv: Sequence[str] | None, platform: str) -> SweepConfig:
+def _page_sizes(values: Sequence[str] | None) -> tuple[int | None, ...]:
+  out: list[int | None] = []
+  for p in _split(values) or ["none"]:
+    size = None if p.lower() == "none" else _ints([p], "--page-size")[0]
+    if size is not None and size % PAGE_MULTIPLE:
+      raise UsageError(f"--page-size: {size} is not a multiple of {PAGE_MULTIPLE}")
+    if size not in out:
+      out.append(size)
+  return tuple(out)
+
+
+def decode_config_from_args(ns: argparse.Namespace, platform: str) -> DecodeConfig:
+  """The --decode run `ns` asks for on `platform`."""
+  tiny = platform != "gpu"
+  d = decode_lib.CPU_DECODE_DEFAULTS if tiny else decode_lib.GPU_DECODE_DEFAULTS
+  for flag, given in (("--seqlens", ns.seqlens), ("--varlen", ns.varlen), ("--segments", ns.segments),
+                      ("--window", ns.window), ("--softcap", ns.softcap), ("--sinks", ns.sinks or None),
+                      ("--memory", ns.memory or ns.memory_only or None), ("--memory-max-seqlen", ns.memory_max_seqlen)):
+    if given is not None:
+      raise UsageError(f"--decode times one step over a KV cache (--cache-lens): drop {flag}")
+  cache_lens = _ints(ns.cache_lens, "--cache-lens") or d["cache_lens"]
+  head_dims = _ints(ns.head_dims, "--head-dims") or d["head_dims"]
+  batch = ns.batch if ns.batch is not None else d["batch"]
+  heads = ns.heads if ns.heads is not None else d["heads"]
+  kv_heads = ns.kv_heads if ns.kv_heads is not None else (d["kv_heads"] if ns.heads is None else heads)
+  q_len = ns.q_len if ns.q_len is not None else 1
+  for flag, value in (("--batch", batch), ("--heads", heads), ("--kv-heads", kv_heads), ("--q-len", q_len)):
+    if value < 1:
+      raise UsageError(f"{flag} must be positive, got {value}")
+  if heads % kv_heads:
+    raise UsageError(f"--kv-heads {kv_heads} does not divide heads {heads}")
+  for hd in head_dims:
+    if hd % 8 or hd > 256:
+      raise UsageError(f"--head-dims: {hd} is not a multiple of 8 in [8, 256]")
+  page_sizes = _page_sizes(ns.page_size)
+  for size in page_sizes:
+    for n in cache_lens:
+      if size is not None and n % size:
+        raise UsageError(f"--page-size {size} does not divide cache length {n}")
+  for n in cache_lens:
+    if q_len > n:
+      raise UsageError(f"--q-len {q_len} exceeds cache length {n}")
+  dtypes = _dtypes(ns.dtype)
+  requested = ns.impls is not None
+  names = _impl_names(ns.impls, decode_lib.DECODE_IMPLS, decode_lib.DECODE_REGISTRY, "decode implementation ")
+  impls, left_out = _kept(decode_lib.select(names, platform, requested=requested))
+  warmup, iters = _timing(ns, d)
+  return DecodeConfig(
+      cache_lens=cache_lens, page_sizes=page_sizes, head_dims=head_dims, dtypes=dtypes, batch=batch,
+      heads=heads, kv_heads=kv_heads, q_len=q_len, impls=impls, left_out=left_out, warmup=warmup, iters=iters,
+      input_sets=ns.input_sets, check=not ns.no_check, interpret=bool(ns.interpret or tiny), platform=platform,
+      kernel_time=not (ns.no_kernel_time or tiny), save=not ns.no_save, out=ns.out, seed=ns.seed,
+  )
+
+
+def parse(argv: Sequence[str] | None, platform: str) -> SweepConfig | DecodeConfig:
   """Parses `argv` into a config for `platform`; bad flags exit with status 2."""
   parser = build_parser()
   ns = parser.parse_args(argv)
   try:
+    if ns.decode:
+      return decode_config_from_args(ns, platform)
+    for flag, given in (("--cache-lens", ns.cache_lens), ("--q-len", ns.q_len), ("--page-size", ns.page_size)):
+      if given is not None:
+        raise UsageError(f"{flag} belongs to --decode")
     return config_from_args(ns, platform)
   except UsageError as exc:
     parser.error(str(exc))
@@ -392,6 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       default = " (default)" if impl.name in impls_lib.DEFAULT_IMPLS else ""
       default = " (default with --varlen)" if impl.name in impls_lib.VARLEN_DEFAULT_IMPLS else default
       print(f"{impl.name:<{width}} {impl.description}{default}")
+    print("with --decode:")
+    for impl in decode_lib.DECODE_REGISTRY.values():
+      print(f"{impl.name:<{width}} {impl.description}")
     return 0
 
   import jax
@@ -409,6 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   for lo in cfg.left_out:
     if lo.requested:
       print(f"left out {lo.impl}: {lo.reason}")
+  if isinstance(cfg, DecodeConfig):
+    return _main_decode(cfg, argv, started, backend, show_progress=not ns.no_progress)
   if not cfg.memory_only:
     print("sweep: " + _describe(cfg))
   sys.stdout.flush()
@@ -446,6 +547,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     if no_plots:
       print(f"plots: {no_plots}")
     print(f"results in {cfg.out}{os.sep}: " + ", ".join(os.path.basename(path) for path in written))
+  if cfg.tiny:
+    print(CPU_NOTICE.format(backend=backend))
+  return 0
+
+
+def _main_decode(cfg: DecodeConfig, argv: list[str], started: datetime.datetime, backend: str,
+                 show_progress: bool) -> int:
+  from jax_flash2.bench import report
+  from jax_flash2.bench.progress import Progress
+
+  pages = ["none" if p is None else p for p in cfg.page_sizes]
+  for lo in cfg.left_out:
+    if not lo.requested:
+      print(f"left out {lo.impl}: {lo.reason}")
+  print(f"decode: cache_lens {list(cfg.cache_lens)}, page sizes {pages}, q_len {cfg.q_len}, batch {cfg.batch}, "
+        f"heads {cfg.heads}/{cfg.kv_heads} kv, head_dims {list(cfg.head_dims)}, dtypes {list(cfg.dtypes)}, "
+        f"impls {list(cfg.impls)}, warmup {cfg.warmup}, iters {cfg.iters} (median)"
+        + (", Pallas interpret mode" if cfg.interpret else "")
+        + (", kernel times from a profiler trace" if cfg.kernel_time else ""))
+  sys.stdout.flush()
+  meta = report.metadata(argv, started)
+  meta.update(decode_lib.copy_bandwidth(backend))
+  progress = Progress(cfg.num_cells(), desc="decode", enabled=show_progress)
+  cells = decode_lib.run_decode(cfg, meta["copy_tb_s"], progress)
+  progress.close()
+  print()
+  print(decode_lib.format_table(cells, meta, cfg.tiny))
+  if cfg.save:
+    cfg = dataclasses.replace(cfg, out=cfg.out or report.make_dated_dir(RESULTS_DIR, started))
+    written = decode_lib.write_results(cfg.out, meta, cfg, cells)
+    print(f"results in {cfg.out}{os.sep}: " + ", ".join(os.path.basename(path) for path in written)
+          + " (no plots in --decode mode)")
   if cfg.tiny:
     print(CPU_NOTICE.format(backend=backend))
   return 0

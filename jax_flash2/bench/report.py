@@ -35,7 +35,9 @@ from jax_flash2.bench.spec import (
 # tokamax versions.
 # 4: cells, checks and memory steps gained softcap and varlen; config gained
 # softcaps and varlens.
-SCHEMA_VERSION = 4
+# 5: --decode runs write "kind": "decode" with decode cells (bench/decode.py:
+# DecodeCell: bytes, tb_s, copy_fraction, ...) and the copy bandwidth in the metadata.
+SCHEMA_VERSION = 5
 _MIB = 1 << 20
 
 
