@@ -88,6 +88,7 @@ def flash_decode(
   p, plan = _decide(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
                     causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                     num_splits=num_splits, backend=backend, interpret=interpret)
+  return_lse = check_flag("return_lse", return_lse)  # before any work, not after it
   if plan.backend == Backend.XLA.value and check_backend(backend) is Backend.AUTO:
     warnings.warn(
         "jax_flash2: no NVIDIA GPU of compute capability 8.0 or newer here, so flash_decode runs the plain XLA "
@@ -105,7 +106,7 @@ def flash_decode(
   out, lse = _without_gradient(q, k_cache, v_cache, lens,
                                None if block_table is None else block_table.astype(jnp.int32), slopes, sinks,
                                p=p, plan=plan, interpret=interpret)
-  return (out, lse) if check_flag("return_lse", return_lse) else out
+  return (out, lse) if return_lse else out
 
 
 def decode_plan(q, k_cache, v_cache, cache_seqlens, *, compute_capability: tuple[int, int] | None = None,

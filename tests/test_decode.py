@@ -240,6 +240,7 @@ def test_bad_inputs_name_the_argument():
       (dict(sinks=jnp.ones(2)), ValueError, "sinks"),
       (dict(backend="cudnn"), ValueError, "backend must be one of"),
       (dict(causal=1), TypeError, "causal must be a bool"),
+      (dict(return_lse="no"), TypeError, "return_lse must be a bool"),
   ]
   for change, error, match in cases:
     args = {**dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=seqlens, block_table=table), **change}
