@@ -104,12 +104,10 @@ def flash_attention_varlen(
     out, lse = out[0], lse[0]
   else:
     layout = _SlotLayout(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
-    q_slots, q_ids = layout.scatter(q, cu_q, layout.q_start)
-    k_slots, kv_ids = layout.scatter(k, cu_k, layout.k_start, pad_tail=1)
-    v_slots, _ = layout.scatter(v, cu_k, layout.k_start, pad_tail=1)
-    out, lse = flash_attention(q_slots[None], k_slots[None], v_slots[None], q_segment_ids=q_ids[None],
-                               kv_segment_ids=kv_ids[None], **options)
-    rows = layout.rows(cu_q, layout.q_start, q.shape[0])
+    q_slots, k_slots, v_slots = layout.queries.gather(q), layout.keys.gather(k), layout.keys.gather(v)
+    out, lse = flash_attention(q_slots[None], k_slots[None], v_slots[None], q_segment_ids=layout.queries.ids[None],
+                               kv_segment_ids=layout.keys.ids[None], **options)
+    rows = layout.query_rows
     unseen = jnp.full((q.shape[1],), -jnp.inf, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
     out = jnp.take(out[0], rows, axis=0, mode="fill", fill_value=0)
     lse = jnp.take(lse[0], rows, axis=1, mode="fill", fill_value=0)
@@ -119,43 +117,47 @@ def flash_attention_varlen(
 
 class _SlotLayout:
   """Per-sequence slots of max(len_q, len_k) rows, queries and keys each
-  ending at their slot's end; the buffers hold `length` rows."""
+  ending at their slot's end; the buffers hold `length` rows. `queries` and
+  `keys` say which packed row fills each slot row, and its segment id;
+  `query_rows` where each packed query landed."""
 
   def __init__(self, cu_q, cu_k, total_q: int, total_k: int, max_q: int | None, max_k: int | None):
-    self.num_seqs = cu_q.shape[0] - 1
+    num_seqs = cu_q.shape[0] - 1
     len_q, len_k = jnp.diff(cu_q), jnp.diff(cu_k)
-    self.slot = jnp.maximum(len_q, len_k)
-    self.end = jnp.cumsum(self.slot)
-    self.q_start = self.end - len_q  # where sequence s's first query lands
-    self.k_start = self.end - len_k
+    end = jnp.cumsum(jnp.maximum(len_q, len_k))
     length = total_q + total_k
     if max_q is not None and max_k is not None:
-      length = min(length, self.num_seqs * max(max_q, max_k))
+      length = min(length, num_seqs * max(max_q, max_k))
     self.length = max(length, 1)
-
-  def rows(self, cu, start, total: int) -> jax.Array:
-    """int32 [total]: each packed row's row in the slots (past the end for
-    rows of no sequence)."""
-    t = jnp.arange(total, dtype=jnp.int32)
-    s = _row_ids(cu, total)
-    inside = s < self.num_seqs
-    s = jnp.minimum(s, self.num_seqs - 1)
-    return jnp.where(inside, start[s] + (t - cu[s]), self.length)
-
-  def scatter(self, x, cu, start, *, pad_tail: int = 0) -> tuple[jax.Array, jax.Array]:
-    """x [total, heads, dim] into the slots, with int32 segment ids: 2s + 1
-    on sequence s's rows, 2s on its slot's empty rows, 2 num_seqs +
-    pad_tail after the last slot (sorted, and no empty row matches a row
-    of the other side)."""
+    # Each slot row's sequence, shared by both sides.
     p = jnp.arange(self.length, dtype=jnp.int32)
-    s = jnp.searchsorted(self.end, p, side="right").astype(jnp.int32)
-    inside = s < self.num_seqs
-    s_in = jnp.minimum(s, self.num_seqs - 1)
-    real = inside & (p >= start[s_in])
-    source = jnp.where(real, cu[s_in] + (p - start[s_in]), 0)
-    slots = jnp.where(real[:, None, None], jnp.take(x, source, axis=0), jnp.zeros((), x.dtype))
-    ids = jnp.where(inside, 2 * s_in + real.astype(jnp.int32), 2 * self.num_seqs + pad_tail)
-    return slots, ids
+    seq = jnp.searchsorted(end, p, side="right").astype(jnp.int32)
+    q_start, k_start = end - len_q, end - len_k  # where sequence s's first query / key lands
+    self.queries = _Side(p, seq, num_seqs, cu_q, q_start, pad_tail=0)
+    self.keys = _Side(p, seq, num_seqs, cu_k, k_start, pad_tail=1)
+    t = jnp.arange(total_q, dtype=jnp.int32)
+    s = _row_ids(cu_q, total_q)
+    s_in = jnp.minimum(s, num_seqs - 1)
+    self.query_rows = jnp.where(s < num_seqs, q_start[s_in] + (t - cu_q[s_in]), self.length)
+
+
+class _Side:
+  """One side (queries or keys) of a slot layout: `source`, the packed row
+  that fills each slot row (where `real`), and int32 segment ids: 2s + 1 on
+  sequence s's rows, 2s on its slot's empty rows, 2 num_seqs + pad_tail
+  after the last slot (sorted, and no empty row matches a row of the other
+  side)."""
+
+  def __init__(self, p, seq, num_seqs: int, cu, start, *, pad_tail: int):
+    inside = seq < num_seqs
+    s_in = jnp.minimum(seq, num_seqs - 1)
+    self.real = inside & (p >= start[s_in])
+    self.source = jnp.where(self.real, cu[s_in] + (p - start[s_in]), 0)
+    self.ids = jnp.where(inside, 2 * s_in + self.real.astype(jnp.int32), 2 * num_seqs + pad_tail)
+
+  def gather(self, x) -> jax.Array:
+    """x [total, heads, dim] into the slots; empty rows zero."""
+    return jnp.where(self.real[:, None, None], jnp.take(x, self.source, axis=0), jnp.zeros((), x.dtype))
 
 
 def _row_ids(cu, total: int) -> jax.Array:
