@@ -1174,10 +1174,10 @@ def test_results_go_to_a_dated_folder_unless_told_otherwise(tmp_path, monkeypatc
 def test_decode_parsing(no_tokamax):
   """--decode defaults (GPU: bf16, d128, 32/4 heads, batch 8, 8k..32k; CPU tiny), its flags, and the
   defaults it leaves out with their reasons."""
-  from jax_flash2.bench.decode import DecodeConfig, DecodeShape
+  from jax_flash2.bench.decode import DecodeSweepConfig, DecodeShape
 
   cfg = cli.parse(["--decode"], "gpu")
-  assert isinstance(cfg, DecodeConfig)
+  assert isinstance(cfg, DecodeSweepConfig)
   assert (cfg.cache_lens, cfg.page_sizes, cfg.head_dims, cfg.dtypes) == ((8192, 16384, 32768), (None,), (128,),
                                                                           ("bfloat16",))
   assert (cfg.batch, cfg.heads, cfg.kv_heads, cfg.q_len, cfg.kernel_time) == (8, 32, 4, 1, True)

@@ -25,7 +25,7 @@ from jax_flash2.decode import PAGE_MULTIPLE
 
 from jax_flash2.bench import decode as decode_lib
 from jax_flash2.bench import impls as impls_lib
-from jax_flash2.bench.decode import DecodeConfig
+from jax_flash2.bench.decode import DecodeSweepConfig
 from jax_flash2.bench.spec import (DTYPE_ALIASES, MODES, LeftOut, SweepConfig, Window, softcap_text, varlen_text,
                                    window_text)
 
@@ -392,7 +392,7 @@ def _page_sizes(values: Sequence[str] | None) -> tuple[int | None, ...]:
   return tuple(out)
 
 
-def decode_config_from_args(ns: argparse.Namespace, platform: str) -> DecodeConfig:
+def decode_config_from_args(ns: argparse.Namespace, platform: str) -> DecodeSweepConfig:
   """The --decode run `ns` asks for on `platform`."""
   tiny = platform != "gpu"
   d = decode_lib.CPU_DECODE_DEFAULTS if tiny else decode_lib.GPU_DECODE_DEFAULTS
@@ -428,7 +428,7 @@ def decode_config_from_args(ns: argparse.Namespace, platform: str) -> DecodeConf
   names = _impl_names(ns.impls, decode_lib.DECODE_IMPLS, decode_lib.DECODE_REGISTRY, "decode implementation ")
   impls, left_out = _kept(decode_lib.select(names, platform, requested=requested))
   warmup, iters = _timing(ns, d)
-  return DecodeConfig(
+  return DecodeSweepConfig(
       cache_lens=cache_lens, page_sizes=page_sizes, head_dims=head_dims, dtypes=dtypes, batch=batch,
       heads=heads, kv_heads=kv_heads, q_len=q_len, impls=impls, left_out=left_out, warmup=warmup, iters=iters,
       input_sets=ns.input_sets, check=not ns.no_check, interpret=bool(ns.interpret or tiny), platform=platform,
@@ -436,7 +436,7 @@ def decode_config_from_args(ns: argparse.Namespace, platform: str) -> DecodeConf
   )
 
 
-def parse(argv: Sequence[str] | None, platform: str) -> SweepConfig | DecodeConfig:
+def parse(argv: Sequence[str] | None, platform: str) -> SweepConfig | DecodeSweepConfig:
   """Parses `argv` into a config for `platform`; bad flags exit with status 2."""
   parser = build_parser()
   ns = parser.parse_args(argv)
@@ -508,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   for lo in cfg.left_out:
     if lo.requested:
       print(f"left out {lo.impl}: {lo.reason}")
-  if isinstance(cfg, DecodeConfig):
+  if isinstance(cfg, DecodeSweepConfig):
     return _main_decode(cfg, argv, started, backend, show_progress=not ns.no_progress)
   if not cfg.memory_only:
     print("sweep: " + _describe(cfg))
@@ -552,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   return 0
 
 
-def _main_decode(cfg: DecodeConfig, argv: list[str], started: datetime.datetime, backend: str,
+def _main_decode(cfg: DecodeSweepConfig, argv: list[str], started: datetime.datetime, backend: str,
                  show_progress: bool) -> int:
   from jax_flash2.bench import report
   from jax_flash2.bench.progress import Progress

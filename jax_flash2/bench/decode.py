@@ -91,7 +91,7 @@ def tb_per_s(nbytes: int, ms: float | None) -> float | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeConfig:
+class DecodeSweepConfig:
   """The grid of a --decode run: dtypes x head_dims x page_sizes x cache_lens x impls."""
 
   cache_lens: tuple[int, ...]
@@ -166,12 +166,12 @@ DECODE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Decode
 class DecodeImpl:
   name: str
   description: str
-  factory: Callable[[DecodeShape, DecodeConfig], DecodeFn]
-  supports: Callable[[DecodeShape, DecodeConfig], str | None]  # None, or why a shape cannot run
+  factory: Callable[[DecodeShape, DecodeSweepConfig], DecodeFn]
+  supports: Callable[[DecodeShape, DecodeSweepConfig], str | None]  # None, or why a shape cannot run
   available: Callable[[str], str | None] = lambda platform: None  # None, or why not on this platform
 
 
-def _flash2(shape: DecodeShape, cfg: DecodeConfig) -> DecodeFn:
+def _flash2(shape: DecodeShape, cfg: DecodeSweepConfig) -> DecodeFn:
   from jax_flash2 import flash_decode
 
   # Interpret mode runs the Triton kernel itself on the CPU; "auto" would fall back to XLA.
@@ -187,7 +187,7 @@ def causal_mask(q: jax.Array, k: jax.Array, lens: jax.Array) -> jax.Array:
   return (jnp.arange(k.shape[1], dtype=jnp.int32)[None, None] <= level[:, :, None])[:, None]
 
 
-def _xla(shape: DecodeShape, cfg: DecodeConfig) -> DecodeFn:
+def _xla(shape: DecodeShape, cfg: DecodeSweepConfig) -> DecodeFn:
   """jax.nn's XLA attention over the gathered cache: in the input dtype, GQA
   by grouping (no repeated K/V), decoding's bottom-right causal mask."""
   from jax_flash2 import reference
@@ -210,7 +210,7 @@ def _one_row_contiguous(shape: DecodeShape) -> str | None:
   return _contiguous(shape)
 
 
-def _cudnn_supports(shape: DecodeShape, cfg: DecodeConfig) -> str | None:
+def _cudnn_supports(shape: DecodeShape, cfg: DecodeSweepConfig) -> str | None:
   if cfg.platform != "gpu":
     return "needs an NVIDIA GPU"
   if jnp.dtype(shape.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -218,7 +218,7 @@ def _cudnn_supports(shape: DecodeShape, cfg: DecodeConfig) -> str | None:
   return _one_row_contiguous(shape)
 
 
-def _cudnn(shape: DecodeShape, cfg: DecodeConfig) -> DecodeFn:
+def _cudnn(shape: DecodeShape, cfg: DecodeSweepConfig) -> DecodeFn:
   return lambda q, k, v, lens, table: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lens,
                                                                    implementation="cudnn")
 
@@ -237,7 +237,7 @@ def _tokamax_available(platform: str) -> str | None:
   return None
 
 
-def _tokamax(shape: DecodeShape, cfg: DecodeConfig) -> DecodeFn:
+def _tokamax(shape: DecodeShape, cfg: DecodeSweepConfig) -> DecodeFn:
   import tokamax
 
   def attn(q, k, v, lens, table):
@@ -331,7 +331,7 @@ def reference_out(x: tuple) -> jax.Array:
       f32(q), f32(k), f32(v), lens)
 
 
-def run_cell(impl: DecodeImpl, shape: DecodeShape, inputs: list[tuple], cfg: DecodeConfig, copy_tb_s: float | None,
+def run_cell(impl: DecodeImpl, shape: DecodeShape, inputs: list[tuple], cfg: DecodeSweepConfig, copy_tb_s: float | None,
              want: jax.Array | None) -> DecodeCell:
   fields = dict(impl=impl.name, **dataclasses.asdict(shape))
   nbytes = bytes_moved(shape)
@@ -370,7 +370,7 @@ def run_cell(impl: DecodeImpl, shape: DecodeShape, inputs: list[tuple], cfg: Dec
                     kernel_copy_fraction=frac(ktb), rel_err_out=err, **fields)
 
 
-def run_decode(cfg: DecodeConfig, copy_tb_s: float | None, progress: Progress | None = None) -> list[DecodeCell]:
+def run_decode(cfg: DecodeSweepConfig, copy_tb_s: float | None, progress: Progress | None = None) -> list[DecodeCell]:
   progress = progress or Progress(0, enabled=False)
   cells = []
   for shape in cfg.shapes():
@@ -426,7 +426,7 @@ def format_table(cells: list[DecodeCell], copy: dict[str, Any], tiny: bool) -> s
   return "\n".join(lines) + "\n"
 
 
-def write_results(out_dir: str, meta: dict[str, Any], cfg: DecodeConfig, cells: list[DecodeCell]) -> list[str]:
+def write_results(out_dir: str, meta: dict[str, Any], cfg: DecodeSweepConfig, cells: list[DecodeCell]) -> list[str]:
   """results.json (report.SCHEMA_VERSION, "kind": "decode") and results.csv in `out_dir`."""
   import csv
 
