@@ -226,6 +226,21 @@ def _flash_with_grads(q, k, v, dout, dlse, arrays, static, wrt):
   return (out, lse, *vjp((dout, dlse)))
 
 
+def assert_within_plain_error(got, want, plain, dtype, *, limit: float | None = 1e-2,
+                              names=("out", "lse", "dq", "dk", "dv", "dsinks")) -> None:
+  """FlashAttention's test rule: against the higher-precision `want`, each of
+  got's arrays errs at most 2x (outputs) or 3x (gradients) as much as
+  `plain`, the same math done plainly in `dtype`; and, with `limit`, under
+  it relative."""
+  for name, x, w, p in zip(names, got, want, plain):
+    factor = 2.0 if name in ("out", "lse") else 3.0
+    err, plain_err = rel_err(x, w), rel_err(p, w)
+    if limit is not None:
+      assert err < limit, f"{name}: relative error {err:.3g}"
+    assert err <= factor * plain_err, (
+        f"{name}: error {err:.3g} > {factor} x plain {jnp.dtype(dtype).name} {plain_err:.3g}")
+
+
 def assert_matches_reference(got, want, dout, tol: float = 1e-5) -> None:
   """(out, lse, dq, dk, dv) (and dsinks where given) against the reference:
   relative error under tol, gradients with a floor of 0.1 * ||dout|| (see
