@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash2.mask import JNP, NUMPY, Arithmetic, Mask
+from jax_flash2.mask import JNP, NUMPY, Arithmetic, Mask, intersect
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -216,6 +216,21 @@ def kv_range(mask: Mask, q_start, rows: int, block_kv: int):
   return mask.kv_blocks(q_start, rows, block_kv)
 
 
+def segment_kv_range(band: tuple, segment_ranges, batch, group, tile: QTile):
+  """A consumer's (lo, full_lo, full_hi, hi) under its band (`kv_range`)
+  and its segment ids: segment_ranges int32 [batch, row groups, 4] in GMEM
+  (jax_flash2.mask.segment_block_ranges over `rows`-row groups), row group
+  `group`. Clamped into the tile's blocks; a consumer whose rows share no id
+  with any key gets the empty range at the tile's first block."""
+  ranges = segment_ranges.at[batch, group]
+  lo, full_lo, full_hi, hi = intersect(band, tuple(ranges[i] for i in range(4)), JNP)
+  first, end = tile.kv_lo, tile.kv_end
+  lo = jnp.clip(lo, first, end)
+  hi = jnp.clip(hi, lo, end)
+  full_lo = jnp.clip(full_lo, lo, hi)
+  return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
+
+
 def at_least(x, floor):
   """max(x, floor): a Python int where both are (a stretch's static start)."""
   if isinstance(x, int) and isinstance(floor, int):
@@ -319,6 +334,19 @@ def pad_backward(q, k, v, do, lse, delta):
   lse = pad_seq(lse, OUTER_ROWS, axis=2, value=jnp.inf)
   delta = pad_seq(delta, OUTER_ROWS, axis=2)
   return q, k, v, do, lse, delta
+
+
+def check_segment_ids(q_ids, kv_ids, batch: int, seq_q: int, seq_k: int) -> None:
+  """q_ids int32 [batch, seq_q] and kv_ids int32 [batch, seq_k], or a ValueError."""
+  for name, ids, seq in (("q_segment_ids", q_ids, seq_q), ("kv_segment_ids", kv_ids, seq_k)):
+    if ids.shape != (batch, seq) or ids.dtype != jnp.int32:
+      raise ValueError(f"{name} must be int32 [batch, seq] = [{batch}, {seq}], got {ids.dtype}{list(ids.shape)}")
+
+
+def pad_ids(ids: jax.Array, length: int) -> jax.Array:
+  """Segment ids [batch, seq] padded to `length` columns (the kernels mask
+  the padding by position, whatever its ids)."""
+  return jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])))
 
 
 def band_of(seq_q: int, seq_k: int, causal: bool, window_size) -> Mask:
@@ -570,15 +598,27 @@ class QTile:
 
   @classmethod
   def at(cls, q_index, head, batch, *, num_q_blocks: int, block_q: int, block_kv: int, mask: Mask,
-         consumers: int = NUM_CONSUMERS) -> QTile:
+         consumers: int = NUM_CONSUMERS, segment_ranges=None) -> QTile:
     """The tile of grid position q_index (where the work grows with the Q
     block, `triangular`, a kernel runs Q blocks heaviest first: those near
     the end of the sequence visit the most K/V blocks, and taking them first
-    keeps them off the critical path at the tail)."""
+    keeps them off the critical path at the tail). segment_ranges: with
+    segment ids, the consumers' block ranges under them (`segment_kv_range`)."""
     if triangular(mask):
       q_index = jnp.int32(num_q_blocks - 1) - q_index
     q_start = q_index * block_q
     lo, hi = q_tile_blocks(q_start, block_q=block_q, block_kv=block_kv, mask=mask, consumers=consumers)
+    if segment_ranges is not None:
+      # The hull of the consumers' segment ranges, inside the band's. (A
+      # persistent CTA also asks for the tile after its last, which it never
+      # runs: clamped indices keep that read in bounds.)
+      b = jnp.minimum(batch, segment_ranges.shape[0] - 1)
+      first = jnp.minimum(q_index, num_q_blocks - 1) * consumers
+      groups = [segment_ranges.at[b, first + c] for c in range(consumers)]
+      seg_lo = functools.reduce(jnp.minimum, [g[0] for g in groups])
+      seg_hi = functools.reduce(jnp.maximum, [jnp.where(g[0] < g[3], g[3], 0) for g in groups])
+      lo = jnp.maximum(lo, seg_lo)
+      hi = jnp.maximum(jnp.minimum(hi, seg_hi), lo)
     if isinstance(lo, int):
       return cls(batch, head, q_start, hi)
     return cls(batch, head, q_start, hi - lo, kv_lo=lo)
