@@ -53,9 +53,9 @@ from jax_flash2.config import MosaicForwardConfig
 from jax_flash2.mask import Mask, SegmentRanges, segment_block_ranges
 from jax_flash2.mosaic.common import (
     LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, Scores, at_least, band_of, check_operands,
-    check_segment_ids, check_smem, interpret_params_of, kv_range, kv_ring_producer, optional_ref, optional_slopes, outer_grid, pad_ids,
-    pad_seq, q_tile_work, run_tiles, scores_of, segment_kv_range, specialized_kernel, swizzled, tile_table, triangular,
-    unpad_seq,
+    check_segment_ids, check_smem, interpret_params_of, kv_range, kv_ring_producer, optional_ref, optional_slopes,
+    outer_grid, pad_ids, pad_seq, q_tile_work, run_tiles, scores_of, segment_kv_range, specialized_kernel, swizzled,
+    tile_table, triangular, unpad_seq,
 )
 
 # Shared memory Mosaic reserves for itself beside the forward's buffers
