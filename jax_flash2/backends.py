@@ -226,8 +226,8 @@ class MosaicKernels(Kernels):
   """The Pallas Mosaic GPU kernels for Hopper: bf16/fp16, head_dim 64, 128
   and 256, full or causal attention, sliding windows, softcap and ALiBi,
   alone or together, with GQA and any lengths (ragged ones padded to whole
-  blocks inside); segment ids in the forward. A dense mask, a bias, dropout
-  and the backward of segment ids run on the Triton kernels.
+  blocks inside); segment ids too, but in the backward at head_dim 256. A
+  dense mask, a bias and dropout run on the Triton kernels.
 
   The backward at head_dim 64 fuses dQ into the dK/dV kernel for full and
   causal attention only; windows, softcap and ALiBi take the two kernels
@@ -252,10 +252,11 @@ class MosaicKernels(Kernels):
       return f"the Mosaic kernels take bfloat16 and float16, not {problem.dtype}"
     if problem.head_dim not in mosaic_common.SUPPORTED_HEAD_DIMS:
       return f"the Mosaic kernels take head_dim 64, 128 or 256, not {problem.head_dim}"
-    if unserved := _options(problem, MOSAIC_UNSERVED_BACKWARD if backward else MOSAIC_UNSERVED):
-      served = "windows, softcap and ALiBi" + ("" if backward else ", segment ids")
-      return (f"the Mosaic {'backward' if backward else 'forward'} serves full and causal attention, {served}, "
+    if unserved := _options(problem, MOSAIC_UNSERVED):
+      return (f"the Mosaic kernels serve full and causal attention, windows, softcap, ALiBi and segment ids, "
               f"not {unserved}")
+    if backward and problem.mask.segments and problem.head_dim in mosaic_common.WIDE_HEAD_DIMS:
+      return f"the Mosaic backward at head_dim {problem.head_dim} (backward_wide) does not take segment ids yet"
     if auto and not defaults.mosaic_pays_for_padding(problem.seq_q, problem.seq_k):
       return (f"ragged lengths under {defaults.HOPPER_RAGGED_MIN_SEQ} run faster on the Triton kernels "
               f"(padding to whole {defaults.MOSAIC_BLOCK_ROWS}-row blocks costs more than the Mosaic kernels gain)")
@@ -286,7 +287,10 @@ class MosaicKernels(Kernels):
                                             softmax_scale=problem.softmax_scale, config=config, interpret=interpret)
     else:
       kernels = mosaic_backward
-    return kernels.backward(q, k, v, do, lse, delta, **_mosaic_options(operands, problem), config=config,
+    segments = {}
+    if problem.mask.segments:  # not at head_dim 256 (`serves`)
+      segments = dict(q_segment_ids=operands.q_segment_ids, kv_segment_ids=operands.kv_segment_ids)
+    return kernels.backward(q, k, v, do, lse, delta, **_mosaic_options(operands, problem), **segments, config=config,
                             interpret=interpret)
 
   def partitionable(self, interpret):
@@ -332,9 +336,8 @@ def _mosaic_options(operands: Operands, problem: Problem) -> dict:
               softcap=problem.softcap, alibi_slopes=operands.alibi_slopes, softmax_scale=problem.softmax_scale)
 
 
-# The options the Mosaic kernels do not serve (yet): those passes run on the Triton kernels.
+# The options the Mosaic kernels do not serve (yet): they run on the Triton kernels.
 MOSAIC_UNSERVED = ("a dense mask", "dropout", "a bias")
-MOSAIC_UNSERVED_BACKWARD = (*MOSAIC_UNSERVED, "segment ids")
 
 
 def _options(problem: Problem, among: tuple[str, ...] | None = None) -> str:

@@ -50,12 +50,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash2 import defaults
 from jax_flash2.config import MosaicForwardConfig
-from jax_flash2.mask import Mask, SegmentRanges, segment_block_ranges
+from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, Scores, at_least, band_of, check_operands,
     check_segment_ids, check_smem, interpret_params_of, kv_range, kv_ring_producer, optional_ref, optional_slopes,
-    outer_grid, pad_ids, pad_seq, q_tile_work, run_tiles, scores_of, segment_kv_range, specialized_kernel, swizzled,
-    tile_table, triangular, unpad_seq,
+    outer_grid, pad_seq, q_tile_work, run_tiles, scores_of, segment_inputs, segment_range, segment_refs,
+    specialized_kernel, swizzled, tile_table, triangular, unpad_seq,
 )
 
 # Shared memory Mosaic reserves for itself beside the forward's buffers
@@ -103,7 +103,8 @@ def _forward_kernel(
   # persistent CTAs' tiles.
   slopes_ref, refs = optional_ref(refs, scores.alibi)
   segments = mask.segments
-  (q_ids_ref, kv_ids_ref, ranges_ref), refs = (refs[:3], refs[3:]) if segments else ((None,) * 3, refs)
+  ids, refs = segment_refs(refs, segments)
+  ranges_ref = ids.ranges if segments else None
   (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_consumed, v_consumed,
    *staging) = refs
   rows, block_kv, stages, consumers = config.rows_per_consumer, config.block_kv, config.stages, config.consumers
@@ -148,9 +149,9 @@ def _forward_kernel(
     # element mask; lo = full_lo = 0 without a left edge.
     lo, full_lo, full_hi, hi = kv_range(mask, q_start, rows, block_kv)
     if segments:
-      lo, full_lo, full_hi, hi = segment_kv_range((lo, full_lo, full_hi, hi), ranges_ref, tile.batch,
-                                                  lax.div(q_start, jnp.int32(rows)), tile)
-      q_ids = plgpu.load(q_ids_ref.at[tile.batch, pl.ds(q_start, rows)], layout=plgpu.Layout.WGMMA.reduce(1))
+      lo, full_lo, full_hi, hi = segment_range((lo, full_lo, full_hi, hi), ranges_ref, tile.batch,
+                                               lax.div(q_start, jnp.int32(rows)), tile.kv_lo, tile.kv_end)
+      q_ids = plgpu.load(ids.q.at[tile.batch, pl.ds(q_start, rows)], layout=plgpu.Layout.WGMMA.reduce(1))
     slope = scores.slope(slopes_ref, tile.batch, tile.head)
 
     def slot_of(kb):
@@ -193,7 +194,7 @@ def _forward_kernel(
         row, col = at if at is not None else positions()
         visible = mask.visible(row, col, check_queries=False, check_keys=check_keys)
         if segments:
-          kv_ids = plgpu.load(kv_ids_ref.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
+          kv_ids = plgpu.load(ids.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
                               layout=plgpu.Layout.WGMMA.reduce(0))
           visible &= (lax.broadcast_in_dim(q_ids, s.shape, [0]) == lax.broadcast_in_dim(kv_ids, s.shape, [1]))
         s = jnp.where(visible, s, -jnp.inf)
@@ -451,17 +452,13 @@ def forward(
   # its end, where the TMA engine loads zeros and the kernel stores nothing.
   k, v = pad_seq(k, config.block_kv), pad_seq(v, config.block_kv)
   num_q_blocks = pl.cdiv(q.shape[1], config.block_q)
-  segment_inputs = ()
+  id_inputs = ()
   if segments:
     # Each consumer's K/V block range under the ids, computed once per call
     # outside the kernel; groups past seq_q (a last Q block partly past it)
     # get the empty range.
-    extents = SegmentRanges(q_segment_ids, kv_segment_ids)
-    ranges = segment_block_ranges(extents.queries(rows), extents.keys(config.block_kv))
-    groups = num_q_blocks * consumers
-    empty = k.shape[1] // config.block_kv
-    ranges = jnp.pad(ranges, ((0, 0), (0, groups - ranges.shape[1]), (0, 0)), constant_values=empty)
-    segment_inputs = (pad_ids(q_segment_ids, q.shape[1]), pad_ids(kv_segment_ids, k.shape[1]), ranges)
+    id_inputs = segment_inputs(q_segment_ids, kv_segment_ids, padded_q=q.shape[1], padded_k=k.shape[1], rows=rows,
+                               block=config.block_kv, groups=num_q_blocks * consumers, q_outer=True)
 
   # head_dim is a multiple of 64: every tile takes the 128-byte swizzle.
   transforms = swizzled(head_dim, dtype)
@@ -496,5 +493,6 @@ def forward(
   out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32))
   out, lse = specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                                 interpret_params=interpret_params, name="flash2_fwd_mosaic",
-                                consumers=consumers)(q, k, v, tile_table(schedule), *optional_slopes(alibi_slopes), *segment_inputs)
+                                consumers=consumers)(q, k, v, tile_table(schedule), *optional_slopes(alibi_slopes),
+                                                     *id_inputs)
   return unpad_seq(out, seq_q), unpad_seq(lse, seq_q, axis=2)
