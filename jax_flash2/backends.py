@@ -226,8 +226,8 @@ class MosaicKernels(Kernels):
   """The Pallas Mosaic GPU kernels for Hopper: bf16/fp16, head_dim 64, 128
   and 256, full or causal attention, sliding windows, softcap and ALiBi,
   alone or together, with GQA and any lengths (ragged ones padded to whole
-  blocks inside); segment ids too, but in the backward at head_dim 256. A
-  dense mask, a bias and dropout run on the Triton kernels.
+  blocks inside), and segment ids. A dense mask, a bias and dropout run on
+  the Triton kernels.
 
   The backward at head_dim 64 fuses dQ into the dK/dV kernel for full and
   causal attention only; windows, softcap and ALiBi take the two kernels
@@ -255,8 +255,6 @@ class MosaicKernels(Kernels):
     if unserved := _options(problem, MOSAIC_UNSERVED):
       return (f"the Mosaic kernels serve full and causal attention, windows, softcap, ALiBi and segment ids, "
               f"not {unserved}")
-    if backward and problem.mask.segments and problem.head_dim in mosaic_common.WIDE_HEAD_DIMS:
-      return f"the Mosaic backward at head_dim {problem.head_dim} (backward_wide) does not take segment ids yet"
     if auto and not defaults.mosaic_pays_for_padding(problem.seq_q, problem.seq_k):
       return (f"ragged lengths under {defaults.HOPPER_RAGGED_MIN_SEQ} run faster on the Triton kernels "
               f"(padding to whole {defaults.MOSAIC_BLOCK_ROWS}-row blocks costs more than the Mosaic kernels gain)")
@@ -274,8 +272,8 @@ class MosaicKernels(Kernels):
     return defaults.mosaic_forward(problem.head_dim, seq_q=problem.seq_q, causal=problem.causal)
 
   def forward(self, q, k, v, operands, problem, config: MosaicForwardConfig, *, interpret):
-    return mosaic_forward.forward(q, k, v, **_mosaic_options(operands, problem), q_segment_ids=operands.q_segment_ids,
-                                  kv_segment_ids=operands.kv_segment_ids, config=config, interpret=interpret)
+    return mosaic_forward.forward(q, k, v, **_mosaic_options(operands, problem), config=config,
+                                  interpret=interpret)
 
   def backward(self, q, k, v, out, lse, do, dlse, operands, problem, config: MosaicBackwardConfig, *, interpret):
     # delta = rowsum(dO * O) - dlse comes from the Triton kernels' small delta kernel.
@@ -287,10 +285,7 @@ class MosaicKernels(Kernels):
                                             softmax_scale=problem.softmax_scale, config=config, interpret=interpret)
     else:
       kernels = mosaic_backward
-    segments = {}
-    if problem.mask.segments:  # not at head_dim 256 (`serves`)
-      segments = dict(q_segment_ids=operands.q_segment_ids, kv_segment_ids=operands.kv_segment_ids)
-    return kernels.backward(q, k, v, do, lse, delta, **_mosaic_options(operands, problem), **segments, config=config,
+    return kernels.backward(q, k, v, do, lse, delta, **_mosaic_options(operands, problem), config=config,
                             interpret=interpret)
 
   def partitionable(self, interpret):
@@ -330,10 +325,12 @@ class XlaAttention(Implementation):
 def _mosaic_options(operands: Operands, problem: Problem) -> dict:
   """The Mosaic entry points' band and score arguments for `problem`:
   causal where the band stops each query at its level key (a window's
-  right side of 0 included), the window's other sides, softcap, ALiBi."""
+  right side of 0 included), the window's other sides, softcap, ALiBi,
+  segment ids."""
   mask = problem.mask
   return dict(causal=problem.causal, window_size=(mask.left, None if problem.causal else mask.right),
-              softcap=problem.softcap, alibi_slopes=operands.alibi_slopes, softmax_scale=problem.softmax_scale)
+              softcap=problem.softcap, alibi_slopes=operands.alibi_slopes, q_segment_ids=operands.q_segment_ids,
+              kv_segment_ids=operands.kv_segment_ids, softmax_scale=problem.softmax_scale)
 
 
 # The options the Mosaic kernels do not serve (yet): they run on the Triton kernels.

@@ -58,8 +58,7 @@ def _options(name: str, q, k) -> dict:
 OPTIONS = ["none", "causal", "mask", "bias", "window", "window_as_causal", "softcap", "alibi", "segments",
            "dropout", "scale", "sinks"]
 PLAIN = {"none", "causal", "window_as_causal", "scale", "sinks"}
-# What the Mosaic kernels serve besides plain attention (issue 27); segment
-# ids all but the backward at head_dim 256.
+# What the Mosaic kernels serve besides plain attention (issue 27).
 MOSAIC_OPTIONS = {"window", "softcap", "alibi", "segments"}
 # The options they leave to the Triton kernels, as their reason names them.
 TRITON_ONLY = {"mask": "a dense mask", "bias": "a bias", "dropout": "dropout"}
@@ -69,14 +68,12 @@ TRITON_ONLY = {"mask": "a dense mask", "bias": "a bias", "dropout": "dropout"}
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_auto_on_hopper(option, head_dim):
   """The Mosaic kernels for full/causal attention, windows, softcap, ALiBi
-  and segment ids at head_dim 64, 128 and 256 (segment ids' backward at 256
-  apart); the Triton kernels for everything else, with the reason naming
-  the option."""
+  and segment ids at head_dim 64, 128 and 256; the Triton kernels for
+  everything else, with the reason naming the option."""
   q, k, v = _structs(head_dim=head_dim)
   got = plan(q, k, v, compute_capability=HOPPER, **_options(option, q, k))
   served = head_dim != 96 and option in PLAIN | MOSAIC_OPTIONS
-  wide_segments = option == "segments" and head_dim == 256
-  for pass_plan, mosaic in ((got.forward, served), (got.backward, served and not wide_segments)):
+  for pass_plan, mosaic in ((got.forward, served), (got.backward, served)):
     assert pass_plan.backend == ("mosaic" if mosaic else "triton")
     assert (pass_plan.reason is None) == mosaic
     if mosaic:
@@ -85,9 +82,7 @@ def test_auto_on_hopper(option, head_dim):
     assert isinstance(pass_plan.config, BlockSizes)
     if option in TRITON_ONLY and head_dim != 96:
       assert pass_plan.reason.endswith(f"not {TRITON_ONLY[option]}")
-  if wide_segments:
-    assert got.backward.reason.endswith("(backward_wide) does not take segment ids yet")
-  elif served:
+  if served:
     assert isinstance(got.forward.config, MosaicForwardConfig)
     assert isinstance(got.backward.config, MosaicBackwardConfig)
     # The fused backward (the d64 default) serves full and causal attention only.

@@ -331,32 +331,33 @@ SEGMENT_CASES = {
     # Ids in no order with ALiBi, ragged, the d128 defaults: the hull of
     # blocks whose id ranges meet, masked.
     "d128_unsorted_alibi_ragged": ((1, 136, 200, 1, 128), None, dict(alibi="heads"), "unsorted", None, None, True),
-    # head_dim 256's forward, causal (its backward takes segment ids on Triton).
-    "d256_packed_causal": ((1, 256, 256, 1, 256), None, dict(causal=True), "packed", None, None, False),
+    # head_dim 256 (backward_wide), ragged, rows that see no key.
+    "d256_cross_causal_ragged": ((1, 136, 128, 1, 256), None, dict(causal=True), "cross", None, None, False),
 }
 
 
 @pytest.mark.parametrize("case", list(SEGMENT_CASES))
 def test_interpreter_with_segment_ids(case):
-  """The Mosaic forward and two-kernel backward with segment ids in Mosaic's
-  interpreter against the float64 reference (out, lse and, where the case
-  has a backward config, every gradient), rows whose id no key holds giving
-  zeros, lse -inf and dQ 0, poisoned memory, the race detector where asked."""
+  """The Mosaic forward and backward (two-kernel at head_dim 64 and 128,
+  backward_wide at 256) with segment ids in Mosaic's interpreter against the
+  float64 reference (out, lse and every gradient), rows whose id no key
+  holds giving zeros, lse -inf and dQ 0, poisoned memory, the race detector
+  where asked."""
   shape, kv_heads, options, kind, forward_config, backward_config, races = SEGMENT_CASES[case]
   (q, k, v, do, dlse), options = _arrays(shape, kv_heads, jnp.bfloat16, options)
   ids = dict(zip(("q_segment_ids", "kv_segment_ids"), _segment_ids(kind, shape[0], shape[1], shape[2])))
   params = plgpu.InterpretGPUParams(detect_races=races, uninitialized_memory="nan")
   out, lse = mosaic_fwd.forward(q, k, v, **options, **ids, config=forward_config, interpret=params)
-  got = (out, lse)
-  if shape[-1] != 256:
-    delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32)) - dlse
-    got += mosaic_bwd.backward(q, k, v, do, lse, delta, **options, **ids, config=backward_config, interpret=params)
+  delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32)) - dlse
+  kernels = backward_wide if shape[-1] == 256 else mosaic_bwd
+  got = (out, lse, *kernels.backward(q, k, v, do, lse, delta, **options, **ids, config=backward_config,
+                                     interpret=params))
   want = reference_with_grads(q, k, v, do, dlse, causal=options.get("causal", False),
                               window=options.get("window_size", (None, None)), softcap=options.get("softcap"),
                               alibi_slopes=options.get("alibi_slopes"),
                               segment_ids=(ids["q_segment_ids"], ids["kv_segment_ids"]))
   assert out.shape == q.shape and out.dtype == q.dtype
-  assert_matches_reference(got, want[:len(got)], do, tol=1e-2)
+  assert_matches_reference(got, want, do, tol=1e-2)
   if kind == "cross":
     blind = np.asarray(ids["q_segment_ids"] == 3)
     assert blind.any() and np.all(np.isneginf(np.asarray(lse)[np.broadcast_to(blind[:, None], lse.shape)]))
@@ -385,8 +386,8 @@ def test_flash_attention_segment_ids_on_mosaic():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_kernels_with_segment_ids_lower_for_cuda(head_dim):
-  """The causal forward and, at head_dim 64 and 128, the two-kernel backward
-  with segment ids, at their default tilings, lower for sm_90a."""
+  """The causal forward and backward with segment ids, at their default
+  tilings, lower for sm_90a."""
   lower = lambda f, *args: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   q = jax.ShapeDtypeStruct((2, 1024, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1024, 2, head_dim), jnp.bfloat16)
@@ -395,7 +396,7 @@ def test_kernels_with_segment_ids_lower_for_cuda(head_dim):
   text = lower(lambda q, k, v, a, b: mosaic_fwd.forward(q, k, v, causal=True, q_segment_ids=a, kv_segment_ids=b),
                q, kv, kv, ids, ids)
   assert "flash2_fwd_mosaic" in text and "mosaic_gpu_v2" in text
-  if head_dim != 256:
-    text = lower(lambda q, k, v, lse, a, b: mosaic_bwd.backward(q, k, v, q, lse, lse, causal=True, q_segment_ids=a,
-                                                                 kv_segment_ids=b), q, kv, kv, rows, ids, ids)
-    assert "flash2_bwd_dkv_mosaic" in text and "flash2_bwd_dq_mosaic" in text
+  kernels, wide = (backward_wide, "_wide") if head_dim == 256 else (mosaic_bwd, "")
+  text = lower(lambda q, k, v, lse, a, b: kernels.backward(q, k, v, q, lse, lse, causal=True, q_segment_ids=a,
+                                                            kv_segment_ids=b), q, kv, kv, rows, ids, ids)
+  assert f"flash2_bwd_dkv{wide}_mosaic" in text and f"flash2_bwd_dq{wide}_mosaic" in text

@@ -657,7 +657,7 @@ class QTile:
       # persistent CTA also asks for the tile after its last, which it never
       # runs: clamped indices keep that read in bounds.)
       b = jnp.minimum(batch, segment_ranges.shape[0] - 1)
-      first = jnp.minimum(q_index, num_q_blocks - 1) * consumers
+      first = jnp.clip(q_index, 0, num_q_blocks - 1) * consumers
       groups = [segment_ranges.at[b, first + c] for c in range(consumers)]
       seg_lo = functools.reduce(jnp.minimum, [g[0] for g in groups])
       seg_hi = functools.reduce(jnp.maximum, [jnp.where(g[0] < g[3], g[3], 0) for g in groups])
@@ -1095,7 +1095,7 @@ class KVOuter:
       hi = self.num_q if self.mask.left is None else self.mask.q_blocks_left(k_start, OUTER_ROWS, self.block_q)[1]
       ranges = self.segments.ranges
       b = jnp.minimum(batch, ranges.shape[0] - 1)
-      first = jnp.minimum(kv_index * NUM_CONSUMERS, ranges.shape[1] - NUM_CONSUMERS)
+      first = jnp.clip(kv_index * NUM_CONSUMERS, 0, ranges.shape[1] - NUM_CONSUMERS)
       groups = [ranges.at[b, first + c] for c in range(NUM_CONSUMERS)]
       lo = jnp.maximum(lo, functools.reduce(jnp.minimum, [g[0] for g in groups]))
       hi = jnp.maximum(jnp.minimum(hi, functools.reduce(jnp.maximum, [jnp.where(g[0] < g[3], g[3], 0)
