@@ -1,0 +1,488 @@
+"""Ring attention: exact attention over a sequence split across devices.
+
+Called inside `shard_map` on the local shards of a sequence split over the
+mesh axis `axis_name` (P devices). Each device keeps its queries; the keys
+and values travel round the ring by `ppermute`, one hop per step, and each
+step's partial attention is merged into the running output by its lse
+(jax_flash2.merge), so after P steps every device holds the exact attention
+of its queries over the whole sequence, with memory O(S / P) per device.
+The next K/V shard's `ppermute` is issued before a step's attention, so the
+scheduler can hide it behind the compute.
+
+Layouts (`RingLayout`): CONTIGUOUS puts positions [r S/P, (r+1) S/P) on
+device r; ZIGZAG cuts the sequence into 2P chunks and puts chunks r and
+2P-1-r on device r (`zigzag_order` permutes a sequence into it), so that
+under a causal mask every device has the same work at every step.
+
+Each step attends one local query chunk to one travelling K/V chunk (a
+contiguous shard is one chunk, a zigzag shard two). The chunks' true
+positions make the mask of the pair: nothing visible (the pair is skipped),
+everything visible under the band (the kernels run it unmasked), or a band
+cut through it, whose sides are the global window's shifted by the chunks'
+distance (bottom-right alignment with equal lengths: query i sees key j iff
+i - left' <= j <= i + right', sides that may be negative). The device index
+is traced under shard_map, so a pair whose kind differs between devices is a
+`lax.switch` over its few static kinds, indexed by a per-device table: every
+kind is a static `Problem`, compiled once.
+
+The backward is a ring too: the K/V shards travel again, with their dK/dV
+accumulators (float32) one step behind them, while dQ stays home. Each
+step runs the backward kernels with the merged output and lse, from which
+they recompute the step's probabilities exactly (backends.Kernels.backward;
+XlaAttention.backward for plain XLA). Summation orders are fixed, so the
+gradients are deterministic.
+
+STRATEGY ALLGATHER gathers K/V once instead (for GQA with few K/V heads,
+where the gathered K/V are small) and runs the same steps on slices of the
+gathered arrays; its backward sums dK/dV back to their owners with one
+reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import warnings
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_flash2 import backends, compat, merge, sharding, vjp
+from jax_flash2.api import check_backend, check_flag, check_problem
+from jax_flash2.backends import Backend, Call, Device
+from jax_flash2.mask import Mask
+from jax_flash2.problem import Operands, Problem
+
+
+class RingLayout(enum.Enum):
+  """Which positions of the sequence each device of the ring holds."""
+
+  CONTIGUOUS = "contiguous"
+  ZIGZAG = "zigzag"
+
+
+class RingStrategy(enum.Enum):
+  """How K/V reach every device: round the ring, or gathered once."""
+
+  RING = "ring"
+  ALLGATHER = "allgather"
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    axis_name: Hashable,
+    causal: bool = False,
+    layout: RingLayout | str = "zigzag",
+    strategy: RingStrategy | str = "ring",
+    window_size: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    backend: Backend | str = "auto",
+    interpret: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Attention over a sequence split across the devices of a mesh axis.
+
+  Call it inside `jax.shard_map` whose in_specs split the sequence axis
+  (axis 1) of q, k, v (and of the segment ids) over `axis_name`; the result
+  equals `flash_attention` of the whole (unpermuted) sequence, split the same
+  way. Batch and heads may be split over other mesh axes as well.
+
+  Args:
+    q: [batch, seq / P, heads, head_dim], this device's queries.
+    k, v: [batch, seq / P, kv_heads, head_dim], this device's keys and
+      values (the same positions as q: self-attention over one sequence).
+    axis_name: the mesh axis the sequence is split over (P devices).
+    causal, window_size, softcap, sinks, softmax_scale: as in
+      flash_attention, over the true positions of the whole sequence.
+    layout: a `RingLayout` or its name. "zigzag" (the default): the sequence
+      is cut into 2P chunks and device r holds chunks r and 2P-1-r, which
+      balances causal work; put a sequence (tokens, positions, labels) into
+      that order once with `zigzag_order`. The local length must be even.
+      "contiguous": device r holds positions [r seq/P, (r+1) seq/P).
+    strategy: a `RingStrategy` or its name. "ring": K/V travel round the
+      ring, one shard per step. "allgather": K/V are gathered once (memory
+      O(seq) for them, worth it under GQA with few K/V heads).
+    q_segment_ids, kv_segment_ids: int32 [batch, seq / P] each, both or
+      neither, in the layout's order: query i sees key j only if their ids
+      are equal.
+    return_lse: also return lse, float32 [batch, heads, seq / P], natural log.
+    backend, interpret: as in flash_attention, chosen for each step's
+      problem (on Hopper a step between offset chunks whose band sides are
+      negative runs on the Triton kernels).
+
+  Returns:
+    out like q (and lse); differentiable once, in reverse mode (the backward
+    is a ring as well).
+
+  Steps that see nothing under the causal mask or window are skipped and
+  those that see everything run unmasked. Dense masks, a bias, ALiBi and
+  dropout are not offered here.
+  """
+  ring = _check(q, k, v, axis_name=axis_name, causal=causal, layout=layout, strategy=strategy,
+                window_size=window_size, softcap=softcap, sinks=sinks, q_segment_ids=q_segment_ids,
+                kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale, backend=backend, interpret=interpret)
+  return_lse = check_flag("return_lse", return_lse)  # before any work, not after it
+  if ring.backend is Backend.AUTO and any(call is not None and not call.plan.kernels
+                                          for step in _schedule(ring) for pair in step for call in pair.calls):
+    warnings.warn(
+        "jax_flash2: no NVIDIA GPU of compute capability 8.0 or newer here, so ring_attention's steps run the "
+        "plain XLA attention (quadratic memory per step), not the flash kernels. Pass backend='xla' to silence "
+        "this.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+  ids = (None, None) if q_segment_ids is None else (q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32))
+  sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+  if sinks is not None and ring.axis_name in compat.varying_axes(q) - compat.varying_axes(sinks):
+    # Under check_vma, sinks shared by the ring's devices meet each device's
+    # rows here: pvary's transpose sums their gradient over the ring, as for
+    # any invariant array (without check_vma, shard_map's transpose does).
+    sinks = compat.pvary(sinks, ring.axis_name)
+  if compat.is_forward_mode(q, k, v, sinks):
+    raise NotImplementedError(vjp.SECOND_ORDER.format(what="forward pass"))
+  out, lse = _ring(q, k, v, *ids, sinks, ring)
+  return (out, lse) if return_lse else out
+
+
+def zigzag_order(seq_len: int, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
+  """(perm, inverse), int32 [seq_len]: x[..., perm, ...] along the sequence
+  axis is the zigzag layout (cut into 2 num_devices chunks, device r's shard
+  holds chunks r and 2 num_devices - 1 - r, in that order), and
+  y[..., inverse, ...] undoes it. Permute tokens, positions and labels
+  alike, once at the input; attention and per-token layers need nothing
+  else."""
+  for name, value in (("seq_len", seq_len), ("num_devices", num_devices)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if seq_len % (2 * num_devices):
+    raise ValueError(f"seq_len must be divisible by 2 * num_devices = {2 * num_devices} (the zigzag layout's "
+                     f"chunks), got seq_len {seq_len}")
+  chunks = np.arange(seq_len).reshape(2 * num_devices, -1)
+  perm = np.concatenate([np.concatenate([chunks[r], chunks[2 * num_devices - 1 - r]]) for r in range(num_devices)])
+  return perm.astype(np.int32), np.argsort(perm).astype(np.int32)
+
+
+# ---------------------------------------------------------------- the static ring
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """Everything static about one ring_attention call: hashable, so the
+  schedule is built once per distinct call.
+
+  problem: the checked problem of the local shards (seq_q = seq_k = the
+    local length); its mask's sides are the global band's, over true
+    positions, and its segments flag says whether ids take part.
+  """
+
+  axis_name: Hashable
+  num_devices: int
+  layout: RingLayout
+  strategy: RingStrategy
+  problem: Problem
+  device: Device
+  backend: Backend
+
+  @property
+  def num_chunks(self) -> int:
+    """Contiguous chunks of the sequence in each local shard."""
+    return 2 if self.layout is RingLayout.ZIGZAG else 1
+
+  @property
+  def chunk(self) -> int:
+    return self.problem.seq_q // self.num_chunks
+
+  def starts(self, device: int) -> tuple[int, ...]:
+    """The true positions where the chunks of this device's shard start."""
+    if self.layout is RingLayout.ZIGZAG:
+      return device * self.chunk, (2 * self.num_devices - 1 - device) * self.chunk
+    return (device * self.chunk,)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+  """One (query chunk, K/V chunk) attention of a step: calls holds the
+  static kinds it takes over the devices (None: nothing visible, skipped)
+  and table, per device index, which."""
+
+  q_chunk: int
+  kv_chunk: int
+  table: tuple[int, ...]
+  calls: tuple[Call | None, ...]
+
+
+def pair_mask(distance: int, chunk: int, left: int | None, right: int | None, segments: bool) -> Mask | None:
+  """The mask between a query chunk and a key chunk of `chunk` positions
+  each, the queries' first true position `distance` past the keys', under
+  the band (left, right) over true positions; None if no pair is visible.
+
+  Query i sees key j iff i + distance - left <= j <= i + distance + right:
+  with equal lengths the Mask's offset is 0, so its sides are left - distance
+  and right + distance, dropped where every pair satisfies them."""
+  last = chunk - 1
+  mask_left = mask_right = None
+  if right is not None:
+    if distance + right < -last:  # the last query is before the first key
+      return None
+    if distance + right < last:
+      mask_right = distance + right
+  if left is not None:
+    if distance - left > last:  # the first query's window starts past the last key
+      return None
+    if distance - left > -last:
+      mask_left = left - distance
+  return Mask(chunk, chunk, window_left=mask_left, window_right=mask_right, segments=segments)
+
+
+@functools.cache
+def _schedule(ring: Ring) -> tuple[tuple[_Pair, ...], ...]:
+  """The pairs of each step t: device r attends its chunks to those of device
+  (r - t) mod P, the K/V it holds at step t."""
+  mask, p = ring.problem.mask, ring.num_devices
+  calls: dict[Mask | None, Call | None] = {None: None}
+
+  def call_of(m: Mask | None) -> Call | None:
+    if m not in calls:
+      problem = dataclasses.replace(ring.problem, mask=m)
+      calls[m] = Call(problem, backends.choose(problem, ring.device, ring.backend))
+    return calls[m]
+
+  steps = []
+  for t in range(p):
+    pairs = []
+    for i in range(ring.num_chunks):
+      for j in range(ring.num_chunks):
+        kinds = [pair_mask(ring.starts(r)[i] - ring.starts((r - t) % p)[j], ring.chunk, mask.left, mask.right,
+                           mask.segments) for r in range(p)]
+        distinct = list(dict.fromkeys(kinds))
+        if distinct == [None]:
+          continue  # no device sees anything of this pair at this step
+        pairs.append(_Pair(i, j, tuple(distinct.index(m) for m in kinds), tuple(call_of(m) for m in distinct)))
+    steps.append(tuple(pairs))
+  return tuple(steps)
+
+
+def _run(pair: _Pair, device, part, carry, inputs):
+  """carry after `part(call, carry, inputs)` for this device's kind of the
+  pair: a static call where all devices share it, else a switch."""
+  branches = [functools.partial(part, call) for call in pair.calls]
+  if len(branches) == 1:
+    return branches[0](carry, inputs)
+  return lax.switch(jnp.asarray(pair.table, jnp.int32)[device], branches, carry, inputs)
+
+
+# ---------------------------------------------------------------- one part
+
+
+def _part_forward(q, k, v, operands: Operands, call: Call):
+  """(out, natural lse) of one step's attention."""
+  if not call.plan.kernels:
+    return backends.XLA.attention(q, k, v, operands, call.problem)
+  forward = vjp.first_order_only(lambda *args: sharding.forward(*args[:3], args[3], call), "forward pass")
+  out, lse = forward(q, k, v, operands)
+  return out, call.natural_lse(lse)
+
+
+def _part_backward(q, k, v, out, lse, do, dlse, operands: Operands, call: Call):
+  """(dq, dk, dv) of one step, from the merged out and natural lse."""
+  if not call.plan.kernels:
+    return backends.XLA.backward(q, k, v, out, lse, do, dlse, operands, call.problem)
+  backward = vjp.first_order_only(lambda *args: sharding.backward(*args[:7], args[7], call), "backward pass")
+  return backward(q, k, v, out, call.backward_lse_of_natural(lse), do, dlse, operands)
+
+
+def _forward_part(call: Call | None, carry, inputs):
+  """The running (out, lse) of a query chunk, with one K/V chunk merged in."""
+  if call is None:
+    return carry
+  q, k, v, q_ids, kv_ids = inputs
+  out, lse = _part_forward(q, k, v, Operands(q_segment_ids=q_ids, kv_segment_ids=kv_ids), call)
+  return merge.merge(*carry, out, lse)
+
+
+def _backward_part(call: Call | None, carry, inputs):
+  """The running float32 (dq, dk, dv) of a query chunk and a K/V chunk, with
+  their pair's gradients added."""
+  if call is None:
+    return carry
+  q, k, v, out, lse, do, dlse, q_ids, kv_ids = inputs
+  grads = _part_backward(q, k, v, out, lse, do, dlse, Operands(q_segment_ids=q_ids, kv_segment_ids=kv_ids), call)
+  return tuple(acc + g.astype(jnp.float32) for acc, g in zip(carry, grads))
+
+
+# ---------------------------------------------------------------- the ring
+
+
+def _chunks(x, ring: Ring, axis: int = 1) -> list:
+  """A local shard cut into its contiguous chunks along `axis` (None stays None)."""
+  if x is None:
+    return [None] * ring.num_chunks
+  return jnp.split(x, ring.num_chunks, axis=axis)
+
+
+def _joined(parts, axis: int = 1):
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
+
+
+class _Travel:
+  """The K/V (and their ids) each step sees: round the ring, the next hop
+  issued as a step's K/V are handed out (before the step's attention), or
+  sliced from one all-gather."""
+
+  def __init__(self, kv, ring: Ring):
+    self.ring = ring
+    if ring.strategy is RingStrategy.ALLGATHER:
+      self.gathered = lax.all_gather(kv, ring.axis_name)  # [P, ...] each
+    else:
+      self.current = kv
+
+  def step(self, t: int, device):
+    ring = self.ring
+    if ring.strategy is RingStrategy.ALLGATHER:
+      source = (device - t) % ring.num_devices
+      return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, source, keepdims=False), self.gathered)
+    here = self.current
+    if t + 1 < ring.num_devices:
+      self.current = _hop(here, ring)
+    return here
+
+
+def _hop(x, ring: Ring):
+  """x sent one device along the ring (device r's to device r + 1)."""
+  p = ring.num_devices
+  return lax.ppermute(x, ring.axis_name, [(r, (r + 1) % p) for r in range(p)])
+
+
+def _varying(x, ring: Ring):
+  """A fresh accumulator typed as varying over the ring's axis (shard_map's
+  check_vma), like the step results merged into it."""
+  return compat.pvary(x, ring.axis_name)
+
+
+def _forward(q, k, v, q_ids, kv_ids, ring: Ring):
+  """(out float32, natural lse) of the local queries over the whole sequence."""
+  device = lax.axis_index(ring.axis_name)
+  batch, _, heads, head_dim = q.shape
+  c = ring.chunk
+  queries = list(zip(_chunks(q, ring), _chunks(q_ids, ring)))
+  acc = [(_varying(jnp.zeros((batch, c, heads, head_dim), jnp.float32), ring),
+          _varying(jnp.full((batch, heads, c), -jnp.inf, jnp.float32), ring)) for _ in queries]
+  travel = _Travel((k, v, kv_ids), ring)
+  for t, pairs in enumerate(_schedule(ring)):
+    k_t, v_t, ids_t = travel.step(t, device)
+    keys = list(zip(_chunks(k_t, ring), _chunks(v_t, ring), _chunks(ids_t, ring)))
+    for pair in pairs:
+      (q_c, q_ids_c), (k_c, v_c, ids_c) = queries[pair.q_chunk], keys[pair.kv_chunk]
+      acc[pair.q_chunk] = _run(pair, device, _forward_part, acc[pair.q_chunk], (q_c, k_c, v_c, q_ids_c, ids_c))
+  return _joined([o for o, _ in acc]), _joined([l for _, l in acc], axis=2)
+
+
+def _backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse, ring: Ring):
+  """(dq, dk, dv) float32, each of this device's shard."""
+  device = lax.axis_index(ring.axis_name)
+  rows = [_chunks(x, ring) for x in (q, out, do)] + [_chunks(x, ring, axis=2) for x in (lse, dlse)]
+  queries = list(zip(*rows, _chunks(q_ids, ring)))  # (q, out, do, lse, dlse, ids) per chunk
+  dq = [_varying(jnp.zeros(x.shape, jnp.float32), ring) for x in rows[0]]
+  travel = _Travel((k, v, kv_ids), ring)
+  arrived = None  # the dK/dV accumulators of the K/V shard held this step, one hop behind it
+  gathered = None
+  for t, pairs in enumerate(_schedule(ring)):
+    k_t, v_t, ids_t = travel.step(t, device)
+    keys = list(zip(_chunks(k_t, ring), _chunks(v_t, ring), _chunks(ids_t, ring)))
+    dk = [_varying(jnp.zeros(x.shape, jnp.float32), ring) for x, _, _ in keys]
+    dv = [_varying(jnp.zeros(x.shape, jnp.float32), ring) for _, x, _ in keys]
+    for pair in pairs:
+      i, j = pair.q_chunk, pair.kv_chunk
+      q_c, out_c, do_c, lse_c, dlse_c, q_ids_c = queries[i]
+      k_c, v_c, ids_c = keys[j]
+      inputs = (q_c, k_c, v_c, out_c, lse_c, do_c, dlse_c, q_ids_c, ids_c)
+      dq[i], dk[j], dv[j] = _run(pair, device, _backward_part, (dq[i], dk[j], dv[j]), inputs)
+    step = (_joined(dk), _joined(dv))
+    if ring.strategy is RingStrategy.ALLGATHER:
+      if gathered is None:
+        gathered = tuple(_varying(jnp.zeros((ring.num_devices, *x.shape), jnp.float32), ring) for x in step)
+      source = (device - t) % ring.num_devices
+      gathered = tuple(lax.dynamic_update_index_in_dim(g, x, source, 0) for g, x in zip(gathered, step))
+    else:
+      # Added after this step's attention: the accumulators' hop overlaps it.
+      total = step if arrived is None else tuple(a + s for a, s in zip(arrived, step))
+      arrived = _hop(total, ring)  # after the last step, back at their owner
+  if ring.strategy is RingStrategy.ALLGATHER:
+    arrived = tuple(lax.psum_scatter(g, ring.axis_name, scatter_dimension=0) for g in gathered)
+  return (_joined(dq), *arrived)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ring(q, k, v, q_ids, kv_ids, sinks, ring: Ring):
+  return _ring_fwd(q, k, v, q_ids, kv_ids, sinks, ring)[0]
+
+
+def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, ring: Ring):
+  out, lse = _forward(q, k, v, q_ids, kv_ids, ring)
+  if sinks is not None:
+    out, lse = merge.join_sinks(out, lse, sinks)
+  out = checkpoint_name(out.astype(q.dtype), vjp.OUT_NAME)
+  lse = checkpoint_name(lse, vjp.LSE_NAME)
+  return (out, lse), (q, k, v, q_ids, kv_ids, sinks, out, lse)
+
+
+def _ring_bwd(ring: Ring, residuals, cotangents):
+  q, k, v, q_ids, kv_ids, sinks, out, lse = residuals
+  do, dlse = cotangents
+  dq, dk, dv = _backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse, ring)
+  # This device's share of dsinks; the caller's sinks, invariant over the
+  # ring, sum the shares (see ring_attention).
+  dsinks = None if sinks is None else merge.sinks_gradient(out, lse, do, dlse, sinks)
+  # The segment ids take no gradient.
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check(q, k, v, *, axis_name, causal, layout, strategy, window_size, softcap, sinks, q_segment_ids,
+           kv_segment_ids, softmax_scale, backend, interpret) -> Ring:
+  """The checked static description of a call."""
+  layout = _check_option(RingLayout, "layout", layout)
+  strategy = _check_option(RingStrategy, "strategy", strategy)
+  problem = check_problem(q, k, v, causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
+                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale)
+  if q.shape[1] != k.shape[1]:
+    raise ValueError(f"ring_attention attends one sequence split over the ring: q's and k/v's local lengths "
+                     f"(axis 1) must be equal, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+  if axis_name is None:
+    raise ValueError("ring_attention needs axis_name, the mesh axis the sequence is split over (inside shard_map)")
+  try:
+    num_devices = lax.axis_size(axis_name)
+  except (NameError, KeyError, ValueError) as e:
+    raise ValueError(f"axis_name {axis_name!r} is not a mesh axis bound here: call ring_attention inside "
+                     f"jax.shard_map over a mesh with that axis ({e})") from None
+  seq = q.shape[1]
+  if layout is RingLayout.ZIGZAG and seq % 2:
+    raise ValueError(f"layout='zigzag' cuts the sequence into 2 x {num_devices} chunks: the local length (q axis 1) "
+                     f"must be even, got {seq} (a sequence of {seq * num_devices} over {num_devices} devices); "
+                     "pad the sequence to a multiple of 2P or use layout='contiguous'")
+  device = Device(backends.default_compute_capability(), check_flag("interpret", interpret))
+  return Ring(axis_name, num_devices, layout, strategy, problem, device, check_backend(backend))
+
+
+def _check_option(kind: type[enum.Enum], name: str, value) -> enum.Enum:
+  try:
+    return kind(value)
+  except ValueError:
+    raise ValueError(f"{name} must be one of {[x.value for x in kind]}, got {value!r}") from None
