@@ -134,8 +134,8 @@ def ring_attention(
                 window_size=window_size, softcap=softcap, sinks=sinks, q_segment_ids=q_segment_ids,
                 kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale, backend=backend, interpret=interpret)
   return_lse = check_flag("return_lse", return_lse)  # before any work, not after it
-  if ring.backend is Backend.AUTO and any(call is not None and not call.plan.kernels
-                                          for step in _schedule(ring) for pair in step for call in pair.calls):
+  if ring.backend is Backend.AUTO and any(not call.plan.kernels
+                                          for step in _schedule(ring) for call in step.calls):
     warnings.warn(
         "jax_flash2: no NVIDIA GPU of compute capability 8.0 or newer here, so ring_attention's steps run the "
         "plain XLA attention (quadratic memory per step), not the flash kernels. Pass backend='xla' to silence "
@@ -212,15 +212,27 @@ class Ring:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Pair:
-  """One (query chunk, K/V chunk) attention of a step: calls holds the
-  static kinds it takes over the devices (None: nothing visible, skipped)
-  and table, per device index, which."""
+class _Block:
+  """One attention of a step: the query chunks q_chunks against the K/V
+  chunks kv_chunks (each all of the shard's chunks, or one), under call."""
 
-  q_chunk: int
-  kv_chunk: int
+  q_chunks: tuple[int, ...]
+  kv_chunks: tuple[int, ...]
+  call: Call
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  """The attentions of one step: kinds holds the distinct sets of blocks the
+  devices run (an empty set: the step sees nothing there) and table, per
+  device index, which."""
+
   table: tuple[int, ...]
-  calls: tuple[Call | None, ...]
+  kinds: tuple[tuple[_Block, ...], ...]
+
+  @property
+  def calls(self) -> tuple[Call, ...]:
+    return tuple(block.call for kind in self.kinds for block in kind)
 
 
 def pair_mask(distance: int, chunk: int, left: int | None, right: int | None, segments: bool) -> Mask | None:
@@ -246,14 +258,43 @@ def pair_mask(distance: int, chunk: int, left: int | None, right: int | None, se
   return Mask(chunk, chunk, window_left=mask_left, window_right=mask_right, segments=segments)
 
 
-@functools.cache
-def _schedule(ring: Ring) -> tuple[tuple[_Pair, ...], ...]:
-  """The pairs of each step t: device r attends its chunks to those of device
-  (r - t) mod P, the K/V it holds at step t."""
-  mask, p = ring.problem.mask, ring.num_devices
-  calls: dict[Mask | None, Call | None] = {None: None}
+def _blocks(masks: dict[tuple[int, int], Mask | None], ring: Ring, own: bool) -> list[tuple[tuple, tuple, Mask]]:
+  """The pairs of chunks a device sees at one step, as few attentions: pairs
+  seen whole under the band join into one over whole shards, or over one
+  chunk's row or column of them; the rest run one by one. own: the K/V are
+  the device's own, whose chunks, like its queries', are in true order, so a
+  band that only compares order (full or causal attention) holds over the
+  whole shard by local index."""
+  n, c, band = ring.num_chunks, ring.chunk, ring.problem.mask
+  every = tuple(range(n))
+  whole = lambda rows, cols, right=None: (rows, cols, Mask(len(rows) * c, len(cols) * c, window_right=right,
+                                                           segments=band.segments))
+  if own and band.left is None and band.right in (None, 0):
+    return [whole(every, every, band.right)]
+  full = {pair for pair, m in masks.items() if m is not None and not m.has_band}
+  if n > 1 and len(full) == n * n:
+    return [whole(every, every)]
+  blocks, done = [], set()
+  for i in range(n):
+    if n > 1 and all((i, j) in full for j in every):
+      blocks.append(whole((i,), every))
+      done |= {(i, j) for j in every}
+  for j in range(n):
+    if n > 1 and all((i, j) in full and (i, j) not in done for i in every):
+      blocks.append(whole(every, (j,)))
+      done |= {(i, j) for i in every}
+  blocks += [((i, ), (j, ), m) for (i, j), m in masks.items() if m is not None and (i, j) not in done]
+  return blocks
 
-  def call_of(m: Mask | None) -> Call | None:
+
+@functools.cache
+def _schedule(ring: Ring) -> tuple[_Step, ...]:
+  """The steps: at step t, device r attends its chunks to those of device
+  (r - t) mod P, the K/V it holds then."""
+  band, p, n = ring.problem.mask, ring.num_devices, ring.num_chunks
+  calls: dict[Mask, Call] = {}
+
+  def call_of(m: Mask) -> Call:
     if m not in calls:
       problem = dataclasses.replace(ring.problem, mask=m)
       calls[m] = Call(problem, backends.choose(problem, ring.device, ring.backend))
@@ -261,26 +302,23 @@ def _schedule(ring: Ring) -> tuple[tuple[_Pair, ...], ...]:
 
   steps = []
   for t in range(p):
-    pairs = []
-    for i in range(ring.num_chunks):
-      for j in range(ring.num_chunks):
-        kinds = [pair_mask(ring.starts(r)[i] - ring.starts((r - t) % p)[j], ring.chunk, mask.left, mask.right,
-                           mask.segments) for r in range(p)]
-        distinct = list(dict.fromkeys(kinds))
-        if distinct == [None]:
-          continue  # no device sees anything of this pair at this step
-        pairs.append(_Pair(i, j, tuple(distinct.index(m) for m in kinds), tuple(call_of(m) for m in distinct)))
-    steps.append(tuple(pairs))
+    kinds = []
+    for r in range(p):
+      masks = {(i, j): pair_mask(ring.starts(r)[i] - ring.starts((r - t) % p)[j], ring.chunk, band.left, band.right,
+                                 band.segments) for i in range(n) for j in range(n)}
+      kinds.append(tuple(_Block(rows, cols, call_of(m)) for rows, cols, m in _blocks(masks, ring, own=t == 0)))
+    distinct = list(dict.fromkeys(kinds))
+    steps.append(_Step(tuple(distinct.index(kind) for kind in kinds), tuple(distinct)))
   return tuple(steps)
 
 
-def _run(pair: _Pair, device, part, carry, inputs):
-  """carry after `part(call, carry, inputs)` for this device's kind of the
-  pair: a static call where all devices share it, else a switch."""
-  branches = [functools.partial(part, call) for call in pair.calls]
+def _run(step: _Step, device, run_kind, carry, inputs):
+  """carry after `run_kind(blocks, carry, inputs)` with this device's kind
+  of the step: static where all devices share it, else a switch."""
+  branches = [functools.partial(run_kind, kind) for kind in step.kinds]
   if len(branches) == 1:
     return branches[0](carry, inputs)
-  return lax.switch(jnp.asarray(pair.table, jnp.int32)[device], branches, carry, inputs)
+  return lax.switch(jnp.asarray(step.table, jnp.int32)[device], branches, carry, inputs)
 
 
 # ---------------------------------------------------------------- one part
@@ -303,23 +341,42 @@ def _part_backward(q, k, v, out, lse, do, dlse, operands: Operands, call: Call):
   return backward(q, k, v, out, call.backward_lse_of_natural(lse), do, dlse, operands)
 
 
-def _forward_part(call: Call | None, carry, inputs):
-  """The running (out, lse) of a query chunk, with one K/V chunk merged in."""
-  if call is None:
-    return carry
-  q, k, v, q_ids, kv_ids = inputs
-  out, lse = _part_forward(q, k, v, Operands(q_segment_ids=q_ids, kv_segment_ids=kv_ids), call)
-  return merge.merge(*carry, out, lse)
+def _take(chunks: list, which: tuple[int, ...], axis: int = 1):
+  """The chunks `which` of a shard cut into `chunks`, joined (None stays None)."""
+  parts = [chunks[i] for i in which]
+  if parts[0] is None:
+    return None
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
 
 
-def _backward_part(call: Call | None, carry, inputs):
-  """The running float32 (dq, dk, dv) of a query chunk and a K/V chunk, with
-  their pair's gradients added."""
-  if call is None:
-    return carry
-  q, k, v, out, lse, do, dlse, q_ids, kv_ids = inputs
-  grads = _part_backward(q, k, v, out, lse, do, dlse, Operands(q_segment_ids=q_ids, kv_segment_ids=kv_ids), call)
-  return tuple(acc + g.astype(jnp.float32) for acc, g in zip(carry, grads))
+def _forward_kind(blocks: tuple[_Block, ...], acc, inputs):
+  """The running (out, lse) of each query chunk, with the step's blocks
+  merged in."""
+  q, q_ids, k, v, kv_ids = inputs  # each a list of chunks
+  acc = list(acc)
+  for block in blocks:
+    rows, cols = block.q_chunks, block.kv_chunks
+    operands = Operands(q_segment_ids=_take(q_ids, rows), kv_segment_ids=_take(kv_ids, cols))
+    out, lse = _part_forward(_take(q, rows), _take(k, cols), _take(v, cols), operands, block.call)
+    for i, out_i, lse_i in zip(rows, jnp.split(out, len(rows), axis=1), jnp.split(lse, len(rows), axis=2)):
+      acc[i] = merge.merge(*acc[i], out_i, lse_i)
+  return acc
+
+
+def _backward_kind(blocks: tuple[_Block, ...], grads, inputs):
+  """The running float32 dq of each query chunk and the step's dk, dv of
+  each K/V chunk, with the step's blocks' gradients added."""
+  q, out, do, lse, dlse, q_ids, k, v, kv_ids = inputs  # each a list of chunks
+  dq, dk, dv = (list(x) for x in grads)
+  for block in blocks:
+    rows, cols = block.q_chunks, block.kv_chunks
+    operands = Operands(q_segment_ids=_take(q_ids, rows), kv_segment_ids=_take(kv_ids, cols))
+    got = _part_backward(_take(q, rows), _take(k, cols), _take(v, cols), _take(out, rows), _take(lse, rows, 2),
+                         _take(do, rows), _take(dlse, rows, 2), operands, block.call)
+    for acc, which, g in ((dq, rows, got[0]), (dk, cols, got[1]), (dv, cols, got[2])):
+      for i, part in zip(which, jnp.split(g, len(which), axis=1)):
+        acc[i] = acc[i] + part.astype(jnp.float32)
+  return dq, dk, dv
 
 
 # ---------------------------------------------------------------- the ring
@@ -376,48 +433,38 @@ def _forward(q, k, v, q_ids, kv_ids, ring: Ring):
   device = lax.axis_index(ring.axis_name)
   batch, _, heads, head_dim = q.shape
   c = ring.chunk
-  queries = list(zip(_chunks(q, ring), _chunks(q_ids, ring)))
+  queries = (_chunks(q, ring), _chunks(q_ids, ring))
   acc = [(_varying(jnp.zeros((batch, c, heads, head_dim), jnp.float32), ring),
-          _varying(jnp.full((batch, heads, c), -jnp.inf, jnp.float32), ring)) for _ in queries]
+          _varying(jnp.full((batch, heads, c), -jnp.inf, jnp.float32), ring)) for _ in range(ring.num_chunks)]
   travel = _Travel((k, v, kv_ids), ring)
-  for t, pairs in enumerate(_schedule(ring)):
-    k_t, v_t, ids_t = travel.step(t, device)
-    keys = list(zip(_chunks(k_t, ring), _chunks(v_t, ring), _chunks(ids_t, ring)))
-    for pair in pairs:
-      (q_c, q_ids_c), (k_c, v_c, ids_c) = queries[pair.q_chunk], keys[pair.kv_chunk]
-      acc[pair.q_chunk] = _run(pair, device, _forward_part, acc[pair.q_chunk], (q_c, k_c, v_c, q_ids_c, ids_c))
+  for t, step in enumerate(_schedule(ring)):
+    keys = tuple(_chunks(x, ring) for x in travel.step(t, device))
+    acc = _run(step, device, _forward_kind, acc, (*queries, *keys))
   return _joined([o for o, _ in acc]), _joined([l for _, l in acc], axis=2)
 
 
 def _backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse, ring: Ring):
   """(dq, dk, dv) float32, each of this device's shard."""
   device = lax.axis_index(ring.axis_name)
-  rows = [_chunks(x, ring) for x in (q, out, do)] + [_chunks(x, ring, axis=2) for x in (lse, dlse)]
-  queries = list(zip(*rows, _chunks(q_ids, ring)))  # (q, out, do, lse, dlse, ids) per chunk
-  dq = [_varying(jnp.zeros(x.shape, jnp.float32), ring) for x in rows[0]]
+  queries = ([_chunks(x, ring) for x in (q, out, do)] + [_chunks(x, ring, axis=2) for x in (lse, dlse)]
+             + [_chunks(q_ids, ring)])
+  zeros = lambda x: [_varying(jnp.zeros(part.shape, jnp.float32), ring) for part in _chunks(x, ring)]
+  dq = zeros(q)
   travel = _Travel((k, v, kv_ids), ring)
   arrived = None  # the dK/dV accumulators of the K/V shard held this step, one hop behind it
   gathered = None
-  for t, pairs in enumerate(_schedule(ring)):
-    k_t, v_t, ids_t = travel.step(t, device)
-    keys = list(zip(_chunks(k_t, ring), _chunks(v_t, ring), _chunks(ids_t, ring)))
-    dk = [_varying(jnp.zeros(x.shape, jnp.float32), ring) for x, _, _ in keys]
-    dv = [_varying(jnp.zeros(x.shape, jnp.float32), ring) for _, x, _ in keys]
-    for pair in pairs:
-      i, j = pair.q_chunk, pair.kv_chunk
-      q_c, out_c, do_c, lse_c, dlse_c, q_ids_c = queries[i]
-      k_c, v_c, ids_c = keys[j]
-      inputs = (q_c, k_c, v_c, out_c, lse_c, do_c, dlse_c, q_ids_c, ids_c)
-      dq[i], dk[j], dv[j] = _run(pair, device, _backward_part, (dq[i], dk[j], dv[j]), inputs)
-    step = (_joined(dk), _joined(dv))
+  for t, step in enumerate(_schedule(ring)):
+    keys = [_chunks(x, ring) for x in travel.step(t, device)]
+    dq, dk, dv = _run(step, device, _backward_kind, (dq, zeros(k), zeros(v)), (*queries, *keys))
+    here = (_joined(dk), _joined(dv))
     if ring.strategy is RingStrategy.ALLGATHER:
       if gathered is None:
-        gathered = tuple(_varying(jnp.zeros((ring.num_devices, *x.shape), jnp.float32), ring) for x in step)
+        gathered = tuple(_varying(jnp.zeros((ring.num_devices, *x.shape), jnp.float32), ring) for x in here)
       source = (device - t) % ring.num_devices
-      gathered = tuple(lax.dynamic_update_index_in_dim(g, x, source, 0) for g, x in zip(gathered, step))
+      gathered = tuple(lax.dynamic_update_index_in_dim(g, x, source, 0) for g, x in zip(gathered, here))
     else:
       # Added after this step's attention: the accumulators' hop overlaps it.
-      total = step if arrived is None else tuple(a + s for a, s in zip(arrived, step))
+      total = here if arrived is None else tuple(a + x for a, x in zip(arrived, here))
       arrived = _hop(total, ring)  # after the last step, back at their owner
   if ring.strategy is RingStrategy.ALLGATHER:
     arrived = tuple(lax.psum_scatter(g, ring.axis_name, scatter_dimension=0) for g in gathered)
@@ -441,6 +488,11 @@ def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, ring: Ring):
 def _ring_bwd(ring: Ring, residuals, cotangents):
   q, k, v, q_ids, kv_ids, sinks, out, lse = residuals
   do, dlse = cotangents
+  # Without the barrier XLA merges the backward's K/V hops with the
+  # forward's (the same ppermutes of the same arrays) and keeps every
+  # shard's K/V alive from the forward to the backward: O(S) per device.
+  # Through it with the cotangents, they wait for the backward.
+  k, v, kv_ids, do, dlse = lax.optimization_barrier((k, v, kv_ids, do, dlse))
   dq, dk, dv = _backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse, ring)
   # This device's share of dsinks; the caller's sinks, invariant over the
   # ring, sum the shares (see ring_attention).
