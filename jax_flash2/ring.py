@@ -213,11 +213,11 @@ class Ring:
 
 @dataclasses.dataclass(frozen=True)
 class _Block:
-  """One attention of a step: the query chunks q_chunks against the K/V
-  chunks kv_chunks (each all of the shard's chunks, or one), under call."""
+  """One attention of a step, under call: for each part (query chunks, K/V
+  chunks), those query chunks (all of the shard's, or one) against those
+  K/V chunks; parts of one mask run together, stacked along batch."""
 
-  q_chunks: tuple[int, ...]
-  kv_chunks: tuple[int, ...]
+  parts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
   call: Call
 
 
@@ -306,7 +306,10 @@ def _schedule(ring: Ring) -> tuple[_Step, ...]:
     for r in range(p):
       masks = {(i, j): pair_mask(ring.starts(r)[i] - ring.starts((r - t) % p)[j], ring.chunk, band.left, band.right,
                                  band.segments) for i in range(n) for j in range(n)}
-      kinds.append(tuple(_Block(rows, cols, call_of(m)) for rows, cols, m in _blocks(masks, ring, own=t == 0)))
+      parts: dict[Mask, list] = {}
+      for rows, cols, m in _blocks(masks, ring, own=t == 0):
+        parts.setdefault(m, []).append((rows, cols))
+      kinds.append(tuple(_Block(tuple(ps), call_of(m)) for m, ps in parts.items()))
     distinct = list(dict.fromkeys(kinds))
     steps.append(_Step(tuple(distinct.index(kind) for kind in kinds), tuple(distinct)))
   return tuple(steps)
@@ -341,12 +344,20 @@ def _part_backward(q, k, v, out, lse, do, dlse, operands: Operands, call: Call):
   return backward(q, k, v, out, call.backward_lse_of_natural(lse), do, dlse, operands)
 
 
-def _take(chunks: list, which: tuple[int, ...], axis: int = 1):
-  """The chunks `which` of a shard cut into `chunks`, joined (None stays None)."""
-  parts = [chunks[i] for i in which]
-  if parts[0] is None:
+def _take(chunks: list, parts, axis: int = 1):
+  """For each part, the chunks of a shard cut into `chunks` it names, joined
+  along `axis`; the parts stacked along batch (None stays None)."""
+  if chunks[0] is None:
     return None
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
+  joined = [jnp.concatenate([chunks[i] for i in which], axis=axis) if len(which) > 1 else chunks[which[0]]
+            for which in parts]
+  return joined[0] if len(joined) == 1 else jnp.concatenate(joined, axis=0)
+
+
+def _split(x, parts, axis: int = 1):
+  """(chunk index, its piece of x) for a result of parts stacked by `_take`."""
+  for which, piece in zip(parts, jnp.split(x, len(parts), axis=0)):
+    yield from zip(which, jnp.split(piece, len(which), axis=axis))
 
 
 def _forward_kind(blocks: tuple[_Block, ...], acc, inputs):
@@ -355,10 +366,10 @@ def _forward_kind(blocks: tuple[_Block, ...], acc, inputs):
   q, q_ids, k, v, kv_ids = inputs  # each a list of chunks
   acc = list(acc)
   for block in blocks:
-    rows, cols = block.q_chunks, block.kv_chunks
+    rows, cols = [r for r, _ in block.parts], [c for _, c in block.parts]
     operands = Operands(q_segment_ids=_take(q_ids, rows), kv_segment_ids=_take(kv_ids, cols))
     out, lse = _part_forward(_take(q, rows), _take(k, cols), _take(v, cols), operands, block.call)
-    for i, out_i, lse_i in zip(rows, jnp.split(out, len(rows), axis=1), jnp.split(lse, len(rows), axis=2)):
+    for (i, out_i), (_, lse_i) in zip(_split(out, rows), _split(lse, rows, axis=2)):
       acc[i] = merge.merge(*acc[i], out_i, lse_i)
   return acc
 
@@ -369,13 +380,13 @@ def _backward_kind(blocks: tuple[_Block, ...], grads, inputs):
   q, out, do, lse, dlse, q_ids, k, v, kv_ids = inputs  # each a list of chunks
   dq, dk, dv = (list(x) for x in grads)
   for block in blocks:
-    rows, cols = block.q_chunks, block.kv_chunks
+    rows, cols = [r for r, _ in block.parts], [c for _, c in block.parts]
     operands = Operands(q_segment_ids=_take(q_ids, rows), kv_segment_ids=_take(kv_ids, cols))
     got = _part_backward(_take(q, rows), _take(k, cols), _take(v, cols), _take(out, rows), _take(lse, rows, 2),
                          _take(do, rows), _take(dlse, rows, 2), operands, block.call)
-    for acc, which, g in ((dq, rows, got[0]), (dk, cols, got[1]), (dv, cols, got[2])):
-      for i, part in zip(which, jnp.split(g, len(which), axis=1)):
-        acc[i] = acc[i] + part.astype(jnp.float32)
+    for acc, parts, g in ((dq, rows, got[0]), (dk, cols, got[1]), (dv, cols, got[2])):
+      for i, piece in _split(g, parts):
+        acc[i] = acc[i] + piece.astype(jnp.float32)
   return dq, dk, dv
 
 

@@ -117,11 +117,14 @@ def test_ring_matches_reference(case):
 
 
 def test_ring_interpret_kernels():
-  """The Triton kernels in interpret mode as the steps: zigzag chunks under a
-  causal window give bands with negative sides; GQA and sinks (the
-  backward reads the merged lse in the kernels' base 2). Interpret-mode
-  Pallas under check_vma cannot run a backward (test_sharding pins that)."""
-  _check_ring(2, layout="zigzag", causal=True, window_size=(5, None), heads=4, kv_heads=2, sinks=True,
+  """The Triton kernels in interpret mode as the steps: the second step's
+  chunks under a causal window give a band with a negative side (keys from
+  11 past each query's index); GQA and sinks (the backward reads the merged
+  lse in the kernels' base 2). Contiguous: zigzag's steps between offset
+  chunks compile twice the kernel copies, and its logic is the XLA cases'.
+  Interpret-mode Pallas under check_vma cannot run a backward
+  (test_sharding pins that)."""
+  _check_ring(2, layout="contiguous", causal=True, window_size=(5, None), heads=4, kv_heads=2, sinks=True,
               backend="triton", interpret=True, check_vma=False)
 
 
@@ -208,7 +211,7 @@ def test_causal_steps_skip_hidden_and_unmask_full_pairs():
   # Contiguous: step t runs unmasked on devices r >= t, is skipped before.
   ring = _ring(4, "contiguous")
   for t, r in itertools.product(range(4), range(4)):
-    masks = [block.call.problem.mask for block in _runs(ring, t, r)]
+    masks = [block.call.problem.mask for block in _runs(ring, t, r) for _ in block.parts]
     if t == 0:
       assert [m.is_causal for m in masks] == [True]
     else:
@@ -221,13 +224,14 @@ def test_causal_steps_skip_hidden_and_unmask_full_pairs():
     blocks = _runs(ring, t, r)
     assert len(blocks) == 1
     (block,) = blocks
+    ((rows, cols),) = block.parts
     mask = block.call.problem.mask
     if t == 0:
-      assert mask.is_causal and block.q_chunks == block.kv_chunks == (0, 1)
+      assert mask.is_causal and rows == cols == (0, 1)
     else:
-      assert mask.is_full and len(block.q_chunks) * len(block.kv_chunks) == 2
-      # Its first chunk, the earlier one, sees the earlier shard's (s < r) chunk 0.
-      assert (block.kv_chunks == (0,)) == ((r - t) % 4 < r)
+      assert mask.is_full and len(rows) * len(cols) == 2
+      # From an earlier shard (s < r) both query chunks see its chunk 0.
+      assert (cols == (0,)) == ((r - t) % 4 < r)
 
 
 def test_pair_mask_is_the_band_over_true_positions():
