@@ -141,6 +141,10 @@ class Call:
     backward kernels read."""
     return lse * LOG2_E if kernels(self.plan.backward.backend).lse_log2 else lse
 
+  def natural_backward_lse(self, lse: jax.Array) -> jax.Array:
+    """An lse in the base the backward kernels read, as natural log."""
+    return lse * LN_2 if kernels(self.plan.backward.backend).lse_log2 else lse
+
 
 class Implementation(abc.ABC):
   """One backend: where it runs, which problems it serves, and its tiling."""

@@ -13,8 +13,10 @@ def is_forward_mode(*args) -> bool:
 
 
 def pvary(x, axis_name):
-  """x typed as varying over a shard_map axis (check_vma): lax.pcast in
-  newer jax, lax.pvary before it."""
+  """x typed as varying over a shard_map axis or axes (check_vma), as it
+  is if it already is: lax.pcast in newer jax, lax.pvary before it."""
+  if set(axis_name if isinstance(axis_name, tuple) else (axis_name,)) <= varying_axes(x):
+    return x
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, axis_name, to="varying")
   return jax.lax.pvary(x, axis_name)

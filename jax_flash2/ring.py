@@ -54,7 +54,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_flash2 import backends, compat, merge, sharding, vjp
 from jax_flash2.api import check_backend, check_flag, check_problem
-from jax_flash2.backends import Backend, Call, Device
+from jax_flash2.backends import LOG2_E, Backend, Call, Device
+from jax_flash2.config import BlockSizes
 from jax_flash2.mask import Mask
 from jax_flash2.problem import Operands, Problem
 
@@ -185,6 +186,12 @@ class Ring:
   problem: the checked problem of the local shards (seq_q = seq_k = the
     local length); its mask's sides are the global band's, over true
     positions, and its segments flag says whether ids take part.
+  local: the steps call the kernels on the shards as they are
+    (sharding.local_forward: inside sharding's partitioned calls, where
+    every mesh axis is already split), not through sharding's partitioned
+    wrappers (under shard_map, which may leave other mesh axes to the
+    partitioner).
+  block_sizes: the Triton kernels' tiles for every step (None: defaults).
   """
 
   axis_name: Hashable
@@ -194,6 +201,8 @@ class Ring:
   problem: Problem
   device: Device
   backend: Backend
+  local: bool = False
+  block_sizes: BlockSizes | None = None
 
   @property
   def num_chunks(self) -> int:
@@ -297,7 +306,7 @@ def _schedule(ring: Ring) -> tuple[_Step, ...]:
   def call_of(m: Mask) -> Call:
     if m not in calls:
       problem = dataclasses.replace(ring.problem, mask=m)
-      calls[m] = Call(problem, backends.choose(problem, ring.device, ring.backend))
+      calls[m] = Call(problem, backends.choose(problem, ring.device, ring.backend, block_sizes=ring.block_sizes))
     return calls[m]
 
   steps = []
@@ -327,21 +336,27 @@ def _run(step: _Step, device, run_kind, carry, inputs):
 # ---------------------------------------------------------------- one part
 
 
-def _part_forward(q, k, v, operands: Operands, call: Call):
+def _part_forward(q, k, v, operands: Operands, call: Call, local: bool):
   """(out, natural lse) of one step's attention."""
   if not call.plan.kernels:
     return backends.XLA.attention(q, k, v, operands, call.problem)
-  forward = vjp.first_order_only(lambda *args: sharding.forward(*args[:3], args[3], call), "forward pass")
-  out, lse = forward(q, k, v, operands)
+  if local:  # inside a partitioned call, itself under vjp.py's custom_vjp
+    out, lse = sharding.local_forward(q, k, v, operands, call)
+  else:
+    forward = vjp.first_order_only(lambda *args: sharding.forward(*args[:3], args[3], call), "forward pass")
+    out, lse = forward(q, k, v, operands)
   return out, call.natural_lse(lse)
 
 
-def _part_backward(q, k, v, out, lse, do, dlse, operands: Operands, call: Call):
+def _part_backward(q, k, v, out, lse, do, dlse, operands: Operands, call: Call, local: bool):
   """(dq, dk, dv) of one step, from the merged out and natural lse."""
   if not call.plan.kernels:
     return backends.XLA.backward(q, k, v, out, lse, do, dlse, operands, call.problem)
+  args = (q, k, v, out, call.backward_lse_of_natural(lse), do, dlse, operands)
+  if local:
+    return sharding.local_backward(*args, call)
   backward = vjp.first_order_only(lambda *args: sharding.backward(*args[:7], args[7], call), "backward pass")
-  return backward(q, k, v, out, call.backward_lse_of_natural(lse), do, dlse, operands)
+  return backward(*args)
 
 
 def _take(chunks: list, parts, axis: int = 1):
@@ -360,7 +375,7 @@ def _split(x, parts, axis: int = 1):
     yield from zip(which, jnp.split(piece, len(which), axis=axis))
 
 
-def _forward_kind(blocks: tuple[_Block, ...], acc, inputs):
+def _forward_kind(local: bool, blocks: tuple[_Block, ...], acc, inputs):
   """The running (out, lse) of each query chunk, with the step's blocks
   merged in."""
   q, q_ids, k, v, kv_ids = inputs  # each a list of chunks
@@ -368,13 +383,13 @@ def _forward_kind(blocks: tuple[_Block, ...], acc, inputs):
   for block in blocks:
     rows, cols = [r for r, _ in block.parts], [c for _, c in block.parts]
     operands = Operands(q_segment_ids=_take(q_ids, rows), kv_segment_ids=_take(kv_ids, cols))
-    out, lse = _part_forward(_take(q, rows), _take(k, cols), _take(v, cols), operands, block.call)
+    out, lse = _part_forward(_take(q, rows), _take(k, cols), _take(v, cols), operands, block.call, local)
     for (i, out_i), (_, lse_i) in zip(_split(out, rows), _split(lse, rows, axis=2)):
       acc[i] = merge.merge(*acc[i], out_i, lse_i)
   return acc
 
 
-def _backward_kind(blocks: tuple[_Block, ...], grads, inputs):
+def _backward_kind(local: bool, blocks: tuple[_Block, ...], grads, inputs):
   """The running float32 dq of each query chunk and the step's dk, dv of
   each K/V chunk, with the step's blocks' gradients added."""
   q, out, do, lse, dlse, q_ids, k, v, kv_ids = inputs  # each a list of chunks
@@ -383,7 +398,7 @@ def _backward_kind(blocks: tuple[_Block, ...], grads, inputs):
     rows, cols = [r for r, _ in block.parts], [c for _, c in block.parts]
     operands = Operands(q_segment_ids=_take(q_ids, rows), kv_segment_ids=_take(kv_ids, cols))
     got = _part_backward(_take(q, rows), _take(k, cols), _take(v, cols), _take(out, rows), _take(lse, rows, 2),
-                         _take(do, rows), _take(dlse, rows, 2), operands, block.call)
+                         _take(do, rows), _take(dlse, rows, 2), operands, block.call, local)
     for acc, parts, g in ((dq, rows, got[0]), (dk, cols, got[1]), (dv, cols, got[2])):
       for i, piece in _split(g, parts):
         acc[i] = acc[i] + piece.astype(jnp.float32)
@@ -436,6 +451,8 @@ def _hop(x, ring: Ring):
 def _varying(x, ring: Ring):
   """A fresh accumulator typed as varying over the ring's axis (shard_map's
   check_vma), like the step results merged into it."""
+  if ring.local:  # a partition callback: no shard_map types to meet
+    return x
   return compat.pvary(x, ring.axis_name)
 
 
@@ -450,7 +467,7 @@ def _forward(q, k, v, q_ids, kv_ids, ring: Ring):
   travel = _Travel((k, v, kv_ids), ring)
   for t, step in enumerate(_schedule(ring)):
     keys = tuple(_chunks(x, ring) for x in travel.step(t, device))
-    acc = _run(step, device, _forward_kind, acc, (*queries, *keys))
+    acc = _run(step, device, functools.partial(_forward_kind, ring.local), acc, (*queries, *keys))
   return _joined([o for o, _ in acc]), _joined([l for _, l in acc], axis=2)
 
 
@@ -466,7 +483,8 @@ def _backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse, ring: Ring):
   gathered = None
   for t, step in enumerate(_schedule(ring)):
     keys = [_chunks(x, ring) for x in travel.step(t, device)]
-    dq, dk, dv = _run(step, device, _backward_kind, (dq, zeros(k), zeros(v)), (*queries, *keys))
+    dq, dk, dv = _run(step, device, functools.partial(_backward_kind, ring.local), (dq, zeros(k), zeros(v)),
+                      (*queries, *keys))
     here = (_joined(dk), _joined(dv))
     if ring.strategy is RingStrategy.ALLGATHER:
       if gathered is None:
@@ -513,6 +531,44 @@ def _ring_bwd(ring: Ring, residuals, cotangents):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---------------------------------------------------------------- under jit with a split sequence
+
+
+def _partitioned_ring(call: Call, q, axis) -> Ring:
+  """The ring of a flash_attention call whose sequence the partitioner
+  split over mesh axis (or axes) `axis`, contiguously: its steps run the
+  call's kernel families (Mosaic where it serves a step), the Triton kernels
+  with the call's tiles, the Mosaic ones with their defaults."""
+  band = call.problem.mask
+  local = Mask(q.shape[1], q.shape[1], window_left=band.left, window_right=band.right, segments=band.segments)
+  backend = Backend.MOSAIC if Backend.MOSAIC.value in (call.plan.forward.backend, call.plan.backward.backend) \
+      else Backend.TRITON
+  device = Device(backends.default_compute_capability(), call.interpret)
+  block_sizes = call.plan.forward.config if backend is Backend.TRITON else None
+  return Ring(axis, lax.axis_size(axis), RingLayout.CONTIGUOUS, RingStrategy.RING,
+              dataclasses.replace(call.problem, mask=local), device, backend, local=True, block_sizes=block_sizes)
+
+
+def sharded_forward(q, k, v, operands: Operands, call: Call, axis) -> tuple[jax.Array, jax.Array]:
+  """The forward kernels' contract (out like q, lse in their base) for the
+  shards of a sequence split over `axis`, by the ring: what sharding.py's
+  partitioned forward runs when a call rides_ring."""
+  ring = _partitioned_ring(call, q, axis)
+  out, lse = _forward(q, k, v, operands.q_segment_ids, operands.kv_segment_ids, ring)
+  return out.astype(q.dtype), lse * LOG2_E if call.lse_log2 else lse
+
+
+def sharded_backward(q, k, v, out, lse, do, dlse, operands: Operands, call: Call, axis):
+  """The backward kernels' contract ((dq, dk, dv) from out, lse in their
+  base, dO and dlse) for the shards of a sequence split over `axis`, by the
+  ring (see sharded_forward)."""
+  ring = _partitioned_ring(call, q, axis)
+  # No barrier needed: the partitioned backward is a call of its own.
+  dq, dk, dv = _backward(q, k, v, operands.q_segment_ids, operands.kv_segment_ids, out,
+                         call.natural_backward_lse(lse), do, dlse, ring)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 # ---------------------------------------------------------------- checks

@@ -176,22 +176,42 @@ def test_without_custom_partitioning_an_all_gather_appears(monkeypatch):
   assert "all-gather" in hlo
 
 
-def test_sharded_sequence_is_gathered():
-  """seq must be replicated: a caller who shards it gets it gathered (and the
-  right answer)."""
+def test_sharded_sequence_rides_the_ring():
+  """A sequence split over a mesh axis stays split: the kernels run ring
+  attention round that axis (jax_flash2.ring, contiguous layout), forward
+  and backward, with collective-permutes and no all-gather, and give the
+  unsharded answer; batch stays split over the other axis. (A ring of 2:
+  test_ring.py has rings of 4 under shard_map.)"""
+  mesh = _mesh((4, 2))
+  q, k, v, dout = _inputs()
+  seq = NamedSharding(mesh, P("data", "model"))
+  f = _out_and_grads(dict(interpret=True, block_sizes=SMALL))
+  got, hlo = _compile(lambda q, k, v, dout: f(q, k, v, dout, None), (q, k, v, dout), (seq,) * 4)
+  assert "collective-permute" in hlo
+  assert set(COLLECTIVES.findall(hlo)) == {"collective-permute"}
+  want = _out_and_grads(dict(backend="xla"))(q, k, v, dout, None)
+  for name, x, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert rel_err(x, w) < 1e-5, name
+
+
+def test_sharded_sequence_with_a_mask_is_gathered():
+  """A problem the ring does not serve (a dense mask, a bias, ALiBi,
+  dropout, seq_q != seq_k) has its sequence gathered, with the right answer."""
   mesh = _mesh((2, 4))
   q, k, v, _ = _inputs()
+  mask = _mask((1, 1, 16, 16))
   seq = NamedSharding(mesh, P("data", "model"))
-  f = lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=True, block_sizes=SMALL)
+  f = lambda q, k, v: flash_attention(q, k, v, mask=mask, causal=True, interpret=True, block_sizes=SMALL)
   got, hlo = _compile(f, (q, k, v), (seq,) * 3)
   assert "all-gather" in hlo
-  assert rel_err(got, flash_attention(q, k, v, causal=True, backend="xla")) < 1e-5
+  assert rel_err(got, flash_attention(q, k, v, mask=mask, causal=True, backend="xla")) < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["xla", "triton", "mosaic"])
 def test_sharded_sequence_outside_jit_is_gathered(backend):
   """Outside jit too, on every backend: inputs whose sequence axis is
-  sharded give the unsharded answer (the kernels run on gathered operands)."""
+  sharded give the unsharded answer (the Triton kernels round the ring, the
+  Mosaic interpreter, which is not partitioned, and XLA on gathered operands)."""
   mesh = _mesh((2, 4))
   dtype = jnp.bfloat16 if backend == "mosaic" else jnp.float32
   q, k, v = (x.astype(dtype) for x in _inputs(seq=128 if backend == "mosaic" else 32, heads=4)[:3])
