@@ -341,7 +341,7 @@ def _backward_partition(call, mesh, arg_shapes, result_shape):
       dq, dk, dv = _backward_kernels(*args, call)
     if plan.kv_partial_over is not None:
       # MQA with the query heads split: the K/V head's gradient sums over
-      # query heads held by several shards (the one collective here).
+      # query heads held by several shards.
       dk, dv = jax.lax.psum((dk, dv), plan.kv_partial_over)
     return dq, dk, dv
 
