@@ -14,16 +14,18 @@ device r; ZIGZAG cuts the sequence into 2P chunks and puts chunks r and
 2P-1-r on device r (`zigzag_order` permutes a sequence into it), so that
 under a causal mask every device has the same work at every step.
 
-Each step attends one local query chunk to one travelling K/V chunk (a
+A step pairs the local query chunks with the K/V chunks held then (a
 contiguous shard is one chunk, a zigzag shard two). The chunks' true
-positions make the mask of the pair: nothing visible (the pair is skipped),
-everything visible under the band (the kernels run it unmasked), or a band
+positions make the mask of each pair (`pair_mask`): nothing visible (the
+pair is skipped), everything visible under the band (it runs unmasked, and
+such pairs join into one call over whole shards where they can), or a band
 cut through it, whose sides are the global window's shifted by the chunks'
-distance (bottom-right alignment with equal lengths: query i sees key j iff
-i - left' <= j <= i + right', sides that may be negative). The device index
-is traced under shard_map, so a pair whose kind differs between devices is a
-`lax.switch` over its few static kinds, indexed by a per-device table: every
-kind is a static `Problem`, compiled once.
+distance (with equal lengths the kernels' bottom-right alignment is the
+diagonal: query i sees key j iff i - left' <= j <= i + right', sides that
+may be negative). Pairs of one mask run as one call, stacked along batch.
+The device index is traced under shard_map, so a step whose set of calls
+differs between devices is a `lax.switch` over its few static kinds, indexed
+by a per-device table; every call is a static `Problem`, planned once.
 
 The backward is a ring too: the K/V shards travel again, with their dK/dV
 accumulators (float32) one step behind them, while dQ stays home. Each
@@ -32,7 +34,7 @@ they recompute the step's probabilities exactly (backends.Kernels.backward;
 XlaAttention.backward for plain XLA). Summation orders are fixed, so the
 gradients are deterministic.
 
-STRATEGY ALLGATHER gathers K/V once instead (for GQA with few K/V heads,
+RingStrategy.ALLGATHER gathers K/V once instead (for GQA with few K/V heads,
 where the gathered K/V are small) and runs the same steps on slices of the
 gathered arrays; its backward sums dK/dV back to their owners with one
 reduce-scatter.
