@@ -108,10 +108,11 @@ def _check_ring(num_devices, *, seq=32, heads=2, kv_heads=2, segments=False, sin
 CASES = {
     # P, layout, causal, window, heads, kv_heads, segments, sinks, strategy, dtype
     "p4-zigzag-causal-gqa": (4, "zigzag", True, None, 4, 2, False, False, "ring", jnp.float32),
-    "p2-zigzag-band-segments-sinks": (2, "zigzag", False, (6, 2), 2, 2, True, True, "ring", jnp.float32),
+    # Offset chunks cut by both sides of the band, the left one negative.
+    "p2-zigzag-band": (2, "zigzag", False, (6, 2), 2, 2, False, False, "ring", jnp.float32),
     "p2-contiguous-band-segments-bf16": (2, "contiguous", False, (5, 3), 2, 2, True, False, "ring", jnp.bfloat16),
-    "p2-zigzag-allgather-mqa-window-segments-sinks": (2, "zigzag", True, (3, None), 4, 1, True, True, "allgather",
-                                                      jnp.float32),
+    "p2-contiguous-allgather-mqa-segments-sinks": (2, "contiguous", True, None, 4, 1, True, True, "allgather",
+                                                   jnp.float32),
 }
 # (Contiguous causal: test_auto_warns_without_a_gpu_and_permutes_ahead_of_attention.)
 

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import random_inputs, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
 from jax_flash2 import sharding as flash_sharding
+from jax_flash2.api import check_problem
 
 SMALL = BlockSizes(fwd=KernelConfig(16, 16), dkv=KernelConfig(16, 16), dq=KernelConfig(16, 16))
 MODES = [
@@ -194,17 +195,21 @@ def test_sharded_sequence_rides_the_ring():
     assert rel_err(x, w) < 1e-5, name
 
 
-def test_sharded_sequence_with_a_mask_is_gathered():
-  """A problem the ring does not serve (a dense mask, a bias, ALiBi,
-  dropout, seq_q != seq_k) has its sequence gathered, with the right answer."""
-  mesh = _mesh((2, 4))
-  q, k, v, _ = _inputs()
-  mask = _mask((1, 1, 16, 16))
-  seq = NamedSharding(mesh, P("data", "model"))
-  f = lambda q, k, v: flash_attention(q, k, v, mask=mask, causal=True, interpret=True, block_sizes=SMALL)
-  got, hlo = _compile(f, (q, k, v), (seq,) * 3)
-  assert "all-gather" in hlo
-  assert rel_err(got, flash_attention(q, k, v, mask=mask, causal=True, backend="xla")) < 1e-5
+def test_only_problems_the_ring_serves_leave_the_sequence_split():
+  """The rule lets seq_q and seq_k be split (one factor) only where the ring
+  serves the problem; with a dense mask, a bias, ALiBi, dropout or seq_q !=
+  seq_k they must be replicated: gathered, as test_sharded_sequence_outside_jit_is_gathered
+  and the pre-ring suite checked. (Read off the rule, without compiling.)"""
+  q = jax.ShapeDtypeStruct((2, 16, 4, 16), jnp.float32)
+  rides = lambda **options: flash_sharding.rides_ring(check_problem(q, q, q, **options))
+  assert rides(causal=True) and rides(window_size=(3, 0), softcap=5.0)
+  assert not rides(mask=jnp.ones((16, 16), bool)) and not rides(bias=jnp.zeros((16, 16), jnp.float32))
+  assert not rides(alibi_slopes=jnp.ones(4, jnp.float32)) and not rides(dropout_rate=0.1, dropout_rng=jax.random.key(0))
+  assert not flash_sharding.rides_ring(check_problem(q, jax.ShapeDtypeStruct((2, 8, 4, 16), jnp.float32),
+                                                     jax.ShapeDtypeStruct((2, 8, 4, 16), jnp.float32)))
+  ring = flash_sharding._rule(["b i h d", "b i h d"], ["b i h d"], ring=True)[1]["need_replication_factors"]
+  gathered = flash_sharding._rule(["b i h d", "b j h d"], ["b i h d"])[1]["need_replication_factors"]
+  assert "i" not in ring and {"i", "j"} <= set(gathered)
 
 
 @pytest.mark.parametrize("backend", ["xla", "triton", "mosaic"])
