@@ -235,8 +235,8 @@ class MosaicKernels(Kernels):
   """The Pallas Mosaic GPU kernels for Hopper: bf16/fp16, head_dim 64, 128
   and 256, full or causal attention, sliding windows, softcap and ALiBi,
   alone or together, with GQA and any lengths (ragged ones padded to whole
-  blocks inside). A dense mask, segment ids, a bias and dropout run on the
-  Triton kernels.
+  blocks inside); segment ids too, but in the backward at head_dim 256. A
+  dense mask, a bias and dropout run on the Triton kernels.
 
   The backward at head_dim 64 fuses dQ into the dK/dV kernel for full and
   causal attention only; windows, softcap and ALiBi take the two kernels
@@ -257,7 +257,6 @@ class MosaicKernels(Kernels):
     return None
 
   def serves(self, problem, *, backward, auto):
-    del backward  # both passes serve the same problems
     if jnp.dtype(problem.dtype) not in mosaic_common.SUPPORTED_DTYPES:
       return f"the Mosaic kernels take bfloat16 and float16, not {problem.dtype}"
     if problem.head_dim not in mosaic_common.SUPPORTED_HEAD_DIMS:
@@ -266,8 +265,10 @@ class MosaicKernels(Kernels):
       return ("the Mosaic kernels take band sides >= 0, not the negative ones of ring attention's steps "
               "between offset chunks")
     if unserved := _options(problem, MOSAIC_UNSERVED):
-      return (f"the Mosaic kernels serve full and causal attention, windows, softcap and ALiBi, not "
-              f"{unserved}")
+      return (f"the Mosaic kernels serve full and causal attention, windows, softcap, ALiBi and segment ids, "
+              f"not {unserved}")
+    if backward and problem.mask.segments and problem.head_dim in mosaic_common.WIDE_HEAD_DIMS:
+      return f"the Mosaic backward at head_dim {problem.head_dim} (backward_wide) does not take segment ids yet"
     if auto and not defaults.mosaic_pays_for_padding(problem.seq_q, problem.seq_k):
       return (f"ragged lengths under {defaults.HOPPER_RAGGED_MIN_SEQ} run faster on the Triton kernels "
               f"(padding to whole {defaults.MOSAIC_BLOCK_ROWS}-row blocks costs more than the Mosaic kernels gain)")
@@ -285,8 +286,8 @@ class MosaicKernels(Kernels):
     return defaults.mosaic_forward(problem.head_dim, seq_q=problem.seq_q, causal=problem.causal)
 
   def forward(self, q, k, v, operands, problem, config: MosaicForwardConfig, *, interpret):
-    return mosaic_forward.forward(q, k, v, **_mosaic_options(operands, problem), config=config,
-                                  interpret=interpret)
+    return mosaic_forward.forward(q, k, v, **_mosaic_options(operands, problem), q_segment_ids=operands.q_segment_ids,
+                                  kv_segment_ids=operands.kv_segment_ids, config=config, interpret=interpret)
 
   def backward(self, q, k, v, out, lse, do, dlse, operands, problem, config: MosaicBackwardConfig, *, interpret):
     # delta = rowsum(dO * O) - dlse comes from the Triton kernels' small delta kernel.
@@ -298,7 +299,10 @@ class MosaicKernels(Kernels):
                                             softmax_scale=problem.softmax_scale, config=config, interpret=interpret)
     else:
       kernels = mosaic_backward
-    return kernels.backward(q, k, v, do, lse, delta, **_mosaic_options(operands, problem), config=config,
+    segments = {}
+    if problem.mask.segments:  # not at head_dim 256 (`serves`)
+      segments = dict(q_segment_ids=operands.q_segment_ids, kv_segment_ids=operands.kv_segment_ids)
+    return kernels.backward(q, k, v, do, lse, delta, **_mosaic_options(operands, problem), **segments, config=config,
                             interpret=interpret)
 
   def partitionable(self, interpret):
@@ -360,7 +364,7 @@ def _mosaic_options(operands: Operands, problem: Problem) -> dict:
 
 
 # The options the Mosaic kernels do not serve (yet): they run on the Triton kernels.
-MOSAIC_UNSERVED = ("a dense mask", "segment ids", "dropout", "a bias")
+MOSAIC_UNSERVED = ("a dense mask", "dropout", "a bias")
 
 
 def _options(problem: Problem, among: tuple[str, ...] | None = None) -> str:
