@@ -110,11 +110,11 @@ CASES = {
     "p4-zigzag-causal-gqa": (4, "zigzag", True, None, 4, 2, False, False, "ring", jnp.float32),
     # Offset chunks cut by both sides of the band, the left one negative.
     "p2-zigzag-band": (2, "zigzag", False, (6, 2), 2, 2, False, False, "ring", jnp.float32),
-    "p2-contiguous-band-segments-bf16": (2, "contiguous", False, (5, 3), 2, 2, True, False, "ring", jnp.bfloat16),
+    "p2-contiguous-causal-window-segments-bf16": (2, "contiguous", True, (20, None), 2, 2, True, False, "ring",
+                                                  jnp.bfloat16),
     "p2-contiguous-allgather-mqa-segments-sinks": (2, "contiguous", True, None, 4, 1, True, True, "allgather",
                                                    jnp.float32),
 }
-# (Contiguous causal: test_auto_warns_without_a_gpu_and_permutes_ahead_of_attention.)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -138,15 +138,18 @@ def test_ring_interpret_kernels():
 
 def test_auto_warns_without_a_gpu_and_permutes_ahead_of_attention():
   """Under "auto" on CPU the steps run XLA, with a warning. In the compiled
-  program each step's K/V collective-permute comes before the attention of
+  forward each step's K/V collective-permute comes before the attention of
   the step that issues it. (The CPU backend's collective-permute is
   synchronous, with no start/done pair: the order of the schedule is what
   it shows; test_jaxpr_issues_each_hop_before_the_step checks the order the
-  ring emits.)"""
+  ring emits, forward and backward.)"""
   if jax.devices()[0].platform == "gpu":
     pytest.skip("the CPU schedule")
+  q, k, v, _, _, _, _ = _inputs(32, 2, 2)
+  attend = lambda q, k, v: ring_attention(q, k, v, axis_name=AXIS, causal=True, layout="contiguous")
   with pytest.warns(RuntimeWarning, match="ring_attention's steps run the plain XLA attention"):
-    hlo = _check_ring(4, layout="contiguous", causal=True, backend="auto")
+    f = jax.jit(jax.shard_map(attend, mesh=_mesh(4), in_specs=(SEQ,) * 3, out_specs=SEQ))
+    hlo = f.lower(q, k, v).compile().as_text()
   # The entry computation's instructions in schedule order: (name, op, first operand).
   entry = hlo[hlo.index("ENTRY"):]
   order = [m.groups() for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = .+? ([a-z][a-z-]*)\(%?([\w.-]*)", entry, re.M)]
@@ -158,9 +161,8 @@ def test_auto_warns_without_a_gpu_and_permutes_ahead_of_attention():
   while nxt := [name for name, operand in permutes.items() if operand == chain[-1]]:
     chain += nxt[:1]
   conditionals = [name for name, op, _ in order if op == "conditional"]
-  # Steps 1-3 are conditionals (skipped on devices before the diagonal); the
-  # forward's come first.
-  assert len(chain) == 3 and len(conditionals) >= 3, order
+  # Steps 1-3 are conditionals (skipped on devices before the diagonal).
+  assert len(chain) == 3 and len(conditionals) == 3, order
   for t in (1, 2):  # step t's attention comes after the hop of step t + 1's K
     assert position[chain[t]] < position[conditionals[t - 1]], (t, chain, conditionals)
 
