@@ -26,7 +26,6 @@ from jax_flash2 import RingLayout, RingStrategy, ring_attention, zigzag_order
 from jax_flash2 import ring as ring_lib
 from jax_flash2.api import check_problem
 from jax_flash2.backends import Backend, Device
-from jax_flash2.mask import Mask
 
 AXIS = "sp"
 SEQ = P(None, AXIS)  # [batch, seq, ...] split over the ring
