@@ -1,8 +1,8 @@
 """ring_attention: the sequence split over a mesh axis of host devices.
 
-Each case runs ring_attention inside shard_map on P = 2 or 4 of conftest's 8
-host devices, with its forward and backward in one jitted program, and
-compares out, lse, dq, dk, dv (and dsinks) of the unpermuted sequence with
+Each case runs ring_attention inside shard_map on P = 2, 4 or 8 of
+conftest's 8 host devices, with its forward and backward in one jitted
+program, and compares out, lse, dq, dk, dv (and dsinks) of the unpermuted sequence with
 the float64 reference, under random output cotangents (dout and dlse).
 Most cases run the steps on plain XLA (the ring's logic: layouts, masks from
 true positions, skipped and unmasked steps, the backward ring, allgather);
@@ -11,6 +11,7 @@ one runs the Triton kernels in interpret mode.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 
@@ -22,7 +23,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from conftest import assert_within_plain_error, random_inputs, reference_with_grads, rel_err
-from jax_flash2 import RingLayout, RingStrategy, ring_attention, zigzag_order
+from jax_flash2 import RingLayout, RingStrategy, flash_attention, ring_attention, zigzag_order
 from jax_flash2 import ring as ring_lib
 from jax_flash2.api import check_problem
 from jax_flash2.backends import Backend, Device
@@ -67,12 +68,25 @@ def _ring_program(num_devices, *, segments, sinks, check_vma=True, **options):
                                out_specs=(SEQ, ROWS, SEQ, SEQ, SEQ, P()), check_vma=check_vma))
 
 
-def _check_ring(num_devices, *, seq=32, heads=2, kv_heads=2, segments=False, sinks=False, causal=False,
-                window_size=None, layout="contiguous", dtype=jnp.float32, check_vma=True, **options):
+@functools.cache
+def _compiled_ring(num_devices, args_shapes, *, segments, sinks, check_vma, **options):
+  """_ring_program compiled for arguments of these ShapeDtypeStructs, once
+  per process: the P = 8 cases and the memory test share one compile."""
+  program = _ring_program(num_devices, segments=segments, sinks=sinks, check_vma=check_vma, **options)
+  return program.lower(*args_shapes).compile()
+
+
+def _shapes(*args) -> tuple:
+  return tuple(None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args)
+
+
+def _check_ring(num_devices, *, seq=32, heads=2, kv_heads=2, batch=2, head_dim=16, segments=False, sinks=False,
+                causal=False, window_size=None, layout="contiguous", dtype=jnp.float32, check_vma=True, **options):
   """The ring's results, back in sequence order, against the float64
   reference (float32 inputs: relative error under 1e-5; bf16: within 2x/3x
   of the plain bf16 math's error); returns the compiled program's HLO text."""
-  q, k, v, dout, dlse, ids, sink = _inputs(seq, heads, kv_heads, segments=segments, sinks=sinks)
+  q, k, v, dout, dlse, ids, sink = _inputs(seq, heads, kv_heads, segments=segments, sinks=sinks, batch=batch,
+                                           head_dim=head_dim)
   q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
   mask = dict(causal=causal, window=window_size or (None, None), segment_ids=None if ids is None else (ids, ids),
               sinks=sink)
@@ -83,8 +97,8 @@ def _check_ring(num_devices, *, seq=32, heads=2, kv_heads=2, segments=False, sin
     perm = inverse = np.arange(seq)
   along = lambda x, axis=1: None if x is None else jnp.take(x, perm, axis=axis)
   args = (along(q), along(k), along(v), along(dout), along(dlse, 2), along(ids), sink)
-  program = _ring_program(num_devices, segments=segments, sinks=sinks, check_vma=check_vma, causal=causal,
-                          window_size=window_size, layout=layout, **options).lower(*args).compile()
+  program = _compiled_ring(num_devices, _shapes(*args), segments=segments, sinks=sinks, check_vma=check_vma,
+                           causal=causal, window_size=window_size, layout=layout, **options)
   got = program(*args)
   out, lse, dq, dk, dv, dsinks = got
   back = lambda x, axis=1: jnp.take(x, inverse, axis=axis)
@@ -121,6 +135,52 @@ def test_ring_matches_reference(case):
   num_devices, layout, causal, window, heads, kv_heads, segments, sinks, strategy, dtype = CASES[case]
   _check_ring(num_devices, layout=layout, causal=causal, window_size=window, heads=heads, kv_heads=kv_heads,
               segments=segments, sinks=sinks, strategy=strategy, dtype=dtype, backend="xla")
+
+
+# P = 8, one head of 8 over 1024 positions: 128 a device, so each step is
+# small; the same programs give test_p8_memory_per_device its compiles.
+P8 = dict(seq=1024, heads=1, kv_heads=1, batch=1, head_dim=8)
+P8_CASES = {"zigzag-causal": ("zigzag", True), "contiguous-full": ("contiguous", False)}
+
+
+@pytest.mark.parametrize("case", P8_CASES)
+def test_p8_matches_reference(case):
+  layout, causal = P8_CASES[case]
+  _check_ring(8, layout=layout, causal=causal, backend="xla", **P8)
+
+
+@pytest.mark.parametrize("case", P8_CASES)
+def test_p8_memory_per_device(case):
+  """Temp bytes per device of the P = 8 ring's forward + backward are at
+  most 1/8 of the unsharded run's (the same flash_attention, forward +
+  backward, on one device) plus the ring's buffers, counted as 16 local
+  K/V shards in float32 (K, V and their hop in flight; dK, dV, the step's
+  share and their hop; dQ and the running out; generous).
+
+  On backend="xla" every step holds its [128, 128] scores, so the
+  unsharded run's [1024, 1024] ones dominate its temp bytes (4 score-sized
+  arrays, 16 MiB against 0.3 MiB of the rest): a ring that gathered the
+  sequence would hold all of them on every device, 8x the bound. The ring
+  holds a step's share, (S/P)^2 per step: zigzag causal measures ~1/50 of
+  the unsharded bytes; contiguous full attention ~1/11, its independent
+  steps' scores live together in XLA's CPU schedule."""
+  layout, causal = P8_CASES[case]
+  q, k, v, dout, dlse, _, _ = _inputs(P8["seq"], P8["heads"], P8["kv_heads"], batch=P8["batch"],
+                                      head_dim=P8["head_dim"])
+  args = _shapes(q, k, v, dout, dlse, None, None)
+  ring = _compiled_ring(8, args, segments=False, sinks=False, check_vma=True, causal=causal, window_size=None,
+                        layout=layout, backend="xla").memory_analysis()
+
+  def unsharded(q, k, v, dout, dlse):
+    attend = lambda q, k, v: flash_attention(q, k, v, causal=causal, return_lse=True, backend="xla")
+    (out, lse), pullback = jax.vjp(attend, q, k, v)
+    return out, lse, *pullback((dout, dlse))
+
+  whole = jax.jit(unsharded).lower(*args[:5]).compile().memory_analysis()
+  shard_bytes = k.size // 8 * 4
+  bound = whole.temp_size_in_bytes / 8 + 16 * shard_bytes
+  assert whole.temp_size_in_bytes > 8 * 16 * shard_bytes  # the quadratic term dominates the bound
+  assert ring.temp_size_in_bytes <= bound, (ring.temp_size_in_bytes, whole.temp_size_in_bytes, bound)
 
 
 def test_ring_interpret_kernels():
