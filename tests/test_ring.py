@@ -2,8 +2,9 @@
 
 Each case runs ring_attention inside shard_map on P = 2, 4 or 8 of
 conftest's 8 host devices, with its forward and backward in one jitted
-program, and compares out, lse, dq, dk, dv (and dsinks) of the unpermuted sequence with
-the float64 reference, under random output cotangents (dout and dlse).
+program, and compares out, lse, dq, dk, dv (and dsinks) of the unpermuted
+sequence with the float64 reference, under random output cotangents (dout
+and dlse).
 Most cases run the steps on plain XLA (the ring's logic: layouts, masks from
 true positions, skipped and unmasked steps, the backward ring, allgather);
 one runs the Triton kernels in interpret mode.
