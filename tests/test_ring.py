@@ -68,11 +68,11 @@ def _ring_program(num_devices, *, segments, sinks, check_vma=True, **options):
 
 
 def _check_ring(num_devices, *, seq=32, heads=2, kv_heads=2, segments=False, sinks=False, causal=False,
-                window_size=None, layout="contiguous", dtype=jnp.float32, check_vma=True, **options):
+                window_size=None, layout="contiguous", dtype=jnp.float32, check_vma=True, head_dim=16, **options):
   """The ring's results, back in sequence order, against the float64
   reference (float32 inputs: relative error under 1e-5; bf16: within 2x/3x
   of the plain bf16 math's error); returns the compiled program's HLO text."""
-  q, k, v, dout, dlse, ids, sink = _inputs(seq, heads, kv_heads, segments=segments, sinks=sinks)
+  q, k, v, dout, dlse, ids, sink = _inputs(seq, heads, kv_heads, segments=segments, sinks=sinks, head_dim=head_dim)
   q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
   mask = dict(causal=causal, window=window_size or (None, None), segment_ids=None if ids is None else (ids, ids),
               sinks=sink)
@@ -133,6 +133,19 @@ def test_ring_interpret_kernels():
   (test_sharding pins that)."""
   _check_ring(2, layout="contiguous", causal=True, window_size=(5, None), heads=4, kv_heads=2, sinks=True,
               backend="triton", interpret=True, check_vma=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_devices", [2, 4, 8])
+@pytest.mark.parametrize("layout, causal, strategy", [("zigzag", True, "ring"), ("contiguous", False, "allgather"),
+                                                      ("contiguous", True, "ring")])
+def test_ring_on_gpus(num_devices, layout, causal, strategy):
+  """The compiled kernels ("auto") as the steps on a real mesh of GPUs, bf16, GQA, 256 tokens per device:
+  values and gradients within FlashAttention's rule of the plain bf16 math's error, bits repeated."""
+  if jax.device_count() < num_devices:
+    pytest.skip(f"needs {num_devices} GPUs, {jax.device_count()} here")
+  _check_ring(num_devices, seq=256 * num_devices, heads=4, kv_heads=2, head_dim=64, layout=layout, causal=causal,
+              strategy=strategy, dtype=jnp.bfloat16, backend="auto")
 
 
 def test_auto_warns_without_a_gpu_and_permutes_ahead_of_attention():
