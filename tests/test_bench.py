@@ -1088,8 +1088,15 @@ def test_kernel_trace_reads_the_gpu_streams(tmp_path, monkeypatch):
   # Two profiled calls of 70 us: 0.035 ms each.
   monkeypatch.setattr(kernel_trace, "profile", lambda call, calls, log_dir: path)
   assert kernel_trace.device_ms_per_call(lambda i: None, calls=2) == pytest.approx(0.035)
+  # --ring's reading: each device apart, its NCCL kernels' share beside; the trace kept where asked.
+  keep = tmp_path / "kept" / "cell.trace.json.gz"
+  assert kernel_trace.device_ms_by_device(lambda i: None, calls=2, keep=str(keep)) == {
+      "/device:GPU:0": kernel_trace.DeviceTime(pytest.approx(0.032), 0.0),
+      "/device:GPU:1": kernel_trace.DeviceTime(pytest.approx(0.003), pytest.approx(0.003))}
+  assert keep.read_bytes() == path.read_bytes()
   monkeypatch.setattr(kernel_trace, "profile", lambda call, calls, log_dir: None)
   assert kernel_trace.device_ms_per_call(lambda i: None, calls=2) is None
+  assert kernel_trace.device_ms_by_device(lambda i: None, calls=2) == {}
 
 
 def test_kernel_trace_of_a_cpu_run_has_no_kernels(tmp_path):
@@ -1309,3 +1316,111 @@ def test_decode_tokamax_stand_in(monkeypatch):
   paged = decode.run_cell(decode.DECODE_REGISTRY["tokamax"], dataclasses.replace(shape, page_size=16), [], cfg,
                           copy, None)
   assert paged.status == "unsupported" and "contiguous" in paged.error
+
+
+# --------------------------------------------------------------------- --ring
+
+
+def test_ring_parsing():
+  """--ring defaults (GPU: 8k and 16k tokens per device, d128, 16 heads, both layouts and strategies, fwd and
+  fwd+bwd, over every device; CPU tiny on XLA steps) and its flags."""
+  from jax_flash2 import RingLayout, RingStrategy
+  from jax_flash2.bench.ring import RingSweepConfig
+
+  cfg = cli.parse(["--ring"], "gpu", device_count=8)
+  assert isinstance(cfg, RingSweepConfig) and cfg.num_devices == 8
+  assert (cfg.tokens_per_device, cfg.head_dims, cfg.heads, cfg.kv_heads, cfg.batch) == ((8192, 16384), (128,), 16,
+                                                                                       16, 1)
+  assert cfg.layouts == (RingLayout.CONTIGUOUS, RingLayout.ZIGZAG)
+  assert cfg.strategies == (RingStrategy.RING, RingStrategy.ALLGATHER)
+  assert cfg.modes == ("fwd", "fwd+bwd") and cfg.impls == ("flash2",) and cfg.kernel_time and not cfg.interpret
+  assert not cfg.keep_traces and cli.parse(["--ring", "--keep-traces"], "gpu", device_count=8).keep_traces
+  assert cfg.num_cells() == 2 * 2 * 2 * 2
+  cpu = cli.parse(["--ring", "--devices", "4"], "cpu", device_count=8)
+  assert cpu.tiny and cpu.num_devices == 4 and cpu.impls == ("xla",) and not cpu.kernel_time
+  cfg = cli.parse(["--ring", "--layout", "zigzag", "--strategy", "allgather", "--tokens-per-device", "4k",
+                   "--modes", "fwd+bwd", "--kv-heads", "4"], "gpu", device_count=2)
+  assert (cfg.layouts, cfg.strategies, cfg.tokens_per_device, cfg.modes, cfg.kv_heads) == (
+      (RingLayout.ZIGZAG,), (RingStrategy.ALLGATHER,), (4096,), ("fwd+bwd",), 4)
+  shape = cfg.shape("bfloat16", 128, RingLayout.ZIGZAG, RingStrategy.ALLGATHER, 4096)
+  assert shape.causal and shape.seqlen == 8192 and shape.single_kv_len == 3 * 2048
+  # The config validates itself: enums, not their names.
+  with pytest.raises(ValueError, match="RingLayout"):
+    dataclasses.replace(cfg, layouts=("zigzag",))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ring", "--devices", "9"], "between 1 and the 8 devices"),
+        (["--ring", "--causal", "true"], "the layout fixes the mask"),
+        (["--ring", "--seqlens", "1k"], "drop --seqlens"),
+        (["--ring", "--layout", "diagonal"], "--layout: unknown 'diagonal'"),
+        (["--ring", "--strategy", "tree"], "--strategy: unknown 'tree'"),
+        (["--ring", "--tokens-per-device", "15"], "must be even"),
+        (["--ring", "--modes", "bwd"], "--ring times fwd and fwd+bwd"),
+        (["--ring", "--impls", "cudnn"], "unknown ring implementation"),
+        (["--layout", "zigzag"], "--layout belongs to --ring"),
+        (["--devices", "2"], "--devices belongs to --ring"),
+        (["--keep-traces"], "--keep-traces belongs to --ring"),
+    ],
+)
+def test_ring_bad_flags_exit_2(argv, message, capsys):
+  with pytest.raises(SystemExit) as exc:
+    cli.parse(argv, "gpu", device_count=8)
+  assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("num_devices, n", [(1, 4), (2, 4), (4, 6), (8, 2)])
+def test_ring_per_device_work_by_brute_force(num_devices, n):
+  """Zigzag causal: every device sees the same pairs, 1/P of the causal problem's, and the one-device call
+  (n queries over single_kv_len keys, causal bottom-right) sees as many; contiguous non-causal: n x S."""
+  from jax_flash2 import RingLayout, RingStrategy, zigzag_order
+  from jax_flash2.bench.ring import RingShape
+
+  shape = RingShape(num_devices, n, 1, 1, 1, 8, "float32", RingLayout.ZIGZAG, RingStrategy.RING)
+  seq = shape.seqlen
+  positions = zigzag_order(seq, num_devices)[0].reshape(num_devices, n)
+  per_device = [sum(int(i) + 1 for i in rows) for rows in positions]  # query i sees keys 0..i
+  assert per_device == [shape.pairs_per_device] * num_devices
+  assert shape.pairs_per_device * num_devices == seq * (seq + 1) // 2
+  keys = shape.single_kv_len
+  assert sum(i + keys - n + 1 for i in range(n)) == shape.pairs_per_device  # j <= i + keys - n
+  assert shape.forward_flops() == 4 * 8 * shape.pairs_per_device
+  full = dataclasses.replace(shape, layout=RingLayout.CONTIGUOUS)
+  assert (full.pairs_per_device, full.single_kv_len, full.causal) == (n * seq, seq, False)
+
+
+def test_ring_tiny_cpu_run(tmp_path):
+  """A tiny --ring run on 2 host devices (zigzag causal, XLA steps, fwd+bwd): the check passes, the cell has
+  the ring's and the single device's times, equal FLOPs, and the files say what the figures mean."""
+  from jax_flash2.bench import ring as ring_bench
+
+  argv = ["--ring", "--devices", "2", "--layout", "zigzag", "--strategy", "ring", "--tokens-per-device", "16",
+          "--head-dims", "16", "--modes", "fwd+bwd", "--iters", "1", "--warmup", "0", "--input-sets", "1",
+          "--out", str(tmp_path), "--no-progress"]
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    assert cli.main(argv) == 0
+  text = printed.getvalue()
+  assert "ring: 2 devices" in text and "host figures" in text and "NOT GPU figures" in text
+  doc = json.loads((tmp_path / "results.json").read_text())
+  assert doc["schema_version"] == report.SCHEMA_VERSION and doc["kind"] == "ring" and doc["notes"]["tiny_cpu_run"]
+  assert {"per_device_work", "single_device", "flops", "efficiency", "kernel_ms", "rel_err"} <= set(doc["notes"])
+  assert doc["config"]["layouts"] == ["zigzag"] and doc["metadata"]["device_count"] == 2
+  assert [c["status"] for c in doc["checks"]] == ["ok"]
+  (cell,) = doc["cells"]
+  assert cell["status"] == "ok" and cell["single_status"] == "ok", cell
+  assert (cell["layout"], cell["strategy"], cell["causal"], cell["seqlen"]) == ("zigzag", "ring", True, 32)
+  # 2 chunks of 8 per device: 2P c^2 + c = 264 pairs, half the causal problem's 32 * 33 / 2.
+  assert (cell["pairs_per_device"], cell["single_kv_len"]) == (264, 24)
+  assert cell["flops"] == 4 * 1 * 2 * 16 * 264 * 7 // 2
+  assert cell["ms"] > 0 and cell["single_ms"] > 0 and cell["efficiency"] == pytest.approx(
+      cell["single_ms"] / cell["ms"])
+  assert cell["tflops"] == pytest.approx(cell["flops"] / cell["ms"] / 1e9)
+  assert cell["kernel_ms"] is None and cell["kernel_efficiency"] is None  # no GPU, no kernel times
+  assert cell["compiled_bytes"] > 0
+  assert cell["rel_err_out"] < 2e-2 and cell["rel_err_grad"] < 2e-2 and cell["check_tokens_per_device"] == 16
+  with open(tmp_path / "results.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == 1 and list(rows[0]) == list(ring_bench.RING_FIELDS)

@@ -196,6 +196,19 @@ def test_ring_interpret_kernels():
               backend="triton", interpret=True, check_vma=False)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_devices", [2, 4, 8])
+@pytest.mark.parametrize("layout, causal, strategy", [("zigzag", True, "ring"), ("contiguous", False, "allgather"),
+                                                      ("contiguous", True, "ring")])
+def test_ring_on_gpus(num_devices, layout, causal, strategy):
+  """The compiled kernels ("auto") as the steps on a real mesh of GPUs, bf16, GQA, 256 tokens per device:
+  values and gradients within FlashAttention's rule of the plain bf16 math's error, bits repeated."""
+  if jax.device_count() < num_devices:
+    pytest.skip(f"needs {num_devices} GPUs, {jax.device_count()} here")
+  _check_ring(num_devices, seq=256 * num_devices, heads=4, kv_heads=2, head_dim=64, layout=layout, causal=causal,
+              strategy=strategy, dtype=jnp.bfloat16, backend="auto")
+
+
 def test_auto_warns_without_a_gpu_and_permutes_ahead_of_attention():
   """Under "auto" on CPU the steps run XLA, with a warning. In the compiled
   forward each step's K/V collective-permute comes before the attention of

@@ -9,6 +9,13 @@ interpret mode and XLA, to show the bench works; those figures say nothing
 about GPU speed, and there are no kernel times. Implementations that cannot
 run on the machine are left out. Results (JSON, CSV, plots) go to
 bench_results/<UTC date-time>/ unless --out or --no-save says otherwise.
+
+--decode and --ring are modes of their own (their own grids, tables and
+results.json "kind"). --ring times jax_flash2.ring_attention under shard_map
+over the local devices against one device doing one device's share alone;
+without GPUs it needs host devices, made before jax starts:
+XLA_FLAGS=--xla_force_host_platform_device_count=8. On NVIDIA hosts run it
+with NCCL_NVLS_ENABLE=0 (NVLink multicast off, as the lent machines need).
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ from jax_flash2.decode import PAGE_MULTIPLE
 
 from jax_flash2.bench import decode as decode_lib
 from jax_flash2.bench import impls as impls_lib
+from jax_flash2.bench import ring as ring_lib
 from jax_flash2.bench.decode import DecodeSweepConfig
+from jax_flash2.bench.ring import RingSweepConfig
+from jax_flash2.ring import RingLayout, RingStrategy
 from jax_flash2.bench.spec import (DTYPE_ALIASES, MODES, LeftOut, SweepConfig, Window, softcap_text, varlen_text,
                                    window_text)
 
@@ -217,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--heads", type=int, help="query heads (default: hidden // head_dim; 2 on CPU)")
   g.add_argument("--hidden", type=int, default=2048, help="heads x head_dim when --heads is not given (default 2048)")
   g.add_argument("--kv-heads", type=int, help="key/value heads (default = heads); != heads is grouped-query attention")
-  g.add_argument("--causal", nargs="+", default=["both"], metavar="both|true|false", help="masks (default both)")
+  g.add_argument("--causal", nargs="+", metavar="both|true|false", help="masks (default both)")
   g.add_argument(
       "--window",
       nargs="+",
@@ -261,6 +271,20 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--page-size", nargs="+", metavar="P",
                  help="with --decode: paged caches of P-token pages (a multiple of 16) in shuffled order through a "
                  "block_table; none = contiguous; several values compare them (default none)")
+  g.add_argument("--ring", action="store_true",
+                 help="ring-attention mode: ring_attention under shard_map over --devices devices (default all; "
+                 "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8 first), per-device throughput over "
+                 "one device doing one device's work alone, fwd and fwd+bwd")
+  g.add_argument("--devices", type=int, metavar="N", help="with --ring: devices in the ring (default jax.device_count())")
+  g.add_argument("--layout", nargs="+", metavar="zigzag|contiguous",
+                 help="with --ring: layouts, each with its mask: zigzag causal, contiguous non-causal (default both)")
+  g.add_argument("--strategy", nargs="+", metavar="ring|allgather",
+                 help="with --ring: how K/V reach every device (default both)")
+  g.add_argument("--tokens-per-device", nargs="+", metavar="N",
+                 help="with --ring: sequence tokens on each device (default 8k 16k; 32 on CPU); '8k' ok")
+  g.add_argument("--keep-traces", action="store_true",
+                 help="with --ring and kernel times: keep each ring cell's profiler trace under OUT/traces/ "
+                 "(Perfetto; the steps' kernels against the NCCL transfers)")
   g.add_argument("--dtype", nargs="+", default=["bf16"], metavar="bf16|fp16|fp32", help="dtypes (default bf16)")
   g.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE", help="fwd, bwd, fwd+bwd (default all)")
   g.add_argument(
@@ -436,11 +460,94 @@ def decode_config_from_args(ns: argparse.Namespace, platform: str) -> DecodeSwee
   )
 
 
-def parse(argv: Sequence[str] | None, platform: str) -> SweepConfig | DecodeSweepConfig:
-  """Parses `argv` into a config for `platform`; bad flags exit with status 2."""
+def _enums(values: Sequence[str] | None, kind: type, flag: str) -> tuple:
+  """--layout / --strategy values as `kind` members, in order, without repeats; all of them by default."""
+  out: list = []
+  for p in _split(values) or [k.value for k in kind]:
+    try:
+      member = kind(p.lower())
+    except ValueError:
+      raise UsageError(f"{flag}: unknown {p!r}; choose from {', '.join(k.value for k in kind)}") from None
+    if member not in out:
+      out.append(member)
+  return tuple(out)
+
+
+def ring_config_from_args(ns: argparse.Namespace, platform: str, device_count: int | None = None) -> RingSweepConfig:
+  """The --ring run `ns` asks for on `platform` with `device_count` devices (None: jax.device_count())."""
+  tiny = platform != "gpu"
+  d = ring_lib.CPU_RING_DEFAULTS if tiny else ring_lib.GPU_RING_DEFAULTS
+  for flag, given in (("--seqlens", ns.seqlens), ("--varlen", ns.varlen), ("--segments", ns.segments),
+                      ("--window", ns.window), ("--softcap", ns.softcap), ("--sinks", ns.sinks or None),
+                      ("--causal", ns.causal), ("--decode", ns.decode or None),
+                      ("--memory", ns.memory or ns.memory_only or None), ("--memory-max-seqlen", ns.memory_max_seqlen),
+                      ("--cache-lens", ns.cache_lens), ("--q-len", ns.q_len), ("--page-size", ns.page_size)):
+    if given is not None:
+      hint = " (the layout fixes the mask: zigzag causal, contiguous non-causal)" if flag == "--causal" else ""
+      raise UsageError(f"--ring splits --tokens-per-device tokens per device over the ring: drop {flag}{hint}")
+  if device_count is None:
+    import jax
+
+    device_count = jax.device_count()
+  devices = ns.devices if ns.devices is not None else device_count
+  if not 1 <= devices <= device_count:
+    raise UsageError(f"--devices {devices}: between 1 and the {device_count} devices here"
+                     + ("; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8 before starting"
+                        if tiny and devices > device_count else ""))
+  tokens = _ints(ns.tokens_per_device, "--tokens-per-device") or d["tokens_per_device"]
+  layouts = _enums(ns.layout, RingLayout, "--layout")
+  if RingLayout.ZIGZAG in layouts:
+    for n in tokens:
+      if n % 2:
+        raise UsageError(f"--tokens-per-device {n}: zigzag holds two chunks per device, so it must be even")
+  head_dims = _ints(ns.head_dims, "--head-dims") or d["head_dims"]
+  for hd in head_dims:
+    if hd % 8 or hd > 256:
+      raise UsageError(f"--head-dims: {hd} is not a multiple of 8 in [8, 256]")
+  # One head count for every head_dim: --heads, or --hidden over the first head_dim.
+  heads = ns.heads if ns.heads is not None else (d["heads"] or max(1, ns.hidden // head_dims[0]))
+  kv_heads = ns.kv_heads if ns.kv_heads is not None else heads
+  batch = ns.batch if ns.batch is not None else d["batch"]
+  for flag, value in (("--batch", batch), ("--heads", heads), ("--kv-heads", kv_heads)):
+    if value < 1:
+      raise UsageError(f"{flag} must be positive, got {value}")
+  if heads % kv_heads:
+    raise UsageError(f"--kv-heads {kv_heads} does not divide heads {heads}")
+  modes = []
+  for m in _split(ns.modes) or []:
+    m = {"fwdbwd": "fwd+bwd", "fwd_bwd": "fwd+bwd", "both": "fwd+bwd"}.get(m.lower(), m.lower())
+    if m == "bwd" and ns.modes == list(MODES):
+      continue  # the default modes: --ring times fwd and fwd+bwd
+    if m not in ring_lib.RING_MODES:
+      raise UsageError(f"--modes: --ring times {' and '.join(ring_lib.RING_MODES)}, not {m!r}")
+    if m not in modes:
+      modes.append(m)
+  impls = tuple(_impl_names(ns.impls, d["impls"], ring_lib.RING_IMPLS, "ring implementation "))
+  warmup, iters = _timing(ns, d)
+  return RingSweepConfig(
+      tokens_per_device=tokens, num_devices=devices, layouts=layouts,
+      strategies=_enums(ns.strategy, RingStrategy, "--strategy"), head_dims=head_dims, dtypes=_dtypes(ns.dtype),
+      modes=tuple(modes), batch=batch, heads=heads, kv_heads=kv_heads, impls=impls, warmup=warmup, iters=iters,
+      input_sets=ns.input_sets, check=not ns.no_check, interpret=bool(ns.interpret or tiny),
+      platform=platform, kernel_time=not (ns.no_kernel_time or tiny), save=not ns.no_save, out=ns.out, seed=ns.seed,
+      keep_traces=ns.keep_traces,
+  )
+
+
+def parse(argv: Sequence[str] | None, platform: str,
+          device_count: int | None = None) -> SweepConfig | DecodeSweepConfig | RingSweepConfig:
+  """Parses `argv` into a config (SweepConfig, DecodeSweepConfig or
+  RingSweepConfig) for `platform`; bad flags exit with status 2.
+  device_count: --ring's devices (None: jax.device_count())."""
   parser = build_parser()
   ns = parser.parse_args(argv)
   try:
+    if ns.ring:
+      return ring_config_from_args(ns, platform, device_count)
+    for flag, given in (("--devices", ns.devices), ("--layout", ns.layout), ("--strategy", ns.strategy),
+                        ("--tokens-per-device", ns.tokens_per_device), ("--keep-traces", ns.keep_traces or None)):
+      if given is not None:
+        raise UsageError(f"{flag} belongs to --ring")
     if ns.decode:
       return decode_config_from_args(ns, platform)
     for flag, given in (("--cache-lens", ns.cache_lens), ("--q-len", ns.q_len), ("--page-size", ns.page_size)):
@@ -491,6 +598,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("with --decode:")
     for impl in decode_lib.DECODE_REGISTRY.values():
       print(f"{impl.name:<{width}} {impl.description}")
+    print("with --ring (each the steps' backend):")
+    for name, (_, description) in ring_lib.RING_IMPLS.items():
+      print(f"{name:<{width}} {description}")
     return 0
 
   import jax
@@ -510,6 +620,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"left out {lo.impl}: {lo.reason}")
   if isinstance(cfg, DecodeSweepConfig):
     return _main_decode(cfg, argv, started, backend, show_progress=not ns.no_progress)
+  if isinstance(cfg, RingSweepConfig):
+    return _main_ring(cfg, argv, started, backend, show_progress=not ns.no_progress)
   if not cfg.memory_only:
     print("sweep: " + _describe(cfg))
   sys.stdout.flush()
@@ -579,6 +691,40 @@ def _main_decode(cfg: DecodeSweepConfig, argv: list[str], started: datetime.date
     written = decode_lib.write_results(cfg.out, meta, cfg, cells)
     print(f"results in {cfg.out}{os.sep}: " + ", ".join(os.path.basename(path) for path in written)
           + " (no plots in --decode mode)")
+  if cfg.tiny:
+    print(CPU_NOTICE.format(backend=backend))
+  return 0
+
+
+def _main_ring(cfg: RingSweepConfig, argv: list[str], started: datetime.datetime, backend: str,
+               show_progress: bool) -> int:
+  from jax_flash2.bench import report
+  from jax_flash2.bench.progress import Progress
+
+  print(f"ring: {cfg.num_devices} devices, tokens per device {list(cfg.tokens_per_device)}, layouts "
+        f"{[x.value for x in cfg.layouts]} (zigzag causal, contiguous non-causal), strategies "
+        f"{[x.value for x in cfg.strategies]}, batch {cfg.batch}, heads {cfg.heads}/{cfg.kv_heads} kv, head_dims "
+        f"{list(cfg.head_dims)}, dtypes {list(cfg.dtypes)}, modes {list(cfg.modes)}, impls {list(cfg.impls)}, "
+        f"warmup {cfg.warmup}, iters {cfg.iters} (median)"
+        + (", Pallas interpret mode" if cfg.interpret and set(cfg.impls) != {"xla"} else "")
+        + (", kernel times from a profiler trace" if cfg.kernel_time else ""))
+  sys.stdout.flush()
+  meta = report.metadata(argv, started)
+  meta["device_count"] = cfg.num_devices
+  meta["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE")
+  if cfg.save:  # chosen first: --keep-traces writes into it as the cells run
+    cfg = dataclasses.replace(cfg, out=cfg.out or report.make_dated_dir(RESULTS_DIR, started))
+  progress = Progress(cfg.num_steps(), desc="ring", enabled=show_progress)
+  cells, checks = ring_lib.run_ring(cfg, progress)
+  progress.close()
+  print()
+  if checks:
+    print(ring_lib.format_checks(checks))
+  print(ring_lib.format_table(cells, cfg.tiny))
+  if cfg.save:
+    written = ring_lib.write_results(cfg.out, meta, cfg, cells, checks)
+    print(f"results in {cfg.out}{os.sep}: " + ", ".join(os.path.basename(path) for path in written)
+          + " (no plots in --ring mode)")
   if cfg.tiny:
     print(CPU_NOTICE.format(backend=backend))
   return 0

@@ -34,7 +34,7 @@ import numpy as np
 
 from jax_flash2.bench import kernel_trace, timing
 from jax_flash2.bench.progress import Progress
-from jax_flash2.bench.spec import SHORT_DTYPE, LeftOut
+from jax_flash2.bench.spec import SHORT_DTYPE, LeftOut, TimedRun
 
 DECODE_IMPLS: tuple[str, ...] = ("flash2", "xla", "cudnn", "tokamax")
 GPU_DECODE_DEFAULTS = dict(cache_lens=(8192, 16384, 32768), head_dims=(128,), batch=8, heads=32, kv_heads=4,
@@ -91,8 +91,9 @@ def tb_per_s(nbytes: int, ms: float | None) -> float | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeSweepConfig:
-  """The grid of a --decode run: dtypes x head_dims x page_sizes x cache_lens x impls."""
+class DecodeSweepConfig(TimedRun):
+  """The grid of a --decode run: dtypes x head_dims x page_sizes x cache_lens x impls
+  (timing, checks and output: `TimedRun`)."""
 
   cache_lens: tuple[int, ...]
   page_sizes: tuple[int | None, ...]
@@ -103,21 +104,6 @@ class DecodeSweepConfig:
   kv_heads: int
   q_len: int
   impls: tuple[str, ...]
-  left_out: tuple[LeftOut, ...] = ()
-  warmup: int = 3
-  iters: int = 20
-  input_sets: int = 2
-  check: bool = True
-  interpret: bool = False
-  platform: str = "gpu"
-  kernel_time: bool = False
-  save: bool = True
-  out: str | None = None
-  seed: int = 0
-
-  @property
-  def tiny(self) -> bool:
-    return self.platform != "gpu"
 
   def shapes(self) -> list[DecodeShape]:
     return [DecodeShape(self.batch, n, self.heads, self.kv_heads, d, self.q_len, dt, p)

@@ -94,10 +94,15 @@ def shape_forward_flops(shape: Shape) -> int:
 
 def mode_flops(shape: Shape, mode: str) -> int:
   """FLOPs of one call in `mode` ("fwd", "bwd" or "fwd+bwd"), exact integer."""
+  return forward_to_mode(shape_forward_flops(shape), mode)
+
+
+def forward_to_mode(forward: int, mode: str) -> int:
+  """`forward` FLOPs scaled to `mode`: x1, x2.5 (bwd) or x3.5 (fwd+bwd)."""
   if mode not in _MODE_TIMES_TWO:
     raise ValueError(f"unknown mode {mode!r}; expected one of {tuple(_MODE_TIMES_TWO)}")
   # Always even (4 * ..., and causal halving leaves a multiple of 2), so // 2 is exact.
-  return shape_forward_flops(shape) * _MODE_TIMES_TWO[mode] // 2
+  return forward * _MODE_TIMES_TWO[mode] // 2
 
 
 def tflops_per_s(flops: int, ms: float) -> float:

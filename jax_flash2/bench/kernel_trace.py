@@ -24,6 +24,7 @@ import dataclasses
 import gzip
 import json
 import pathlib
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -98,3 +99,34 @@ def device_ms_per_call(call: Callable[[int], Any], calls: int) -> float | None:
   if not activities:
     return None
   return sum(a.duration_us for a in activities) / calls / 1e3
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTime:
+  """Milliseconds per call of one device's activities: all of them, and the
+  collectives' (NCCL kernels) among them."""
+
+  total_ms: float
+  comm_ms: float
+
+
+def device_ms_by_device(call: Callable[[int], Any], calls: int, keep: str | None = None) -> dict[str, DeviceTime]:
+  """`device_ms_per_call` for each device of a multi-device call
+  ({"/device:GPU:0": DeviceTime, ...}; empty where the trace holds no
+  activity). A collective's kernel runs on a stream of its own, so where it
+  overlaps the compute it counts in full in total_ms: total_ms - comm_ms is
+  then the compute, and comm_ms the transfers' own time. keep: a path to
+  copy the trace file to (for reading the steps' overlap in Perfetto)."""
+  with tempfile.TemporaryDirectory(prefix="jax_flash2_bench_trace_") as log_dir:
+    path = profile(call, calls, log_dir)
+    activities = device_activities(read_trace(path)) if path is not None else []
+    if keep is not None and path is not None:
+      pathlib.Path(keep).parent.mkdir(parents=True, exist_ok=True)
+      shutil.copyfile(path, keep)
+  out: dict[str, list[float]] = {}
+  for a in activities:
+    totals = out.setdefault(a.device, [0.0, 0.0])
+    totals[0] += a.duration_us
+    if "nccl" in a.name.lower():
+      totals[1] += a.duration_us
+  return {device: DeviceTime(t / calls / 1e3, c / calls / 1e3) for device, (t, c) in sorted(out.items())}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import enum
 import importlib.metadata
 import json
 import math
@@ -308,9 +309,11 @@ def format_memory_probe(steps: list[MemoryStep]) -> str:
 
 
 def _clean(value: Any) -> Any:
-  """JSON-safe: non-finite floats become None."""
+  """JSON-safe: non-finite floats become None, enums their values."""
   if isinstance(value, float) and not math.isfinite(value):
     return None
+  if isinstance(value, enum.Enum):
+    return value.value
   if isinstance(value, dict):
     return {k: _clean(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):

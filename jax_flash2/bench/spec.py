@@ -146,6 +146,40 @@ class LeftOut:
       raise ValueError(f"LeftOut({self.impl!r}) needs a reason")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TimedRun:
+  """What every mode of a run shares: how to time and check it, where it
+  runs and where its files go. Keyword-only, so that a mode's own grid
+  fields (no defaults) come first in its constructor.
+
+  `left_out`: implementations asked for (or defaults) that cannot run here;
+  `kernel_time`: also read each cell's GPU kernel time from a profiler
+  trace; `save`: write results into `out` (None: a dated folder the CLI picks).
+  """
+
+  left_out: tuple[LeftOut, ...] = ()
+  warmup: int = 3
+  iters: int = 20
+  input_sets: int = 2
+  check: bool = True
+  interpret: bool = False
+  platform: str = "gpu"
+  kernel_time: bool = False
+  save: bool = True
+  out: str | None = None
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.warmup < 0 or self.iters < 1 or self.input_sets < 1:
+      raise ValueError(f"warmup must be >= 0, iters and input_sets >= 1; got {self.warmup}, {self.iters}, "
+                       f"{self.input_sets}")
+
+  @property
+  def tiny(self) -> bool:
+    """True when running without a GPU: figures are CPU / interpret figures."""
+    return self.platform != "gpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
   """The grid of a run plus how to time it. Built by `cli.config_from_args`.
