@@ -133,7 +133,7 @@ def flash_attention(
     out: [batch, seq_q, heads, head_dim], q's dtype. With return_lse,
     (out, lse) where lse is float32 [batch, heads, seq_q], natural log.
   """
-  problem = _problem(q, k, v, mask=mask, bias=bias, causal=causal, window_size=window_size, softcap=softcap,
+  problem = check_problem(q, k, v, mask=mask, bias=bias, causal=causal, window_size=window_size, softcap=softcap,
                      alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                      sinks=sinks, softmax_scale=softmax_scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                      dropout_broadcast=dropout_broadcast)
@@ -195,7 +195,7 @@ def plan(
   elif not (isinstance(compute_capability, tuple) and len(compute_capability) == 2
             and all(isinstance(x, int) and not isinstance(x, bool) for x in compute_capability)):
     raise TypeError(f"compute_capability must be a (major, minor) pair of ints or None, got {compute_capability!r}")
-  problem = _problem(q, k, v, **options)
+  problem = check_problem(q, k, v, **options)
   device = Device(compute_capability, check_flag("interpret", interpret))
   return _plan(problem, check_backend(backend), device, block_sizes, mosaic_config)
 
@@ -208,7 +208,7 @@ def _plan(problem: Problem, backend: Backend, device: Device, block_sizes, mosai
   return backends.choose(problem, device, backend, block_sizes=block_sizes, mosaic_config=mosaic_config)
 
 
-def _problem(q, k, v, *, mask=None, bias=None, causal=False, window_size=None, softcap=None, alibi_slopes=None,
+def check_problem(q, k, v, *, mask=None, bias=None, causal=False, window_size=None, softcap=None, alibi_slopes=None,
              q_segment_ids=None, kv_segment_ids=None, sinks=None, softmax_scale=None, dropout_rate=0.0,
              dropout_rng=None, dropout_broadcast=False) -> Problem:
   """The static description of a call, every argument checked. (Sinks

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_flash2 import defaults, reference
+from jax_flash2 import defaults, merge, reference
 from jax_flash2.config import BlockSizes, DecodeConfig, MosaicBackwardConfig, MosaicConfig, MosaicForwardConfig
 from jax_flash2.mosaic import backward as mosaic_backward
 from jax_flash2.mosaic import backward_fused as mosaic_backward_fused
@@ -136,6 +136,15 @@ class Call:
       return lse
     return lse * LN_2 if forward else lse * LOG2_E
 
+  def backward_lse_of_natural(self, lse: jax.Array) -> jax.Array:
+    """A natural lse (a merged one: jax_flash2.ring) in the base the
+    backward kernels read."""
+    return lse * LOG2_E if kernels(self.plan.backward.backend).lse_log2 else lse
+
+  def natural_backward_lse(self, lse: jax.Array) -> jax.Array:
+    """An lse in the base the backward kernels read, as natural log."""
+    return lse * LN_2 if kernels(self.plan.backward.backend).lse_log2 else lse
+
 
 class Implementation(abc.ABC):
   """One backend: where it runs, which problems it serves, and its tiling."""
@@ -226,8 +235,8 @@ class MosaicKernels(Kernels):
   """The Pallas Mosaic GPU kernels for Hopper: bf16/fp16, head_dim 64, 128
   and 256, full or causal attention, sliding windows, softcap and ALiBi,
   alone or together, with GQA and any lengths (ragged ones padded to whole
-  blocks inside). A dense mask, segment ids, a bias and dropout run on the
-  Triton kernels.
+  blocks inside), and segment ids. A dense mask, a bias and dropout run on
+  the Triton kernels.
 
   The backward at head_dim 64 fuses dQ into the dK/dV kernel for full and
   causal attention only; windows, softcap and ALiBi take the two kernels
@@ -248,14 +257,16 @@ class MosaicKernels(Kernels):
     return None
 
   def serves(self, problem, *, backward, auto):
-    del backward  # both passes serve the same problems
     if jnp.dtype(problem.dtype) not in mosaic_common.SUPPORTED_DTYPES:
       return f"the Mosaic kernels take bfloat16 and float16, not {problem.dtype}"
     if problem.head_dim not in mosaic_common.SUPPORTED_HEAD_DIMS:
       return f"the Mosaic kernels take head_dim 64, 128 or 256, not {problem.head_dim}"
+    if any(side is not None and side < 0 for side in (problem.mask.left, problem.mask.right)):
+      return ("the Mosaic kernels take band sides >= 0, not the negative ones of ring attention's steps "
+              "between offset chunks")
     if unserved := _options(problem, MOSAIC_UNSERVED):
-      return (f"the Mosaic kernels serve full and causal attention, windows, softcap and ALiBi, not "
-              f"{unserved}")
+      return (f"the Mosaic kernels serve full and causal attention, windows, softcap, ALiBi and segment ids, "
+              f"not {unserved}")
     if auto and not defaults.mosaic_pays_for_padding(problem.seq_q, problem.seq_k):
       return (f"ragged lengths under {defaults.HOPPER_RAGGED_MIN_SEQ} run faster on the Triton kernels "
               f"(padding to whole {defaults.MOSAIC_BLOCK_ROWS}-row blocks costs more than the Mosaic kernels gain)")
@@ -322,18 +333,35 @@ class XlaAttention(Implementation):
         compute_dtype=jnp.float32,
     )
 
+  def backward(self, q, k, v, out, lse, do, dlse, operands: Operands, problem: Problem):
+    """(dq, dk, dv) of this attention as a part of a larger one whose merged
+    output and natural lse are out and lse: the kernels' backward contract
+    (Kernels.backward), by JAX's vjp of `attention`. The part's own (out_p,
+    lse_p) weigh w = exp(lse_p - lse) in the merge (jax_flash2.merge), so
+    its cotangents are w * dO and w * (dlse + rowsum(dO * (out_p - out))),
+    and the pullback's dS = P (dP - rowsum(dO * out) + dlse) with P the
+    merged softmax's probabilities, as the kernels compute it."""
+    (part_out, part_lse), pullback = jax.vjp(lambda q, k, v: self.attention(q, k, v, operands, problem), q, k, v)
+    w = merge.weight(part_lse, lse)
+    do = do.astype(jnp.float32)
+    rows = jnp.swapaxes(jnp.sum(do * (part_out.astype(jnp.float32) - out.astype(jnp.float32)), axis=-1), 1, 2)
+    d_out = do * jnp.swapaxes(w, 1, 2)[..., None]
+    return pullback((d_out.astype(part_out.dtype), (w * (dlse + rows)).astype(part_lse.dtype)))
+
 
 def _mosaic_options(operands: Operands, problem: Problem) -> dict:
   """The Mosaic entry points' band and score arguments for `problem`:
   causal where the band stops each query at its level key (a window's
-  right side of 0 included), the window's other sides, softcap, ALiBi."""
+  right side of 0 included), the window's other sides, softcap, ALiBi,
+  segment ids."""
   mask = problem.mask
   return dict(causal=problem.causal, window_size=(mask.left, None if problem.causal else mask.right),
-              softcap=problem.softcap, alibi_slopes=operands.alibi_slopes, softmax_scale=problem.softmax_scale)
+              softcap=problem.softcap, alibi_slopes=operands.alibi_slopes, q_segment_ids=operands.q_segment_ids,
+              kv_segment_ids=operands.kv_segment_ids, softmax_scale=problem.softmax_scale)
 
 
 # The options the Mosaic kernels do not serve (yet): they run on the Triton kernels.
-MOSAIC_UNSERVED = ("a dense mask", "segment ids", "dropout", "a bias")
+MOSAIC_UNSERVED = ("a dense mask", "dropout", "a bias")
 
 
 def _options(problem: Problem, among: tuple[str, ...] | None = None) -> str:

@@ -6,12 +6,16 @@ work on each (batch, head) independently, so it gathers the operands and runs
 the whole problem on every device. Here the forward and the backward kernels
 are each wrapped in a `custom_partitioning` whose Shardy rule says so: batch
 and heads pass through (each device runs the kernels on its own shard, no
-collective); seq_q, seq_k and head_dim must be replicated. A caller who shards
-a sequence or head_dim axis gets it gathered before the kernels (queries could
-be split, but the causal offset would then depend on the shard; keys are
-reduced over). Under GQA the K/V heads are split with the query heads when
-whole groups stay together; MQA's one K/V head is replicated and dK/dV are
-summed over the head shards (an all-reduce, the only collective).
+collective); head_dim must be replicated. A sequence split over the mesh
+stays split where the problem rides the ring (`rides_ring`: self-attention
+without a dense mask, bias, ALiBi or dropout): q, k, v, the lse and the
+segment ids are split alike, and each shard runs jax_flash2.ring's contiguous
+ring round those mesh axes (collective-permutes of K/V, and of dK/dV in the
+backward), its steps calling the kernels directly. Any other problem has its
+sequence gathered before the kernels, as has a split head_dim. Under GQA the
+K/V heads are split with the query heads when whole groups stay together;
+MQA's one K/V head is replicated and dK/dV are summed over the head shards
+(an all-reduce).
 
 `custom_partitioning` has no batching rule, so a `custom_vmap` sits outside it:
 a vmapped axis is folded into the kernels' batch axis, which they handle
@@ -59,7 +63,16 @@ def _present(problem: Problem) -> tuple[str, ...]:
   return tuple(name for name in _OPERANDS if has[name])
 
 
-def _factors(q_shape, kv_shape, shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+def rides_ring(problem: Problem) -> bool:
+  """Whether a sequence split over the mesh runs ring attention
+  (jax_flash2.ring, contiguous layout) rather than being gathered:
+  self-attention (seq_q = seq_k) with none of a dense mask, a bias, ALiBi
+  or dropout (segment ids, windows and softcap ride along)."""
+  return (problem.seq_q == problem.seq_k and not problem.mask.dense
+          and not (problem.has_bias or problem.has_alibi or problem.has_dropout))
+
+
+def _factors(q_shape, kv_shape, shapes: dict[str, tuple[int, ...]], ring: bool = False) -> dict[str, str]:
   """Shardy factors of each operand, by name; `shapes` holds the optional
   operands a call has.
 
@@ -70,15 +83,18 @@ def _factors(q_shape, kv_shape, shapes: dict[str, tuple[int, ...]]) -> dict[str,
   _shard_plan keeps them consistent instead. mb / mh are a mask's broadcast
   (size 1) batch / heads axes, which can share no factor with the full-size
   ones; ab the ALiBi slopes' broadcast batch axis; z the dropout seed's two
-  words. The bias (and dS, its gradient) takes the mask's factors.
+  words. The bias (and dS, its gradient) takes the mask's factors. With
+  ring, seq_k shares seq_q's factor: the two are split alike, and the ring
+  (rides_ring) runs on the shards.
   """
   if q_shape[2] == kv_shape[2]:
     heads = kv_heads = "h"
   else:
     heads, kv_heads = "qh", "kh"
+  j = "i" if ring else "j"
   names = {
-      "qo": f"b i {heads} d", "kv": f"b j {kv_heads} d", "rows": f"b {heads} i", "scores": f"b {heads} i j",
-      "q_segment_ids": "b i", "kv_segment_ids": "b j", "dropout_seed": "z",
+      "qo": f"b i {heads} d", "kv": f"b {j} {kv_heads} d", "rows": f"b {heads} i", "scores": f"b {heads} i j",
+      "q_segment_ids": "b i", "kv_segment_ids": f"b {j}", "dropout_seed": "z",
   }
   for name in ("mask", "bias"):
     if name in shapes:
@@ -90,17 +106,19 @@ def _factors(q_shape, kv_shape, shapes: dict[str, tuple[int, ...]]) -> dict[str,
 
 
 # The factors that must be replicated: every one but batch and heads (see
-# _factors and _decode_factors).
+# _factors and _decode_factors), except seq_q and seq_k (i, j) where a call
+# rides the ring.
 _REPLICATED = ("i", "j", "d", "mb", "mh", "ab", "z", "n", "p", "t", "sb")
 
 
-def _rule(operands: list[str], results: list[str]) -> tuple[str, dict]:
-  """The einsum-like rule: batch and heads pass through; seq_q, seq_k,
-  head_dim and the broadcast mask axes must be replicated."""
+def _rule(operands: list[str], results: list[str], ring: bool = False) -> tuple[str, dict]:
+  """The einsum-like rule: batch and heads pass through; head_dim and the
+  broadcast mask axes must be replicated, and so must seq_q and seq_k
+  unless the call rides the ring."""
   rule = f"{', '.join(operands)} -> {', '.join(results)}"
   # Shardy wants the special factors listed in the order they first appear.
   order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
-  replicated = tuple(f for f in order if f in _REPLICATED)
+  replicated = tuple(f for f in order if f in _REPLICATED and not (ring and f in ("i", "j")))
   return rule, {"need_replication_factors": replicated}
 
 
@@ -119,7 +137,8 @@ def _axes_size(mesh, axes) -> int:
 class _ShardPlan:
   """How one call runs per shard: the shardings of the q-like, K/V-like and
   row-vector-like arrays, of dS, and of each optional operand (by name, None
-  where absent), and the mesh axes that dK/dV are summed over."""
+  where absent), the mesh axes that dK/dV are summed over, and those the
+  sequence is split over (None: gathered), round which the ring runs."""
 
   qo: NamedSharding
   kv: NamedSharding
@@ -127,11 +146,14 @@ class _ShardPlan:
   scores: NamedSharding
   operands: dict[str, NamedSharding | None]
   kv_partial_over: str | tuple[str, ...] | None
+  seq: str | tuple[str, ...] | None = None
 
 
-def _shard_plan(mesh, q, k, operands: dict) -> _ShardPlan:
+def _shard_plan(mesh, q, k, operands: dict, ring: bool = False) -> _ShardPlan:
   """Every device holds whole (batch, head) problems: q's batch and head
-  sharding is kept and everything else is replicated.
+  sharding is kept and everything else is replicated; with ring (the
+  problem rides_ring), q's sequence split is kept too, for q, k, v, the
+  rows and the segment ids alike.
 
   q, k and the optional operands (by name, None where absent):
   ShapeDtypeStructs carrying the partitioner's shardings. Under GQA the K/V
@@ -142,6 +164,7 @@ def _shard_plan(mesh, q, k, operands: dict) -> _ShardPlan:
   """
   spec = tuple(q.sharding.spec) + (None,) * (4 - len(q.sharding.spec))
   batch, heads = spec[0], spec[2]
+  seq = spec[1] if ring else None
   kv_heads, partial = heads, None
   if k.shape[2] != q.shape[2] and heads is not None:
     if k.shape[2] == 1:
@@ -159,15 +182,16 @@ def _shard_plan(mesh, q, k, operands: dict) -> _ShardPlan:
       return sharded(batch if x.shape[0] > 1 else None, heads)
     if name == "dropout_seed":
       return sharded(None)
-    return sharded(batch, None)  # segment ids
+    return sharded(batch, seq)  # segment ids
 
   return _ShardPlan(
-      qo=sharded(batch, None, heads, None),
-      kv=sharded(batch, None, kv_heads, None),
-      rows=sharded(batch, heads, None),
+      qo=sharded(batch, seq, heads, None),
+      kv=sharded(batch, seq, kv_heads, None),
+      rows=sharded(batch, heads, seq),
       scores=sharded(batch, heads, None, None),
       operands={name: of_operand(name, x) for name, x in operands.items()},
       kv_partial_over=partial,
+      seq=seq,
   )
 
 
@@ -199,19 +223,19 @@ def _partitioned(kernels: Callable, num_arrays: int, rule, partition) -> Callabl
   return partitioned
 
 
-def _operand_rule(call: Call, operand_types, num_arrays: int) -> tuple[dict[str, str], list[str]]:
+def _operand_rule(call: Call, operand_types, num_arrays: int, ring: bool = False) -> tuple[dict[str, str], list[str]]:
   """(the factors, the rule entries of the optional operands a call has);
   the rule callback's operand types leave the absent ones out."""
   shapes = [_shape(t) for t in operand_types]
   present = _present(call.problem)
-  f = _factors(shapes[0], shapes[1], dict(zip(present, shapes[num_arrays:])))
+  f = _factors(shapes[0], shapes[1], dict(zip(present, shapes[num_arrays:])), ring)
   return f, [f[name] for name in present]
 
 
-def _arg_plan(mesh, arg_shapes, num_arrays: int) -> _ShardPlan:
+def _arg_plan(mesh, arg_shapes, num_arrays: int, ring: bool = False) -> _ShardPlan:
   """The shard plan from the partition callback's argument shapes (which
   hold None for absent operands)."""
-  return _shard_plan(mesh, arg_shapes[0], arg_shapes[1], dict(zip(_OPERANDS, arg_shapes[num_arrays:])))
+  return _shard_plan(mesh, arg_shapes[0], arg_shapes[1], dict(zip(_OPERANDS, arg_shapes[num_arrays:])), ring)
 
 
 def _operand_shardings(plan: _ShardPlan) -> tuple:
@@ -234,16 +258,24 @@ _forward_kernels = _one_lowering(_forward_kernels, 3)
 
 def _forward_rule(call, mesh, operand_types, result_types):
   del mesh, result_types
-  f, operands = _operand_rule(call, operand_types, 3)
-  return _rule([f["qo"], f["kv"], f["kv"], *operands], [f["qo"], f["rows"]])
+  ring = rides_ring(call.problem)
+  f, operands = _operand_rule(call, operand_types, 3, ring)
+  return _rule([f["qo"], f["kv"], f["kv"], *operands], [f["qo"], f["rows"]], ring)
 
 
 def _forward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
-  plan = _arg_plan(mesh, arg_shapes, 3)
-  # Every shard is a set of whole (batch, head) problems: the same kernels run
-  # it on shard-shaped operands, with no communication.
-  lower = lambda *args: _forward_kernels(*args, call)
+  plan = _arg_plan(mesh, arg_shapes, 3, rides_ring(call.problem))
+  if plan.seq is not None:
+    from jax_flash2 import ring  # its steps call the kernels of this module
+
+    # The sequence stays split: K/V travel round the devices along it.
+    def lower(q, k, v, *operands):
+      return ring.sharded_forward(q, k, v, Operands(*operands), _local(call, q, k), plan.seq)
+  else:
+    # Every shard is a set of whole (batch, head) problems: the same kernels
+    # run it on shard-shaped operands, with no communication.
+    lower = lambda *args: _forward_kernels(*args, call)
   return mesh, lower, (plan.qo, plan.rows), (plan.qo, plan.kv, plan.kv, *_operand_shardings(plan))
 
 
@@ -273,8 +305,19 @@ _backward_kernels = _one_lowering(_backward_kernels, 7)
 _bias_gradient_kernels = _one_lowering(_bias_gradient_kernels, 7)
 
 
-def _backward_rule_operands(call, operand_types) -> tuple[dict[str, str], list[str]]:
-  f, operands = _operand_rule(call, operand_types, 7)
+def local_forward(q, k, v, operands: Operands, call: Call) -> tuple[jax.Array, jax.Array]:
+  """The forward kernels on arrays already split (inside a partition
+  callback, where every mesh axis is manual): no partitioning, no vmap rule."""
+  return _forward_kernels(q, k, v, *operands, call)
+
+
+def local_backward(q, k, v, out, lse, do, dlse, operands: Operands, call: Call):
+  """The backward kernels on arrays already split (see local_forward)."""
+  return _backward_kernels(q, k, v, out, lse, do, dlse, *operands, call)
+
+
+def _backward_rule_operands(call, operand_types, ring: bool = False) -> tuple[dict[str, str], list[str]]:
+  f, operands = _operand_rule(call, operand_types, 7, ring)
   qo, kv, rows = f["qo"], f["kv"], f["rows"]
   return f, [qo, kv, kv, qo, rows, qo, rows, *operands]
 
@@ -286,19 +329,27 @@ def _backward_shardings(plan: _ShardPlan) -> tuple:
 
 def _backward_rule(call, mesh, operand_types, result_types):
   del mesh, result_types
-  f, operands = _backward_rule_operands(call, operand_types)
-  return _rule(operands, [f["qo"], f["kv"], f["kv"]])
+  ring = rides_ring(call.problem)
+  f, operands = _backward_rule_operands(call, operand_types, ring)
+  return _rule(operands, [f["qo"], f["kv"], f["kv"]], ring)
 
 
 def _backward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
-  plan = _arg_plan(mesh, arg_shapes, 7)
+  plan = _arg_plan(mesh, arg_shapes, 7, rides_ring(call.problem))
 
   def lower(*args):
-    dq, dk, dv = _backward_kernels(*args, call)
+    if plan.seq is not None:
+      from jax_flash2 import ring  # its steps call the kernels of this module
+
+      q, k, v, out, lse, do, dlse, *operands = args
+      dq, dk, dv = ring.sharded_backward(q, k, v, out, lse, do, dlse, Operands(*operands), _local(call, q, k),
+                                         plan.seq)
+    else:
+      dq, dk, dv = _backward_kernels(*args, call)
     if plan.kv_partial_over is not None:
       # MQA with the query heads split: the K/V head's gradient sums over
-      # query heads held by several shards (the one collective here).
+      # query heads held by several shards.
       dk, dv = jax.lax.psum((dk, dv), plan.kv_partial_over)
     return dq, dk, dv
 

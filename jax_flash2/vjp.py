@@ -18,7 +18,7 @@ delta = rowsum(dO * out), are already those with the sink.
 
 Only first-order reverse mode is defined: the kernels have no derivative
 rules, so differentiating either pass again raises a NotImplementedError that
-says so (see _first_order_only).
+says so (see first_order_only).
 """
 
 from __future__ import annotations
@@ -26,17 +26,16 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_flash2 import compat, sharding
-from jax_flash2.backends import LOG2_E, Call
+from jax_flash2 import compat, merge, sharding
+from jax_flash2.backends import Call
 from jax_flash2.problem import Operands
 
 OUT_NAME = "flash2_out"
 LSE_NAME = "flash2_lse"
 
-_SECOND_ORDER = (
+SECOND_ORDER = (
     "jax_flash2: second-order gradients (grad of grad, jax.hessian, jvp of a vjp) and forward-mode "
     "differentiation of the flash kernels' {what} are not supported: the Pallas kernels define "
     "only a first-order reverse-mode derivative. Use flash_attention(..., backend='xla') where "
@@ -44,7 +43,7 @@ _SECOND_ORDER = (
 )
 
 
-def _first_order_only(fn, what: str):
+def first_order_only(fn, what: str):
   """fn, with a JVP rule that raises. A second derivative reaches the kernels
   through a JVP of the forward or backward pass (jvp of the forward inside a
   vjp, or the linearisation of the backward); without this it fails deep in
@@ -57,55 +56,20 @@ def _first_order_only(fn, what: str):
   @guarded.defjvp
   def _jvp(primals, tangents):
     del primals, tangents
-    raise NotImplementedError(_SECOND_ORDER.format(what=what))
+    raise NotImplementedError(SECOND_ORDER.format(what=what))
 
   return guarded
-
-
-def _join_sinks(out, lse, sinks, call: Call):
-  """The kernels' (out, lse) with each head's sink in every row's softmax
-  denominator: lse' = log(exp(lse) + exp(sink)) and, the sink carrying no
-  value, out' = out * exp(lse - lse').
-
-  out: [batch, seq_q, heads, head_dim]; lse: float32 [batch, heads, seq_q] in
-  the forward kernels' base, as is the lse' returned; sinks: float32 [heads].
-  """
-  # In the kernels' own base: the lse the backward reads is rounded once.
-  if call.lse_log2:
-    joined, exp = jnp.logaddexp2(lse, sinks[None, :, None] * LOG2_E), jnp.exp2
-  else:
-    joined, exp = jnp.logaddexp(lse, sinks[None, :, None]), jnp.exp
-  # A row that sees no key (lse = -inf, out = 0) keeps out = 0 and gets
-  # lse' = sink; the guard keeps a -inf sink there from making exp(NaN).
-  kept = jnp.where(lse == -jnp.inf, 0.0, exp(lse - joined))
-  joined_out = out.astype(jnp.float32) * jnp.swapaxes(kept, 1, 2)[..., None]
-  return joined_out.astype(out.dtype), joined
-
-
-def _sinks_gradient(out, lse, do, dlse, sinks, call: Call) -> jax.Array:
-  """dsinks, float32 [heads], from the joined out and lse (forward base).
-
-  The sink's probability p = exp(sink - lse) is d lse / d sink, and
-  d out / d sink = -p * out (it takes mass from the values and carries none;
-  dropout scales only the values' probabilities, so this holds under it
-  too). Hence dsink = sum over batch and rows of p * (dlse - delta), with
-  delta = rowsum(dO * out).
-  """
-  natural = call.natural_lse(lse)
-  p = jnp.where(natural == -jnp.inf, 0.0, jnp.exp(sinks[None, :, None] - natural))
-  # A float32 multiply-and-sum, not an einsum: a dot may round to TF32 on GPUs.
-  delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2)
-  return jnp.sum(p * (dlse - delta), axis=(0, 2))
 
 
 def _forward(q, k, v, operands: Operands, call: Call):
   """(out, lse) of the forward kernels, with the sinks joined where the call
   has them; lse in the base the kernels write it (the residual the backward
   reads; backends.Call.natural_lse makes it natural)."""
-  guarded = _first_order_only(lambda q, k, v, operands: sharding.forward(q, k, v, operands, call), "forward pass")
+  guarded = first_order_only(lambda q, k, v, operands: sharding.forward(q, k, v, operands, call), "forward pass")
   out, lse = guarded(q, k, v, operands._replace(sinks=None))
   if operands.sinks is not None:
-    out, lse = _join_sinks(out, lse, operands.sinks, call)
+    # In the kernels' own base: the lse the backward reads is rounded once.
+    out, lse = merge.join_sinks(out, lse, operands.sinks, log2=call.lse_log2)
   # Named after the join: a policy that saves them saves what the backward reads.
   return checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
 
@@ -139,19 +103,19 @@ def _flash_bwd(call: Call, residuals, cotangents):
   # With sinks, out and lse are the joined ones: the kernels' recomputed P is
   # the true probability and dS = P (dP - delta + dlse) holds as it is.
   arrays = (q, k, v, out, call.backward_lse(lse), do, dlse)
-  backward = _first_order_only(lambda *args: sharding.backward(*args[:7], args[7], call), "backward pass")
+  backward = first_order_only(lambda *args: sharding.backward(*args[:7], args[7], call), "backward pass")
   dq, dk, dv = backward(*arrays, operands)
   dbias = None
   if operands.bias is not None:
     # A kernel of its own: jit drops it when the bias takes no gradient.
-    bias_gradient = _first_order_only(lambda *args: sharding.bias_gradient(*args[:7], args[7], call),
+    bias_gradient = first_order_only(lambda *args: sharding.bias_gradient(*args[:7], args[7], call),
                                       "backward pass")
     ds = bias_gradient(*arrays, operands)
     # The bias broadcasts over batch and/or heads where its axis is 1.
     bias = operands.bias
     broadcast = tuple(axis for axis in (0, 1) if bias.shape[axis] == 1 and ds.shape[axis] != 1)
     dbias = ds.sum(axis=broadcast, keepdims=True).astype(bias.dtype)
-  dsinks = None if sinks is None else _sinks_gradient(out, lse, do, dlse, sinks, call)
+  dsinks = None if sinks is None else merge.sinks_gradient(out, call.natural_lse(lse), do, dlse, sinks)
   # The mask, the segment ids, the ALiBi slopes and the seed take no gradient.
   return dq, dk, dv, Operands(bias=dbias, sinks=dsinks)
 
@@ -164,6 +128,6 @@ def flash_checked(q, k, v, operands: Operands, call: Call) -> tuple[jax.Array, j
   refused in jax_flash2's words rather than JAX's generic custom_vjp error
   (which, under jit, comes only at lowering)."""
   if compat.is_forward_mode(q, k, v, operands):
-    raise NotImplementedError(_SECOND_ORDER.format(what="forward pass"))
+    raise NotImplementedError(SECOND_ORDER.format(what="forward pass"))
   sharding.check_auto_sharded(q, k, v, operands)
   return flash(q, k, v, operands, call)

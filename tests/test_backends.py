@@ -59,29 +59,30 @@ OPTIONS = ["none", "causal", "mask", "bias", "window", "window_as_causal", "soft
            "dropout", "scale", "sinks"]
 PLAIN = {"none", "causal", "window_as_causal", "scale", "sinks"}
 # What the Mosaic kernels serve besides plain attention (issue 27).
-MOSAIC_OPTIONS = {"window", "softcap", "alibi"}
+MOSAIC_OPTIONS = {"window", "softcap", "alibi", "segments"}
 # The options they leave to the Triton kernels, as their reason names them.
-TRITON_ONLY = {"mask": "a dense mask", "bias": "a bias", "segments": "segment ids", "dropout": "dropout"}
+TRITON_ONLY = {"mask": "a dense mask", "bias": "a bias", "dropout": "dropout"}
 
 
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_auto_on_hopper(option, head_dim):
-  """The Mosaic kernels for full/causal attention, windows, softcap and ALiBi
-  at head_dim 64, 128 and 256; the Triton kernels for everything else, with
-  the reason naming the option."""
+  """The Mosaic kernels for full/causal attention, windows, softcap, ALiBi
+  and segment ids at head_dim 64, 128 and 256; the Triton kernels for
+  everything else, with the reason naming the option."""
   q, k, v = _structs(head_dim=head_dim)
   got = plan(q, k, v, compute_capability=HOPPER, **_options(option, q, k))
-  mosaic = option in PLAIN | MOSAIC_OPTIONS and head_dim != 96
-  for pass_plan in (got.forward, got.backward):
+  served = head_dim != 96 and option in PLAIN | MOSAIC_OPTIONS
+  for pass_plan, mosaic in ((got.forward, served), (got.backward, served)):
     assert pass_plan.backend == ("mosaic" if mosaic else "triton")
     assert (pass_plan.reason is None) == mosaic
-  if not mosaic:
-    assert got.forward.reason.startswith("the Mosaic kernels")
-    assert isinstance(got.forward.config, BlockSizes)
+    if mosaic:
+      continue
+    assert pass_plan.reason.startswith("the Mosaic")
+    assert isinstance(pass_plan.config, BlockSizes)
     if option in TRITON_ONLY and head_dim != 96:
-      assert got.forward.reason.endswith(f"not {TRITON_ONLY[option]}")
-  else:
+      assert pass_plan.reason.endswith(f"not {TRITON_ONLY[option]}")
+  if served:
     assert isinstance(got.forward.config, MosaicForwardConfig)
     assert isinstance(got.backward.config, MosaicBackwardConfig)
     # The fused backward (the d64 default) serves full and causal attention only.
@@ -215,8 +216,7 @@ def test_explicit_configs_win_and_never_switch_family():
   with pytest.raises(ValueError, match="block_sizes configures the Triton kernels, but neither pass runs them"):
     plan(q, k, v, block_sizes=tiles, compute_capability=HOPPER)
   with pytest.raises(ValueError, match="mosaic_config configures the Mosaic kernels.*backend='mosaic'"):
-    plan(q, k, v, q_segment_ids=jax.ShapeDtypeStruct((1, 256), jnp.int32),
-         kv_segment_ids=jax.ShapeDtypeStruct((1, 256), jnp.int32), mosaic_config=MosaicConfig(),
+    plan(q, k, v, mask=jax.ShapeDtypeStruct((1, 1, 256, 256), jnp.bool_), mosaic_config=MosaicConfig(),
          compute_capability=HOPPER)
   # Where no kernel runs (XLA on a CPU), configs have nothing to tile.
   assert plan(q, k, v, block_sizes=tiles, compute_capability=None).forward.backend == "xla"

@@ -1255,7 +1255,7 @@ def test_decode_unsupported_cells_say_why(monkeypatch):
   fake.dot_product_attention = lambda query, key, value, *, is_causal=False: None
   monkeypatch.setitem(sys.modules, "tokamax", fake)
   assert decode.DECODE_REGISTRY["tokamax"].supports(one, cfg) == "this tokamax has no key_value_seq_lengths"
-  cell = decode.run_cell(decode.DECODE_REGISTRY["cudnn"], dataclasses.replace(one, page_size=64), [], cfg, 4.0, None)
+  cell = decode.run_cell(decode.DECODE_REGISTRY["cudnn"], dataclasses.replace(one, page_size=64), [], cfg, {}, None)
   assert cell.status == "unsupported" and "contiguous" in cell.error and cell.bytes == 134_348_800 + 8 * 128 * 4
 
 
@@ -1274,7 +1274,8 @@ def test_decode_tiny_cpu_run(tmp_path, no_tokamax):
   assert "left out cudnn: needs an NVIDIA GPU" in text and "host figures" in text
   doc = json.loads((tmp_path / "results.json").read_text())
   assert doc["schema_version"] == 5 and doc["kind"] == "decode" and doc["notes"]["tiny_cpu_run"]
-  assert doc["metadata"]["copy_tb_s"] > 0 and "host" in doc["metadata"]["copy_note"]
+  meta = doc["metadata"]
+  assert meta["copy_tb_s"] > 0 and meta["copy_kernel_tb_s"] is None and "host" in meta["copy_note"]
   cells = doc["cells"]
   assert [(c["impl"], c["page_size"]) for c in cells] == [("flash2", None), ("xla", None), ("flash2", 16),
                                                          ("xla", 16)]
@@ -1301,8 +1302,10 @@ def test_decode_tokamax_stand_in(monkeypatch):
   assert cfg.impls == ("tokamax",)
   shape = decode.DecodeShape(2, 32, 4, 2, 32, 2, "float32")
   x = decode.make_inputs(shape, 0)
-  cell = decode.run_cell(decode.DECODE_REGISTRY["tokamax"], shape, [x], cfg, 1.0, decode.reference_out(x))
+  copy = dict(copy_tb_s=2.0, copy_kernel_tb_s=4.0)  # each fraction divides by the copy timed its own way
+  cell = decode.run_cell(decode.DECODE_REGISTRY["tokamax"], shape, [x], cfg, copy, decode.reference_out(x))
   assert cell.status == "ok" and cell.rel_err_out < 1e-5, cell
+  assert cell.copy_fraction == cell.tb_s / 2.0 and cell.kernel_copy_fraction is None  # no kernel time on CPU
   paged = decode.run_cell(decode.DECODE_REGISTRY["tokamax"], dataclasses.replace(shape, page_size=16), [], cfg,
-                          1.0, None)
+                          copy, None)
   assert paged.status == "unsupported" and "contiguous" in paged.error

@@ -289,3 +289,114 @@ def test_entry_points_check_the_options():
   with pytest.raises(ValueError, match=r"alibi_slopes must be float32 \[batch or 1, heads\]"):
     mosaic_bwd.dq(q, q, q, q, jnp.zeros((1, 2, 128), jnp.float32), jnp.zeros((1, 2, 128), jnp.float32),
                   alibi_slopes=jnp.zeros((2,), jnp.float32))
+
+
+# ---------------------------------------------------------------- segment ids
+
+
+def _packed_ids(rng, batch: int, seq: int, pieces: int) -> jax.Array:
+  """int32 [batch, seq]: each row cut at random into `pieces` runs of ids 0, 1, ..."""
+  rows = []
+  for _ in range(batch):
+    cuts = np.sort(rng.choice(np.arange(1, seq), pieces - 1, replace=False))
+    rows.append(np.searchsorted(cuts, np.arange(seq), side="right"))
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def _segment_ids(kind: str, batch: int, seq_q: int, seq_k: int, seed: int = 0):
+  """("packed": the same runs for queries and keys; "cross": runs of their
+  own, the queries' last id absent from the keys, so its rows see no key;
+  "unsorted": ids drawn at random from {0, 1, 2})."""
+  rng = np.random.default_rng(seed)
+  if kind == "unsorted":
+    return (jnp.asarray(rng.integers(0, 3, (batch, seq_q)), jnp.int32),
+            jnp.asarray(rng.integers(0, 3, (batch, seq_k)), jnp.int32))
+  q_ids = _packed_ids(rng, batch, seq_q, 4)
+  if kind == "packed":
+    return q_ids, q_ids
+  return q_ids, jnp.minimum(_packed_ids(rng, batch, seq_k, 3), 2)  # q's id 3 never among the keys
+
+
+# (shape (batch, seq_q, seq_k, heads, head_dim), kv_heads, options, ids
+# (`_segment_ids`), forward config, backward config (None: the forward
+# alone), race detector).
+SEGMENT_CASES = {
+    # Queries and keys of their own lengths and runs (rows that see no key),
+    # a window and a softcap, persistent CTAs in every kernel (the tile after
+    # a CTA's last is read, clamped), three ring slots in dK/dV.
+    "d64_cross_window_softcap_persistent": (
+        (1, 256, 192, 2, 64), None, dict(window_size=(60, 40), softcap=5.0), "cross",
+        F(128, 64, 2, softmax_overlap=True, persistent=True), B(64, 64, 3, dq_persistent=True, dkv_persistent=True),
+        False),
+    # Ids in no order with ALiBi, ragged, the d128 defaults: the hull of
+    # blocks whose id ranges meet, masked.
+    "d128_unsorted_alibi_ragged": ((1, 136, 200, 1, 128), None, dict(alibi="heads"), "unsorted", None, None, True),
+    # head_dim 256 (backward_wide), ragged, rows that see no key.
+    "d256_cross_causal_ragged": ((1, 136, 128, 1, 256), None, dict(causal=True), "cross", None, None, False),
+}
+
+
+@pytest.mark.parametrize("case", list(SEGMENT_CASES))
+def test_interpreter_with_segment_ids(case):
+  """The Mosaic forward and backward (two-kernel at head_dim 64 and 128,
+  backward_wide at 256) with segment ids in Mosaic's interpreter against the
+  float64 reference (out, lse and every gradient), rows whose id no key
+  holds giving zeros, lse -inf and dQ 0, poisoned memory, the race detector
+  where asked."""
+  shape, kv_heads, options, kind, forward_config, backward_config, races = SEGMENT_CASES[case]
+  (q, k, v, do, dlse), options = _arrays(shape, kv_heads, jnp.bfloat16, options)
+  ids = dict(zip(("q_segment_ids", "kv_segment_ids"), _segment_ids(kind, shape[0], shape[1], shape[2])))
+  params = plgpu.InterpretGPUParams(detect_races=races, uninitialized_memory="nan")
+  out, lse = mosaic_fwd.forward(q, k, v, **options, **ids, config=forward_config, interpret=params)
+  delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32)) - dlse
+  kernels = backward_wide if shape[-1] == 256 else mosaic_bwd
+  got = (out, lse, *kernels.backward(q, k, v, do, lse, delta, **options, **ids, config=backward_config,
+                                     interpret=params))
+  want = reference_with_grads(q, k, v, do, dlse, causal=options.get("causal", False),
+                              window=options.get("window_size", (None, None)), softcap=options.get("softcap"),
+                              alibi_slopes=options.get("alibi_slopes"),
+                              segment_ids=(ids["q_segment_ids"], ids["kv_segment_ids"]))
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert_matches_reference(got, want, do, tol=1e-2)
+  if kind == "cross":
+    blind = np.asarray(ids["q_segment_ids"] == 3)
+    assert blind.any() and np.all(np.isneginf(np.asarray(lse)[np.broadcast_to(blind[:, None], lse.shape)]))
+    for x in (out, got[2]):
+      np.testing.assert_array_equal(np.asarray(x, np.float32)[blind], 0.0)
+  if races:
+    assert not _races_found()
+
+
+def test_flash_attention_segment_ids_on_mosaic():
+  """flash_attention(backend="mosaic") with packed segment ids, causal,
+  ragged and grouped-query: both passes on the Mosaic kernels (the two-kernel
+  backward at head_dim 64, its measured tiles) through the custom_vjp, in
+  Mosaic's interpreter, against the reference with random cotangents on out
+  and lse."""
+  (q, k, v, do, dlse), options = _arrays((1, 136, 136, 4, 64), 2, jnp.bfloat16, dict(causal=True), seed=5)
+  q_ids, kv_ids = _segment_ids("packed", 1, 136, 136, seed=5)
+  options.update(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+  got = plan(q, k, v, **options, interpret=True, backend="mosaic")
+  assert (got.forward.backend, got.backward.backend) == ("mosaic", "mosaic")
+  assert not got.backward.config.fused_dq
+  got = flash_with_grads(q, k, v, do, dlse, backend="mosaic", **options)
+  want = reference_with_grads(q, k, v, do, dlse, causal=True, segment_ids=(q_ids, kv_ids))
+  assert_matches_reference(got, want, do, tol=1e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_kernels_with_segment_ids_lower_for_cuda(head_dim):
+  """The causal forward and backward with segment ids, at their default
+  tilings, lower for sm_90a."""
+  lower = lambda f, *args: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  q = jax.ShapeDtypeStruct((2, 1024, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1024, 2, head_dim), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((2, 1024), jnp.int32)
+  rows = jax.ShapeDtypeStruct((2, 4, 1024), jnp.float32)
+  text = lower(lambda q, k, v, a, b: mosaic_fwd.forward(q, k, v, causal=True, q_segment_ids=a, kv_segment_ids=b),
+               q, kv, kv, ids, ids)
+  assert "flash2_fwd_mosaic" in text and "mosaic_gpu_v2" in text
+  kernels, wide = (backward_wide, "_wide") if head_dim == 256 else (mosaic_bwd, "")
+  text = lower(lambda q, k, v, lse, a, b: kernels.backward(q, k, v, q, lse, lse, causal=True, q_segment_ids=a,
+                                                            kv_segment_ids=b), q, kv, kv, rows, ids, ids)
+  assert f"flash2_bwd_dkv{wide}_mosaic" in text and f"flash2_bwd_dq{wide}_mosaic" in text

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import decode_inputs, decode_reference, random_inputs, rel_err
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention, flash_decode
 from jax_flash2 import sharding as flash_sharding
+from jax_flash2.api import check_problem
 from jax_flash2.backends import DecodeCall, PassPlan
 from jax_flash2.problem import DecodeProblem
 
@@ -180,22 +181,46 @@ def test_without_custom_partitioning_an_all_gather_appears(monkeypatch):
   assert "all-gather" in hlo
 
 
-def test_sharded_sequence_is_gathered():
-  """seq must be replicated: a caller who shards it gets it gathered (and the
-  right answer)."""
-  mesh = _mesh((2, 4))
-  q, k, v, _ = _inputs()
+def test_sharded_sequence_rides_the_ring():
+  """A sequence split over a mesh axis stays split: the kernels run ring
+  attention round that axis (jax_flash2.ring, contiguous layout), forward
+  and backward, with collective-permutes and no all-gather, and give the
+  unsharded answer; batch stays split over the other axis. (A ring of 2:
+  test_ring.py has rings of 4 under shard_map.)"""
+  mesh = _mesh((4, 2))
+  q, k, v, dout = _inputs()
   seq = NamedSharding(mesh, P("data", "model"))
-  f = lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=True, block_sizes=SMALL)
-  got, hlo = _compile(f, (q, k, v), (seq,) * 3)
-  assert "all-gather" in hlo
-  assert rel_err(got, flash_attention(q, k, v, causal=True, backend="xla")) < 1e-5
+  f = _out_and_grads(dict(interpret=True, block_sizes=SMALL))
+  got, hlo = _compile(lambda q, k, v, dout: f(q, k, v, dout, None), (q, k, v, dout), (seq,) * 4)
+  assert "collective-permute" in hlo
+  assert set(COLLECTIVES.findall(hlo)) == {"collective-permute"}
+  want = _out_and_grads(dict(backend="xla"))(q, k, v, dout, None)
+  for name, x, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert rel_err(x, w) < 1e-5, name
+
+
+def test_only_problems_the_ring_serves_leave_the_sequence_split():
+  """The rule lets seq_q and seq_k be split (one factor) only where the ring
+  serves the problem; with a dense mask, a bias, ALiBi, dropout or seq_q !=
+  seq_k they must be replicated: gathered, as test_sharded_sequence_outside_jit_is_gathered
+  and the pre-ring suite checked. (Read off the rule, without compiling.)"""
+  q = jax.ShapeDtypeStruct((2, 16, 4, 16), jnp.float32)
+  rides = lambda **options: flash_sharding.rides_ring(check_problem(q, q, q, **options))
+  assert rides(causal=True) and rides(window_size=(3, 0), softcap=5.0)
+  assert not rides(mask=jnp.ones((16, 16), bool)) and not rides(bias=jnp.zeros((16, 16), jnp.float32))
+  assert not rides(alibi_slopes=jnp.ones(4, jnp.float32)) and not rides(dropout_rate=0.1, dropout_rng=jax.random.key(0))
+  assert not flash_sharding.rides_ring(check_problem(q, jax.ShapeDtypeStruct((2, 8, 4, 16), jnp.float32),
+                                                     jax.ShapeDtypeStruct((2, 8, 4, 16), jnp.float32)))
+  ring = flash_sharding._rule(["b i h d", "b i h d"], ["b i h d"], ring=True)[1]["need_replication_factors"]
+  gathered = flash_sharding._rule(["b i h d", "b j h d"], ["b i h d"])[1]["need_replication_factors"]
+  assert "i" not in ring and {"i", "j"} <= set(gathered)
 
 
 @pytest.mark.parametrize("backend", ["xla", "triton", "mosaic"])
 def test_sharded_sequence_outside_jit_is_gathered(backend):
   """Outside jit too, on every backend: inputs whose sequence axis is
-  sharded give the unsharded answer (the kernels run on gathered operands)."""
+  sharded give the unsharded answer (the Triton kernels round the ring, the
+  Mosaic interpreter, which is not partitioned, and XLA on gathered operands)."""
   mesh = _mesh((2, 4))
   dtype = jnp.bfloat16 if backend == "mosaic" else jnp.float32
   q, k, v = (x.astype(dtype) for x in _inputs(seq=128 if backend == "mosaic" else 32, heads=4)[:3])

@@ -131,7 +131,8 @@ class DecodeSweepConfig:
 class DecodeCell:
   """One (implementation, decode shape) cell. ms / kernel_ms as in CellResult;
   bytes: `bytes_moved`; tb_s / kernel_tb_s: bytes over ms / kernel_ms;
-  copy_fraction / kernel_copy_fraction: those over the run's copy bandwidth;
+  copy_fraction / kernel_copy_fraction: those over the run's copy bandwidth timed
+  the same way (wall clock / kernel time);
   rel_err_out: ||out - ref|| / ||ref|| against the float32 reference."""
 
   impl: str
@@ -299,18 +300,27 @@ def make_inputs(shape: DecodeShape, seed: int) -> tuple:
   return x
 
 
-def copy_bandwidth(platform: str, warmup: int = 2, iters: int = 5) -> dict[str, Any]:
+def copy_bandwidth(platform: str, kernel_time: bool, warmup: int = 2, iters: int = 5) -> dict[str, Any]:
   """The device's copy bandwidth: a large device-to-device copy (x + 1 on
-  bytes: each read once, written once) after warm-up; bytes read + written
-  over the median time."""
+  random 32-bit words: each byte read once, written once) after warm-up;
+  bytes read + written over the median wall-clock time and, with
+  `kernel_time` on a GPU, over the kernel time (the figure a cell's kernel
+  bandwidth is compared with). Word-wide, since a byte-wide add runs far under
+  the memory's rate and would make every fraction look too good."""
   nbytes = GPU_COPY_BYTES if platform == "gpu" else CPU_COPY_BYTES
-  x = jnp.zeros((nbytes,), jnp.uint8)
-  ms = timing.time_fn_ms(lambda a: a + jnp.uint8(1), x, warmup=warmup, iters=iters)
+  x = jax.random.bits(jax.random.PRNGKey(0), (nbytes // 4,), jnp.uint32)
+  add_one = lambda a: a + jnp.uint32(1)
+  ms = timing.time_fn_ms(add_one, x, warmup=warmup, iters=iters)
+  kernel_ms = None
+  if kernel_time and platform == "gpu":
+    compiled = jax.jit(add_one).lower(x).compile()
+    kernel_ms = kernel_trace.device_ms_per_call(lambda i: compiled(x), timing.CALLS_PER_ROUND)
   del x
   timing.free()
-  return dict(copy_bytes=2 * nbytes, copy_ms=ms, copy_tb_s=tb_per_s(2 * nbytes, ms),
+  return dict(copy_bytes=2 * nbytes, copy_ms=ms, copy_tb_s=tb_per_s(2 * nbytes, ms), copy_kernel_ms=kernel_ms,
+              copy_kernel_tb_s=tb_per_s(2 * nbytes, kernel_ms),
               copy_note="host (CPU) figures, not GPU ones" if platform != "gpu" else
-              "device-to-device copy on the GPU: bytes read + written / median time")
+              "device-to-device copy on the GPU: bytes read + written / median time (and / kernel time)")
 
 
 # ---------------------------------------------------------------------- cells
@@ -331,7 +341,7 @@ def reference_out(x: tuple) -> jax.Array:
       f32(q), f32(k), f32(v), lens)
 
 
-def run_cell(impl: DecodeImpl, shape: DecodeShape, inputs: list[tuple], cfg: DecodeSweepConfig, copy_tb_s: float | None,
+def run_cell(impl: DecodeImpl, shape: DecodeShape, inputs: list[tuple], cfg: DecodeSweepConfig, copy: dict[str, Any],
              want: jax.Array | None) -> DecodeCell:
   fields = dict(impl=impl.name, **dataclasses.asdict(shape))
   nbytes = bytes_moved(shape)
@@ -363,14 +373,15 @@ def run_cell(impl: DecodeImpl, shape: DecodeShape, inputs: list[tuple], cfg: Dec
   if err is not None and not math.isfinite(err):
     status, error = "error", "non-finite values in out"
   ms = timing.median_ms(times)
-  frac = lambda t: None if t is None or not copy_tb_s else t / copy_tb_s
+  frac = lambda t, ref: None if t is None or not ref else t / ref
   tb, ktb = tb_per_s(nbytes, ms), tb_per_s(nbytes, kernel_ms)
   return DecodeCell(status=status, error=error, ms=ms, ms_min=min(times) * 1e3, kernel_ms=kernel_ms,
-                    iters=len(times), bytes=nbytes, tb_s=tb, kernel_tb_s=ktb, copy_fraction=frac(tb),
-                    kernel_copy_fraction=frac(ktb), rel_err_out=err, **fields)
+                    iters=len(times), bytes=nbytes, tb_s=tb, kernel_tb_s=ktb,
+                    copy_fraction=frac(tb, copy.get("copy_tb_s")),
+                    kernel_copy_fraction=frac(ktb, copy.get("copy_kernel_tb_s")), rel_err_out=err, **fields)
 
 
-def run_decode(cfg: DecodeSweepConfig, copy_tb_s: float | None, progress: Progress | None = None) -> list[DecodeCell]:
+def run_decode(cfg: DecodeSweepConfig, copy: dict[str, Any], progress: Progress | None = None) -> list[DecodeCell]:
   progress = progress or Progress(0, enabled=False)
   cells = []
   for shape in cfg.shapes():
@@ -386,7 +397,7 @@ def run_decode(cfg: DecodeSweepConfig, copy_tb_s: float | None, progress: Progre
       timing.free()
       continue
     for name in cfg.impls:
-      cells.append(run_cell(DECODE_REGISTRY[name], shape, inputs, cfg, copy_tb_s, want))
+      cells.append(run_cell(DECODE_REGISTRY[name], shape, inputs, cfg, copy, want))
       progress.update(f"{name} {shape.describe()}")
     del inputs, want
     timing.free()
@@ -403,9 +414,10 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def format_table(cells: list[DecodeCell], copy: dict[str, Any], tiny: bool) -> str:
-  copy_text = f"copy bandwidth {_fmt(copy.get('copy_tb_s'), '.3g')} TB/s"
-  lines = [f"decode: bytes = K/V read + block table + q + out; %copy: TB/s (kernel where measured, else wall) / "
-           f"{copy_text}" + (" (host figures: no GPU)" if tiny else "")]
+  copy_text = (f"copy bandwidth {_fmt(copy.get('copy_tb_s'), '.3g')} TB/s wall, "
+               f"{_fmt(copy.get('copy_kernel_tb_s'), '.3g')} kernel")
+  lines = [f"decode: bytes = K/V read + block table + q + out; %copy: kernel TB/s / kernel copy TB/s where "
+           f"measured, else wall / wall; {copy_text}" + (" (host figures: no GPU)" if tiny else "")]
   head = f"{'impl':<8} {'cache':>7} {'page':>5} " + " ".join(f"{name:>{w}}" for name, w in _COLUMNS)
   last_group = None
   for c in cells:

@@ -60,7 +60,7 @@ from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands,
     PersistentSchedule, QTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
     kv_outer_smem_bytes, kv_range, kv_ring_producer, optional_ref, optional_slopes, outer_grid, recomputed_probs,
-    run_tiles, specialized_kernel, swizzled, tile_table, triangular,
+    run_tiles, segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled, tile_table, triangular,
 )
 
 HEAD_DIMS = (64, 128)
@@ -105,12 +105,15 @@ def _dkv_kernel(
   # the persistent schedule's table (common.tile_table). schedule: None for
   # one CTA per tile (grid kv x heads x batch), else the persistent CTAs'
   # tiles over K/V blocks.
-  slopes_ref, (dk_ref, dv_ref, *scratch) = optional_ref(refs, scores.alibi)
+  slopes_ref, refs = optional_ref(refs, scores.alibi)
+  segments, (dk_ref, dv_ref, *scratch) = segment_refs(refs, mask.segments)
   wg = lax.axis_index("wg")
   smem, staging, _ = KVOuterScratch.take(scratch, interpret=interpret)
   kv = KVOuter(Operands(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slopes_ref), dk_ref, dv_ref, smem, staging,
                wg=wg, mask=mask, group=group, block_q=config.block_q, stages=config.stages, scores=scores,
-               early_vectors=config.early_vectors, interpret=interpret)
+               early_vectors=config.early_vectors, interpret=interpret, segments=segments)
+  # Segment ids bound the Q blocks on both sides, like a band's two edges.
+  before, after = mask.right is not None or mask.segments, mask.left is not None or mask.segments
   head_dim = q_ref.shape[-1]
 
   def produce(tile, ring_base):
@@ -120,7 +123,7 @@ def _dkv_kernel(
     """(dK unscaled, dV) of this consumer's rows of `tile`, its Q blocks at
     the ring's steps from ring_base; its K and V rows are in `buffer`."""
     k_start, k_tile, v_tile = kv.wait_kv(tile, buffer)
-    lo, full_lo, full_hi, hi = kv.q_blocks(k_start)
+    lo, full_lo, full_hi, hi = kv.q_range(tile, k_start)
 
     def slot_of(g, qb):
       return lax.rem(ring_base + tile.step_of(g, qb), jnp.int32(config.stages))
@@ -128,7 +131,8 @@ def _dkv_kernel(
     def step(qb, carry, *, g, slope, masked: bool):
       dk, dv = carry
       slot = slot_of(g, qb)
-      p_t, ds_t, q_tile, do_tile = kv.p_and_ds_t(k_tile, v_tile, k_start, qb, slot, masked=masked, slope=slope)
+      p_t, ds_t, q_tile, do_tile = kv.p_and_ds_t(k_tile, v_tile, k_start, qb, slot, masked=masked, slope=slope,
+                                                 batch=tile.batch)
       dk, dv = kv.add_grads(dk, dv, p_t, ds_t, q_tile, do_tile)
       kv.release_q_block(slot)
       return dk, dv
@@ -147,11 +151,11 @@ def _dkv_kernel(
       # [lo, full_lo) cross the band's right edge (the diagonal), [full_hi,
       # hi) its left edge; full_hi = hi = num_q without one.
       visit = functools.partial(step, g=g, slope=scores.slope(slopes_ref, tile.batch, tile.kv_head * group + g))
-      if mask.right is not None:
+      if before:
         lax.fori_loop(tile.lo, lo, functools.partial(drain, g=g), None)
         carry = lax.fori_loop(lo, full_lo, functools.partial(visit, masked=True), carry)
       carry = lax.fori_loop(full_lo, full_hi, functools.partial(visit, masked=False), carry)
-      if mask.left is not None:
+      if after:
         carry = lax.fori_loop(full_hi, hi, functools.partial(visit, masked=True), carry)
         lax.fori_loop(hi, tile.end, functools.partial(drain, g=g), None)
       return carry
@@ -165,8 +169,9 @@ def _dkv_kernel(
 
 
 def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, config: MosaicBackwardConfig,
-              interpret) -> tuple[jax.Array, jax.Array]:
-  """The dK/dV kernel on operands padded by `pad_backward`: (dk, dv)."""
+              interpret, segment_ids=None) -> tuple[jax.Array, jax.Array]:
+  """The dK/dV kernel on operands padded by `pad_backward`: (dk, dv);
+  segment_ids: (q ids, kv ids) or None."""
   batch, _, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   interpret_params, interpret = interpret_params_of(interpret)
@@ -182,9 +187,12 @@ def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, co
   kernel = functools.partial(_dkv_kernel, mask=mask, group=heads // kv_heads, schedule=schedule,
                              scores=scores, config=config, interpret=interpret)
   out_type = (jax.ShapeDtypeStruct(k.shape, q.dtype), jax.ShapeDtypeStruct(v.shape, q.dtype))
+  ids = () if segment_ids is None else segment_inputs(
+      *segment_ids, padded_q=q.shape[1], padded_k=k.shape[1], rows=WGMMA_M, block=config.block_q,
+      groups=k.shape[1] // WGMMA_M, q_outer=False)
   return specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                             interpret_params=interpret_params, name="flash2_bwd_dkv_mosaic")(
-                                q, k, v, do, lse, delta, tile_table(schedule), *optional_slopes(slopes))
+                                q, k, v, do, lse, delta, tile_table(schedule), *optional_slopes(slopes), *ids)
 
 
 # ---------------------------------------------------------------- dQ
@@ -206,6 +214,7 @@ def _dq_kernel(
   # schedule: None for one CTA per tile (grid q x heads x batch), else the
   # persistent CTAs' tiles.
   slopes_ref, refs = optional_ref(refs, scores.alibi)
+  segments, refs = segment_refs(refs, mask.segments)
   (dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_consumed, v_consumed,
    *staging) = refs
   softmax_scale = scores.softmax_scale
@@ -216,7 +225,10 @@ def _dq_kernel(
     [staging] = staging
   wg = lax.axis_index("wg")
   tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=OUTER_ROWS, block_kv=block_kv,
-                              mask=mask)
+                              mask=mask, segment_ranges=None if segments is None else segments.ranges)
+  # Segment ids bound the K/V blocks on both sides, like a band's two edges.
+  before = mask.left is not None or mask.segments
+  after = mask.right is not None or mask.segments or bool(mask.seq_k % block_kv)
 
   def load_rows(tile: QTile, buffer):
     """Starts the copies of this consumer's Q, dO, lse and delta rows of
@@ -246,6 +258,10 @@ def _dq_kernel(
     # As in the forward: [lo, full_lo) and [full_hi, hi) take the element
     # mask; lo = full_lo = 0 without a left edge.
     lo, full_lo, full_hi, hi = kv_range(mask, q_start, rows, block_kv)
+    if segments is not None:
+      lo, full_lo, full_hi, hi = segment_range((lo, full_lo, full_hi, hi), segments.ranges, tile.batch,
+                                               lax.div(q_start, jnp.int32(rows)), tile.kv_lo, tile.kv_end)
+      q_ids = plgpu.load(segments.q.at[tile.batch, pl.ds(q_start, rows)], layout=row_layout)
     slope = scores.slope(slopes_ref, tile.batch, tile.head)
 
     def slot_of(kb):
@@ -259,8 +275,13 @@ def _dq_kernel(
         col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         return row, col
 
+      def same_segment():
+        kv_ids = plgpu.load(segments.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
+                            layout=plgpu.Layout.WGMMA.reduce(0))
+        return lax.broadcast_in_dim(q_ids, s.shape, [0]) == lax.broadcast_in_dim(kv_ids, s.shape, [1])
+
       return recomputed_probs(s, lse, scores=scores, mask=mask, positions=positions, slope=slope, masked=masked,
-                              lse_axis=0)
+                              lse_axis=0, same_segment=None if segments is None else same_segment)
 
     def issue_scores(s_ref, dp_ref, k_tile, v_tile):
       # S = Q K^T and dP = dO V^T: two groups.
@@ -331,13 +352,13 @@ def _dq_kernel(
       plgpu.barrier_arrive(k_consumed.at[slot])
 
     dq = plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    if mask.left is not None:
+    if before:
       lax.fori_loop(tile.kv_lo, lo, drain, None)  # before this warpgroup's left edge
       dq = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), dq)
     dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
-    if mask.right is not None or mask.seq_k % block_kv:  # a diagonal, or a last block partly of padding
+    if after:  # a diagonal, or a last block partly of padding
       dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
-    if mask.right is not None:
+    if mask.right is not None or mask.segments:
       lax.fori_loop(hi, tile.kv_end, drain, None)  # past this warpgroup's right edge
     return dq
 
@@ -359,8 +380,9 @@ def _dq_kernel(
 
 
 def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, config: MosaicBackwardConfig,
-             interpret) -> jax.Array:
-  """The dQ kernel on operands padded by `pad_backward`."""
+             interpret, segment_ids=None) -> jax.Array:
+  """The dQ kernel on operands padded by `pad_backward`; segment_ids: (q
+  ids, kv ids) or None."""
   interpret_params, interpret = interpret_params_of(interpret)
   batch, _, heads, head_dim = q.shape
   kv_heads = k.shape[2]
@@ -389,10 +411,13 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, con
       _dq_kernel, mask=mask, group=heads // kv_heads, num_q_blocks=num_q_blocks, schedule=schedule,
       scores=scores, config=config, interpret=interpret,
   )
+  ids = () if segment_ids is None else segment_inputs(
+      *segment_ids, padded_q=q.shape[1], padded_k=k.shape[1], rows=WGMMA_M, block=block_kv,
+      groups=q.shape[1] // WGMMA_M, q_outer=True)
   return specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
                             grid_names=grid_names, interpret_params=interpret_params,
                             name="flash2_bwd_dq_mosaic")(q, k, v, do, lse, delta, tile_table(schedule),
-                                                         *optional_slopes(slopes))
+                                                         *optional_slopes(slopes), *ids)
 
 
 # ---------------------------------------------------------------- entry points
@@ -400,7 +425,8 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, con
 
 def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
         causal: bool = False, window_size: tuple[int | None, int | None] = (None, None), softcap: float | None = None,
-        alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
+        alibi_slopes: jax.Array | None = None, q_segment_ids: jax.Array | None = None,
+        kv_segment_ids: jax.Array | None = None, softmax_scale: float | None = None,
         config: MosaicBackwardConfig | None = None,
         interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array]:
   """dK and dV of FlashAttention-2 on Hopper via Mosaic GPU.
@@ -412,8 +438,9 @@ def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
       blocks and sliced back).
     lse: float32 [batch, heads, seq_q], natural log, as the forward writes it.
     delta: float32 [batch, heads, seq_q], rowsum(dO * O).
-    causal, window_size, softcap, alibi_slopes, softmax_scale: as in the
-      forward (jax_flash2.mosaic.forward.forward).
+    causal, window_size, softcap, alibi_slopes, q_segment_ids,
+      kv_segment_ids, softmax_scale: as in the forward
+      (jax_flash2.mosaic.forward.forward).
     config: tiling, fused_dq False; defaults to
       `defaults.mosaic_backward(head_dim)` with fused_dq off.
     interpret: run Mosaic GPU's interpreter (CPU) instead of compiling.
@@ -422,23 +449,27 @@ def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
     (dk, dv), like k.
   """
   return _gradients(("dkv",), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
-                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
+                    softcap=softcap, alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale)
 
 
 def dq(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
        causal: bool = False, window_size: tuple[int | None, int | None] = (None, None), softcap: float | None = None,
-       alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
+       alibi_slopes: jax.Array | None = None, q_segment_ids: jax.Array | None = None,
+       kv_segment_ids: jax.Array | None = None, softmax_scale: float | None = None,
        config: MosaicBackwardConfig | None = None, interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
   """dQ of FlashAttention-2 on Hopper via Mosaic GPU, like q; arguments as
   `dkv`."""
   return _gradients(("dq",), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
-                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
+                    softcap=softcap, alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale)
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
              causal: bool = False, window_size: tuple[int | None, int | None] = (None, None),
-             softcap: float | None = None, alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
-             config: MosaicBackwardConfig | None = None,
+             softcap: float | None = None, alibi_slopes: jax.Array | None = None,
+             q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+             softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
              interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`dq` and `dkv` on one padding of the operands; arguments as `dkv`.
 
@@ -446,7 +477,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.A
     (dq, dk, dv), each like its primal.
   """
   return _gradients(("dkv", "dq"), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
-                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
+                    softcap=softcap, alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale)
 
 
 def _gradients(names, q, k, v, do, lse, delta, config, interpret, **band_and_scores):

@@ -85,8 +85,8 @@ from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, Scores,
     backward_kernels, check_operands, copy_q_block, interpret_params_of, kv_range, kv_ring_producer,
-    observe_last_releases, optional_ref, optional_slopes, outer_grid, recomputed_probs, run_tiles, specialized_kernel,
-    swizzled, triangular, zero_padded_keys,
+    observe_last_releases, optional_ref, optional_slopes, outer_grid, recomputed_probs, run_tiles, segment_inputs,
+    segment_range, segment_refs, specialized_kernel, swizzled, triangular, zero_padded_keys,
 )
 
 # Outer rows per CTA and rows per streamed block: one wgmma M.
@@ -260,6 +260,7 @@ def _dkv_kernel(
   # q_consumed, do_consumed: [stages], 2 arrivals; staged, free: 2 arrivals.
   # slopes_ref (ALiBi only): float32 [batch or 1, heads].
   slopes_ref, refs = optional_ref(refs, scores.alibi)
+  segments, refs = segment_refs(refs, mask.segments)
   (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, q_consumed,
    do_consumed, p_smem, ds_smem, staged, free) = refs
   softmax_scale = scores.softmax_scale
@@ -273,6 +274,15 @@ def _dkv_kernel(
   def tile_at(kv_index, kv_head, batch) -> _KVTile:
     k_start = kv_index * ROWS
     lo, full_lo = mask.q_blocks_right(k_start, ROWS, ROWS)
+    if segments is not None:
+      # The band's range under the ids' (clamped reads: a persistent CTA also
+      # asks for the tile after its last).
+      band = mask.q_blocks(k_start, ROWS, ROWS) if mask.left is not None else (lo, full_lo, num_q, num_q)
+      ranges = segments.ranges
+      b, group_index = jnp.minimum(batch, ranges.shape[0] - 1), jnp.clip(kv_index, 0, ranges.shape[1] - 1)
+      lo, full_lo, full_hi, hi = segment_range(band, ranges, b, group_index, jnp.int32(0), jnp.int32(num_q))
+      visits = hi - lo
+      return _KVTile(batch, kv_head, k_start, lo, full_lo, visits, group * visits, full_hi, hi)
     if mask.left is None:
       visits = jnp.int32(num_q) - lo
       return _KVTile(batch, kv_head, k_start, lo, full_lo, visits, group * visits, num_q, num_q)
@@ -333,8 +343,15 @@ def _dkv_kernel(
           query = qb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
           return query, key
 
+        def same_segment():
+          kv_ids = plgpu.load(segments.kv.at[tile.batch, pl.ds(tile.k_start, ROWS)],
+                              layout=plgpu.Layout.WGMMA.reduce(1))
+          q_ids = plgpu.load(segments.q.at[tile.batch, pl.ds(qb * ROWS + wg * COLS, COLS)], layout=vec_layout)
+          return lax.broadcast_in_dim(kv_ids, s_t.shape, [0]) == lax.broadcast_in_dim(q_ids, s_t.shape, [1])
+
         p_t, dcap_t = recomputed_probs(s_t, lse, scores=scores, mask=mask, positions=positions, slope=slope,
-                                       masked=masked, lse_axis=1)
+                                       masked=masked, lse_axis=1,
+                                       same_segment=None if segments is None else same_segment)
         delta = plgpu.load(delta_smem.at[slot, queries], layout=vec_layout)
         ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
         if dcap_t is not None:
@@ -364,11 +381,12 @@ def _dkv_kernel(
       def block(qb, carry, *, masked: bool):
         return update(g * tile.visits + qb - tile.lo, qb, *carry, slope=slope, masked=masked)
 
-      if mask.right is not None:
+      # Segment ids bound the Q blocks on both sides, like a band's two edges.
+      if mask.right is not None or mask.segments:
         carry = lax.fori_loop(tile.lo, tile.full_lo, functools.partial(block, masked=True), carry)
-      full_hi = jnp.int32(num_q) if mask.left is None else tile.full_hi
+      full_hi = jnp.int32(num_q) if mask.left is None and not mask.segments else tile.full_hi
       carry = lax.fori_loop(tile.full_lo, full_hi, functools.partial(block, masked=False), carry)
-      if mask.left is not None:
+      if mask.left is not None or mask.segments:
         carry = lax.fori_loop(tile.full_hi, tile.hi, functools.partial(block, masked=True), carry)
       return carry
 
@@ -394,8 +412,9 @@ def _dkv_kernel(
 
 
 def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, config: MosaicBackwardConfig,
-              interpret) -> tuple[jax.Array, jax.Array]:
-  """The dK/dV kernel on operands padded by `pad_backward`."""
+              interpret, segment_ids=None) -> tuple[jax.Array, jax.Array]:
+  """The dK/dV kernel on operands padded by `pad_backward`; segment_ids: (q
+  ids, kv ids) or None."""
   batch, _, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   interpret_params, interpret = interpret_params_of(interpret)
@@ -418,9 +437,13 @@ def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, co
   kernel = functools.partial(_dkv_kernel, mask=mask, group=heads // kv_heads, schedule=schedule,
                              scores=scores, stages=stages, interpret=interpret)
   out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+  ids = () if segment_ids is None else segment_inputs(*segment_ids, padded_q=q.shape[1], padded_k=k.shape[1],
+                                                      rows=ROWS, block=ROWS, groups=k.shape[1] // ROWS,
+                                                      q_outer=False)
   return specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                             interpret_params=interpret_params,
-                            name="flash2_bwd_dkv_wide_mosaic")(q, k, v, do, lse, delta, *optional_slopes(slopes))
+                            name="flash2_bwd_dkv_wide_mosaic")(q, k, v, do, lse, delta, *optional_slopes(slopes),
+                                                               *ids)
 
 
 # ---------------------------------------------------------------- dQ
@@ -439,6 +462,7 @@ def _dq_kernel(
   # arrivals (both consumers have passed the tile's q_ready and read its lse
   # and delta). slopes_ref (ALiBi only): float32 [batch or 1, heads].
   slopes_ref, refs = optional_ref(refs, scores.alibi)
+  segments, refs = segment_refs(refs, mask.segments)
   (dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_consumed, v_consumed,
    ds_smem, staged, free, rows_read) = refs
   softmax_scale = scores.softmax_scale
@@ -448,6 +472,9 @@ def _dq_kernel(
   wg = lax.axis_index("wg")
   shared = _SharedTile(staged, free, wg)
   tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=ROWS, block_kv=ROWS, mask=mask)
+  if segments is not None:
+    # Both consumers share the tile's rows: one row group of ROWS a tile.
+    tile_at = functools.partial(tile_at, consumers=1, segment_ranges=segments.ranges)
 
   def load_rows(tile: QTile, buffer):
     """This consumer's column half of Q and dO; the first one's also lse and
@@ -480,6 +507,10 @@ def _dq_kernel(
     # Both consumers share the rows, so the same K/V blocks: [lo, full_lo)
     # and [full_hi, hi) masked; lo = full_lo = 0 without a left edge.
     lo, full_lo, full_hi, hi = kv_range(mask, tile.q_start, ROWS, ROWS)
+    if segments is not None:
+      lo, full_lo, full_hi, hi = segment_range((lo, full_lo, full_hi, hi), segments.ranges, tile.batch,
+                                               lax.div(tile.q_start, jnp.int32(ROWS)), tile.kv_lo, tile.kv_end)
+      q_ids = plgpu.load(segments.q.at[tile.batch, pl.ds(tile.q_start, ROWS)], layout=row_layout)
     slope = scores.slope(slopes_ref, tile.batch, tile.head)
     keys = pl.ds(wg * COLS, COLS)  # this consumer's key columns of a K/V block
     my_half = pl.ds(wg * half, half)
@@ -501,8 +532,13 @@ def _dq_kernel(
           key = kb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
           return query, key
 
+        def same_segment():
+          kv_ids = plgpu.load(segments.kv.at[tile.batch, pl.ds(kb * ROWS + wg * COLS, COLS)],
+                              layout=plgpu.Layout.WGMMA.reduce(0))
+          return lax.broadcast_in_dim(q_ids, s.shape, [0]) == lax.broadcast_in_dim(kv_ids, s.shape, [1])
+
         p, dcap = recomputed_probs(s, lse, scores=scores, mask=mask, positions=positions, slope=slope, masked=masked,
-                                   lse_axis=0)
+                                   lse_axis=0, same_segment=None if segments is None else same_segment)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         if dcap is not None:
           ds = ds * dcap  # d(softcap * tanh) / d(scaled score)
@@ -521,10 +557,11 @@ def _dq_kernel(
       return dq
 
     dq = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
-    if mask.left is not None:
+    # Segment ids bound the K/V blocks on both sides, like a band's two edges.
+    if mask.left is not None or mask.segments:
       dq = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), dq)
     dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
-    if mask.right is not None or mask.seq_k % ROWS:  # a diagonal, or a last block partly of padding
+    if mask.right is not None or mask.segments or mask.seq_k % ROWS:  # a diagonal, ids, or padding
       dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
     return dq
 
@@ -544,8 +581,9 @@ def _dq_kernel(
 
 
 def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, config: MosaicBackwardConfig,
-             interpret) -> jax.Array:
-  """The dQ kernel on operands padded by `pad_backward`."""
+             interpret, segment_ids=None) -> jax.Array:
+  """The dQ kernel on operands padded by `pad_backward`; segment_ids: (q
+  ids, kv ids) or None."""
   batch, _, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   interpret_params, interpret = interpret_params_of(interpret)
@@ -568,9 +606,12 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, con
                                           causal=triangular(mask), interpret=interpret)
   kernel = functools.partial(_dq_kernel, mask=mask, group=heads // kv_heads, num_q_blocks=num_q_blocks,
                              schedule=schedule, scores=scores, stages=stages, interpret=interpret)
+  ids = () if segment_ids is None else segment_inputs(*segment_ids, padded_q=q.shape[1], padded_k=k.shape[1],
+                                                      rows=ROWS, block=ROWS, groups=num_q_blocks, q_outer=True)
   return specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
                             grid_names=grid_names, interpret_params=interpret_params,
-                            name="flash2_bwd_dq_wide_mosaic")(q, k, v, do, lse, delta, *optional_slopes(slopes))
+                            name="flash2_bwd_dq_wide_mosaic")(q, k, v, do, lse, delta, *optional_slopes(slopes),
+                                                              *ids)
 
 
 # ---------------------------------------------------------------- entry points
@@ -578,7 +619,8 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, con
 
 def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
         causal: bool = False, window_size: tuple[int | None, int | None] = (None, None), softcap: float | None = None,
-        alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
+        alibi_slopes: jax.Array | None = None, q_segment_ids: jax.Array | None = None,
+        kv_segment_ids: jax.Array | None = None, softmax_scale: float | None = None,
         config: MosaicBackwardConfig | None = None,
         interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array]:
   """dK and dV at head_dim 256; arguments and results as backward.dkv (q, do:
@@ -586,27 +628,32 @@ def dkv(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
   delta: float32 [batch, heads, seq_q]); config: block_q = block_kv = 64,
   defaults to `defaults.mosaic_backward(256)`."""
   return _gradients(("dkv",), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
-                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
+                    softcap=softcap, alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale)
 
 
 def dq(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
        causal: bool = False, window_size: tuple[int | None, int | None] = (None, None), softcap: float | None = None,
-       alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
+       alibi_slopes: jax.Array | None = None, q_segment_ids: jax.Array | None = None,
+       kv_segment_ids: jax.Array | None = None, softmax_scale: float | None = None,
        config: MosaicBackwardConfig | None = None, interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
   """dQ at head_dim 256, like q; arguments as `dkv`."""
   return _gradients(("dq",), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
-                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
+                    softcap=softcap, alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale)
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, *,
              causal: bool = False, window_size: tuple[int | None, int | None] = (None, None),
-             softcap: float | None = None, alibi_slopes: jax.Array | None = None, softmax_scale: float | None = None,
-             config: MosaicBackwardConfig | None = None,
+             softcap: float | None = None, alibi_slopes: jax.Array | None = None,
+             q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+             softmax_scale: float | None = None, config: MosaicBackwardConfig | None = None,
              interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(dq, dk, dv) at head_dim 256 on one padding of the operands; arguments
   as `dkv`."""
   return _gradients(("dkv", "dq"), q, k, v, do, lse, delta, config, interpret, causal=causal, window_size=window_size,
-                    softcap=softcap, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
+                    softcap=softcap, alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale)
 
 
 def _gradients(names, q, k, v, do, lse, delta, config, interpret, **band_and_scores):

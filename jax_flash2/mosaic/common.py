@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash2.mask import JNP, NUMPY, Arithmetic, Mask
+from jax_flash2.mask import JNP, NUMPY, Arithmetic, Mask, SegmentRanges, intersect, segment_block_ranges
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -170,14 +170,16 @@ class Scores:
     return s, dcap
 
 
-def recomputed_probs(s, lse_log2, *, scores: Scores, mask: Mask, positions, slope, masked: bool, lse_axis: int):
+def recomputed_probs(s, lse_log2, *, scores: Scores, mask: Mask, positions, slope, masked: bool, lse_axis: int,
+                     same_segment=None):
   """(P, the softcap's derivative or None) that a backward kernel recomputes
   for a tile s = Q K^T (or its transpose) from the forward's lse, taken to
   base 2 (lse_log2; broadcast along the tile's axis lse_axis): P =
   exp2(scores in base 2 - lse_log2), with the element mask where `masked`,
   after the exponential, so that rows that see no key (lse = -inf) give 0
   and not NaN. positions(): the tile's (query, key) positions, computed only
-  where ALiBi or the mask reads them, once."""
+  where ALiBi or the mask reads them, once. same_segment(): with segment ids,
+  whether each pair's ids are equal (read only where `masked`)."""
   at, dcap = None, None
   if scores.modified:
     at = query, key = positions()
@@ -187,7 +189,10 @@ def recomputed_probs(s, lse_log2, *, scores: Scores, mask: Mask, positions, slop
     p = jnp.exp2(s * (scores.softmax_scale * LOG2_E) - lax.broadcast_in_dim(lse_log2, s.shape, [lse_axis]))
   if masked:
     query, key = at if at is not None else positions()
-    p = jnp.where(mask.visible(query, key, check_queries=False, check_keys=not mask.causal), p, 0.0)
+    visible = mask.visible(query, key, check_queries=False, check_keys=mask.segments or not mask.causal)
+    if same_segment is not None:
+      visible &= same_segment()
+    p = jnp.where(visible, p, 0.0)
   return p, dcap
 
 
@@ -214,6 +219,20 @@ def kv_range(mask: Mask, q_start, rows: int, block_kv: int):
     full_hi, hi = mask.kv_blocks_right(q_start, rows, block_kv)
     return 0, 0, full_hi, hi
   return mask.kv_blocks(q_start, rows, block_kv)
+
+
+def segment_range(band: tuple, segment_ranges, batch, group, first, end):
+  """A consumer's (lo, full_lo, full_hi, hi) over inner blocks under its
+  band (`kv_range`, `KVOuter.q_blocks`) and its segment ids: segment_ranges
+  int32 [batch, row groups, 4] in GMEM (`SegmentIds.ranges`), row group
+  `group`. Clamped into the tile's blocks [first, end); a consumer whose rows
+  share no id with the other side gets the empty range at `first`."""
+  ranges = segment_ranges.at[batch, group]
+  lo, full_lo, full_hi, hi = intersect(band, tuple(ranges[i] for i in range(4)), JNP)
+  lo = jnp.clip(lo, first, end)
+  hi = jnp.clip(hi, lo, end)
+  full_lo = jnp.clip(full_lo, lo, hi)
+  return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
 
 
 def at_least(x, floor):
@@ -321,6 +340,50 @@ def pad_backward(q, k, v, do, lse, delta):
   return q, k, v, do, lse, delta
 
 
+class SegmentIds(NamedTuple):
+  """A kernel's segment-id inputs in GMEM: q int32 [batch, seq_q'], kv int32
+  [batch, seq_k'] (padded like the operands), and ranges int32 [batch, outer
+  row groups, 4], each consumer's inner block range under the ids
+  (jax_flash2.mask.segment_block_ranges; empty past the real rows)."""
+
+  q: Any
+  kv: Any
+  ranges: Any
+
+
+def segment_inputs(q_ids, kv_ids, *, padded_q: int, padded_k: int, rows: int, block: int, groups: int,
+                   q_outer: bool) -> SegmentIds:
+  """The SegmentIds of a Q-outer (q_outer: rows-row query groups over
+  block-row K/V blocks) or K/V-outer kernel (rows-row key groups over Q
+  blocks), `groups` outer row groups, computed once per call."""
+  extents = SegmentRanges(q_ids, kv_ids)
+  if q_outer:
+    ranges, empty = segment_block_ranges(extents.queries(rows), extents.keys(block)), padded_k // block
+  else:
+    ranges, empty = segment_block_ranges(extents.keys(rows), extents.queries(block)), padded_q // block
+  ranges = jnp.pad(ranges, ((0, 0), (0, groups - ranges.shape[1]), (0, 0)), constant_values=empty)
+  return SegmentIds(pad_ids(q_ids, padded_q), pad_ids(kv_ids, padded_k), ranges)
+
+
+def segment_refs(refs, segments: bool) -> tuple[SegmentIds | None, tuple]:
+  """A kernel's SegmentIds refs (its inputs after the ALiBi slopes) where
+  `segments`, and the refs after them."""
+  return (SegmentIds(*refs[:3]), refs[3:]) if segments else (None, refs)
+
+
+def check_segment_ids(q_ids, kv_ids, batch: int, seq_q: int, seq_k: int) -> None:
+  """q_ids int32 [batch, seq_q] and kv_ids int32 [batch, seq_k], or a ValueError."""
+  for name, ids, seq in (("q_segment_ids", q_ids, seq_q), ("kv_segment_ids", kv_ids, seq_k)):
+    if ids.shape != (batch, seq) or ids.dtype != jnp.int32:
+      raise ValueError(f"{name} must be int32 [batch, seq] = [{batch}, {seq}], got {ids.dtype}{list(ids.shape)}")
+
+
+def pad_ids(ids: jax.Array, length: int) -> jax.Array:
+  """Segment ids [batch, seq] padded to `length` columns (the kernels mask
+  the padding by position, whatever its ids)."""
+  return jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])))
+
+
 def band_of(seq_q: int, seq_k: int, causal: bool, window_size) -> Mask:
   """The Mask of an entry point's causal and window_size ((left, right),
   None on a side leaving it unbounded; causal caps the right side at 0)."""
@@ -346,20 +409,29 @@ def scores_of(q, mask: Mask, softmax_scale: float | None, softcap: float | None,
 
 
 def backward_kernels(kernels: dict, q, k, v, do, lse, delta, *, causal: bool, window_size, softcap, alibi_slopes,
-                     softmax_scale: float | None, config, interpret) -> jax.Array | tuple[jax.Array, ...]:
+                     softmax_scale: float | None, config, interpret, q_segment_ids=None,
+                     kv_segment_ids=None) -> jax.Array | tuple[jax.Array, ...]:
   """Runs a module's backward kernels on one padding of the operands
   (`pad_backward`; ragged lengths pad once, not once per kernel) and slices
   their gradients back to the real lengths: (dq, dk, dv), (dk, dv) or dq.
   kernels: {"dkv" and/or "dq": (call, smem_bytes)}, call(*padded operands,
   mask=, scores=, slopes=, config=, interpret=) giving (dk, dv) or dq, and
-  smem_bytes(config, head_dim, dtype) its shared memory, checked here."""
+  smem_bytes(config, head_dim, dtype) its shared memory, checked here; with
+  segment ids the calls take segment_ids=(q ids, kv ids) too."""
   head_dim = q.shape[-1]
   check_smem(config, {name: smem_bytes(config, head_dim, q.dtype) for name, (_, smem_bytes) in kernels.items()},
              head_dim)
   mask = band_of(q.shape[1], k.shape[1], causal, window_size)
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids go together: pass both or neither")
+  kwargs = {}
+  if q_segment_ids is not None:
+    check_segment_ids(q_segment_ids, kv_segment_ids, q.shape[0], q.shape[1], k.shape[1])
+    mask = dataclasses.replace(mask, segments=True)
+    kwargs = dict(segment_ids=(q_segment_ids, kv_segment_ids))
   scores = scores_of(q, mask, softmax_scale, softcap, alibi_slopes)
   padded = pad_backward(q, k, v, do, lse, delta)
-  kwargs = dict(mask=mask, scores=scores, slopes=alibi_slopes, config=config, interpret=interpret)
+  kwargs.update(mask=mask, scores=scores, slopes=alibi_slopes, config=config, interpret=interpret)
   grads = []
   if "dkv" in kernels:
     grads += [unpad_seq(x, mask.seq_k) for x in kernels["dkv"][0](*padded, **kwargs)]
@@ -570,15 +642,27 @@ class QTile:
 
   @classmethod
   def at(cls, q_index, head, batch, *, num_q_blocks: int, block_q: int, block_kv: int, mask: Mask,
-         consumers: int = NUM_CONSUMERS) -> QTile:
+         consumers: int = NUM_CONSUMERS, segment_ranges=None) -> QTile:
     """The tile of grid position q_index (where the work grows with the Q
     block, `triangular`, a kernel runs Q blocks heaviest first: those near
     the end of the sequence visit the most K/V blocks, and taking them first
-    keeps them off the critical path at the tail)."""
+    keeps them off the critical path at the tail). segment_ranges: with
+    segment ids, the consumers' block ranges under them (`segment_kv_range`)."""
     if triangular(mask):
       q_index = jnp.int32(num_q_blocks - 1) - q_index
     q_start = q_index * block_q
     lo, hi = q_tile_blocks(q_start, block_q=block_q, block_kv=block_kv, mask=mask, consumers=consumers)
+    if segment_ranges is not None:
+      # The hull of the consumers' segment ranges, inside the band's. (A
+      # persistent CTA also asks for the tile after its last, which it never
+      # runs: clamped indices keep that read in bounds.)
+      b = jnp.minimum(batch, segment_ranges.shape[0] - 1)
+      first = jnp.clip(q_index, 0, num_q_blocks - 1) * consumers
+      groups = [segment_ranges.at[b, first + c] for c in range(consumers)]
+      seg_lo = functools.reduce(jnp.minimum, [g[0] for g in groups])
+      seg_hi = functools.reduce(jnp.maximum, [jnp.where(g[0] < g[3], g[3], 0) for g in groups])
+      lo = jnp.maximum(lo, seg_lo)
+      hi = jnp.maximum(jnp.minimum(hi, seg_hi), lo)
     if isinstance(lo, int):
       return cls(batch, head, q_start, hi)
     return cls(batch, head, q_start, hi - lo, kv_lo=lo)
@@ -989,6 +1073,7 @@ class KVOuter:
   early_vectors: bool
   interpret: bool
   tile_type: Callable[..., KVTile] = KVTile
+  segments: SegmentIds | None = None  # the ids' refs, with segment ids (K/V-outer ranges)
 
   @property
   def num_q(self) -> int:
@@ -1004,6 +1089,18 @@ class KVOuter:
     order of the Q-outer kernels)."""
     k_start = kv_index * OUTER_ROWS
     lo, _ = self.mask.q_blocks_right(k_start, WGMMA_M, self.block_q)
+    if self.segments is not None:
+      # The hull of the consumers' segment ranges inside the band's (clamped
+      # reads: a persistent CTA also asks for the tile after its last).
+      hi = self.num_q if self.mask.left is None else self.mask.q_blocks_left(k_start, OUTER_ROWS, self.block_q)[1]
+      ranges = self.segments.ranges
+      b = jnp.minimum(batch, ranges.shape[0] - 1)
+      first = jnp.clip(kv_index * NUM_CONSUMERS, 0, ranges.shape[1] - NUM_CONSUMERS)
+      groups = [ranges.at[b, first + c] for c in range(NUM_CONSUMERS)]
+      lo = jnp.maximum(lo, functools.reduce(jnp.minimum, [g[0] for g in groups]))
+      hi = jnp.maximum(jnp.minimum(hi, functools.reduce(jnp.maximum, [jnp.where(g[0] < g[3], g[3], 0)
+                                                                      for g in groups])), lo)
+      return self.tile_type(batch, kv_head, kv_index, k_start, lo, self.group * (hi - lo), self.num_q, q_end=hi)
     if self.mask.left is None:
       return self.tile_type(batch, kv_head, kv_index, k_start, lo, self.group * (jnp.int32(self.num_q) - lo),
                             self.num_q)
@@ -1057,6 +1154,15 @@ class KVOuter:
       return lo, full_lo, self.num_q, self.num_q
     return self.mask.q_blocks(k_start, WGMMA_M, self.block_q)
 
+  def q_range(self, tile: KVTile, k_start):
+    """`q_blocks` of this consumer's rows, under the segment ids too where
+    there are some (clamped into the tile's Q blocks)."""
+    band = self.q_blocks(k_start)
+    if self.segments is None:
+      return band
+    group = lax.div(k_start, jnp.int32(WGMMA_M))
+    return segment_range(band, self.segments.ranges, tile.batch, group, tile.lo, tile.end)
+
   def _load_vector(self, smem, ready, slot):
     plgpu.barrier_wait(ready.at[slot])
     return plgpu.load(smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))  # one value per query column
@@ -1067,11 +1173,21 @@ class KVOuter:
   def load_delta(self, slot):
     return self._load_vector(self.smem.delta, self.smem.delta_ready, slot)
 
-  def probs_t(self, s_t, k_start, qb, slot, *, masked: bool, lse=None, slope=None):
+  def probs_t(self, s_t, k_start, qb, slot, *, masked: bool, lse=None, slope=None, batch=None):
     """(P^T [keys, queries], the softcap's derivative or None) from S^T and
     the lse of Q block qb in `slot` (loaded here unless given); slope: the
-    query head's ALiBi slope (`Scores.slope`)."""
+    query head's ALiBi slope (`Scores.slope`); batch: the tile's, read with
+    segment ids."""
     lse = (self.load_lse(slot) if lse is None else lse) * LOG2_E
+    same_segment = None
+    if self.segments is not None:
+
+      def same_segment():
+        ids = self.segments
+        kv_ids = plgpu.load(ids.kv.at[batch, pl.ds(k_start, WGMMA_M)], layout=plgpu.Layout.WGMMA.reduce(1))
+        q_ids = plgpu.load(ids.q.at[batch, pl.ds(qb * self.block_q, self.block_q)],
+                           layout=plgpu.Layout.WGMMA.reduce(0))
+        return lax.broadcast_in_dim(kv_ids, s_t.shape, [0]) == lax.broadcast_in_dim(q_ids, s_t.shape, [1])
 
     def positions():
       key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -1079,7 +1195,7 @@ class KVOuter:
       return query, key
 
     return recomputed_probs(s_t, lse, scores=self.scores, mask=self.mask, positions=positions, slope=slope,
-                            masked=masked, lse_axis=1)
+                            masked=masked, lse_axis=1, same_segment=same_segment)
 
   def grad_scores_t(self, p_t, dp_t, slot, *, delta=None, dcap_t=None):
     """dS^T = P^T * (dP^T - delta), delta of the Q block in `slot` (loaded
@@ -1088,7 +1204,7 @@ class KVOuter:
     ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
     return ds_t if dcap_t is None else ds_t * dcap_t
 
-  def p_and_ds_t(self, k_a, v_a, k_start, qb, slot, *, masked: bool, slope=None):
+  def p_and_ds_t(self, k_a, v_a, k_start, qb, slot, *, masked: bool, slope=None, batch=None):
     """(P^T, dS^T in the inputs' dtype, Q tile, dO tile) of Q block qb in
     `slot`, once loaded: S^T = K Q^T and dP^T = V dO^T in one wgmma group
     (k_a, v_a: this consumer's K and V, in shared memory or registers), then
@@ -1112,7 +1228,7 @@ class KVOuter:
     with jax.named_scope("scores"):
       s_t, dp_t, (lse, delta) = pl.run_scoped(scores, score_acc, score_acc)  # [keys, queries]
     with jax.named_scope("softmax"):
-      p_t, dcap_t = self.probs_t(s_t, k_start, qb, slot, masked=masked, lse=lse, slope=slope)
+      p_t, dcap_t = self.probs_t(s_t, k_start, qb, slot, masked=masked, lse=lse, slope=slope, batch=batch)
       ds_t = self.grad_scores_t(p_t, dp_t, slot, delta=delta, dcap_t=dcap_t).astype(self.dtype)
     return p_t, ds_t, q_tile, do_tile
 

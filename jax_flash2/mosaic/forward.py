@@ -39,6 +39,7 @@ masked K/V block).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -52,8 +53,9 @@ from jax_flash2.config import MosaicForwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, Scores, at_least, band_of, check_operands,
-    check_smem, interpret_params_of, kv_range, kv_ring_producer, optional_ref, optional_slopes, outer_grid, pad_seq,
-    q_tile_work, run_tiles, scores_of, specialized_kernel, swizzled, tile_table, triangular, unpad_seq,
+    check_segment_ids, check_smem, interpret_params_of, kv_range, kv_ring_producer, optional_ref, optional_slopes,
+    outer_grid, pad_seq, q_tile_work, run_tiles, scores_of, segment_inputs, segment_range, segment_refs,
+    specialized_kernel, swizzled, tile_table, triangular, unpad_seq,
 )
 
 # Shared memory Mosaic reserves for itself beside the forward's buffers
@@ -87,7 +89,9 @@ def _forward_kernel(
   # seq_k': the real lengths (mask) padded to whole blocks (seq_q on the GPU
   # only to whole consumer tiles; see `forward`); tiles_ref: the persistent
   # schedule's table (`tile_table`); slopes_ref (ALiBi only): float32 [batch
-  # or 1, heads].
+  # or 1, heads]; with segment ids, q_ids_ref, kv_ids_ref: int32 [batch,
+  # seq_q'] / [batch, seq_k'] and ranges_ref: int32 [batch, Q row groups, 4],
+  # each consumer's K/V block range under them (mask.segment_block_ranges).
   # C = config.consumers. q_smem: [buffers, C, rows, D] (one Q tile per
   # consumer, reused for its output; `q_buffers`); k_smem, v_smem: [stages,
   # block_kv, D] (the ring); lse_smem: [C, rows] f32.
@@ -98,6 +102,9 @@ def _forward_kernel(
   # schedule: None for one CTA per tile (grid q x heads x batch); else the
   # persistent CTAs' tiles.
   slopes_ref, refs = optional_ref(refs, scores.alibi)
+  segments = mask.segments
+  ids, refs = segment_refs(refs, segments)
+  ranges_ref = ids.ranges if segments else None
   (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_consumed, v_consumed,
    *staging) = refs
   rows, block_kv, stages, consumers = config.rows_per_consumer, config.block_kv, config.stages, config.consumers
@@ -109,19 +116,24 @@ def _forward_kernel(
   # Only a right edge with seq_q > seq_k + right (causal attention with
   # seq_q > seq_k) has rows that see no key at all, the first ones: they
   # keep m_i = -inf and l_i = 0, which needs guards (see below).
-  may_see_nothing = mask.right is not None and mask.seq_q > mask.seq_k + mask.right
+  # Under segment ids any row may see no key.
+  may_see_nothing = segments or (mask.right is not None and mask.seq_q > mask.seq_k + mask.right)
   # Under a left edge a row meets its first blocks, masked, before any key
   # it sees: its m_i may still be -inf after one (the same guard).
-  unseen_first = mask.left is not None
+  unseen_first = mask.left is not None or segments
   # The overlapped steps start with a block: every consumer needs one. Under
   # a left edge a consumer of padding rows far enough past seq_q has none.
-  padding_past_band = unseen_first and (
+  padding_past_band = mask.left is not None and (
       num_q_blocks * config.block_q - rows + mask.offset - mask.left >= k_ref.shape[1])
+  # Under segment ids a consumer may have no block at all (the overlapped
+  # steps need one each): they take the plain steps.
   overlap = config.softmax_overlap and not (may_see_nothing or padding_past_band)
   # A band's edge (the causal diagonal, a window's sides), or a last block partly of padding.
-  any_masked = mask.has_band or bool(mask.seq_k % block_kv)
+  any_masked = mask.has_band or segments or bool(mask.seq_k % block_kv)
+  # Segment ids hide keys anywhere, the padding past seq_k included.
+  check_keys = segments or not causal
   tile_at = functools.partial(QTile.at, num_q_blocks=num_q_blocks, block_q=config.block_q, block_kv=block_kv,
-                              mask=mask, consumers=consumers)
+                              mask=mask, consumers=consumers, segment_ranges=ranges_ref)
 
   def load_q(tile: QTile, buffer):
     plgpu.copy_gmem_to_smem(q_ref.at[tile.batch, pl.ds(tile.q_start + wg * rows, rows), tile.head],
@@ -136,6 +148,10 @@ def _forward_kernel(
     # edge of the band (or hold the padding past seq_k) and take the
     # element mask; lo = full_lo = 0 without a left edge.
     lo, full_lo, full_hi, hi = kv_range(mask, q_start, rows, block_kv)
+    if segments:
+      lo, full_lo, full_hi, hi = segment_range((lo, full_lo, full_hi, hi), ranges_ref, tile.batch,
+                                               lax.div(q_start, jnp.int32(rows)), tile.kv_lo, tile.kv_end)
+      q_ids = plgpu.load(ids.q.at[tile.batch, pl.ds(q_start, rows)], layout=plgpu.Layout.WGMMA.reduce(1))
     slope = scores.slope(slopes_ref, tile.batch, tile.head)
 
     def slot_of(kb):
@@ -176,7 +192,12 @@ def _forward_kernel(
         s = scores.log2(s, *(at or (None, None)), slope)[0]
       if masked:
         row, col = at if at is not None else positions()
-        s = jnp.where(mask.visible(row, col, check_queries=False, check_keys=not causal), s, -jnp.inf)
+        visible = mask.visible(row, col, check_queries=False, check_keys=check_keys)
+        if segments:
+          kv_ids = plgpu.load(ids.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
+                              layout=plgpu.Layout.WGMMA.reduce(0))
+          visible &= (lax.broadcast_in_dim(q_ids, s.shape, [0]) == lax.broadcast_in_dim(kv_ids, s.shape, [1]))
+        s = jnp.where(visible, s, -jnp.inf)
       to_log2 = (lambda x: x) if scores.modified else (lambda x: x * qk_scale)
       m_new = jnp.maximum(m_i, to_log2(jnp.max(s, axis=1)))
       if masked and (may_see_nothing or unseen_first):
@@ -287,7 +308,7 @@ def _forward_kernel(
     acc = plgpu.layout_cast(jnp.zeros((rows, q_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    if mask.left is not None:
+    if mask.left is not None or segments:
       lax.fori_loop(tile.kv_lo, lo, drain, None)  # before this warpgroup's left edge
     if overlap:
       # Every warpgroup sees at least its block lo here (hi > lo). That first
@@ -310,13 +331,13 @@ def _forward_kernel(
       plgpu.barrier_arrive(v_consumed.at[last])
     else:
       carry = (acc, m_i, l_i)
-      if mask.left is not None:
+      if mask.left is not None or segments:
         carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
       carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
       if any_masked:
         carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
       acc, m_i, l_i = carry
-    if mask.right is not None:
+    if mask.right is not None or segments:
       lax.fori_loop(hi, tile.kv_end, drain, None)  # past this warpgroup's right edge
     return acc, m_i, l_i
 
@@ -367,6 +388,8 @@ def forward(
     window_size: tuple[int | None, int | None] = (None, None),
     softcap: float | None = None,
     alibi_slopes: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     softmax_scale: float | None = None,
     config: MosaicForwardConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -385,6 +408,8 @@ def forward(
       softcap); None for none.
     alibi_slopes: float32 [batch or 1, heads]: adds -slope * |i + seq_k -
       seq_q - j| to the scores (after the softcap); None for none.
+    q_segment_ids, kv_segment_ids: int32 [batch, seq_q] / [batch, seq_k],
+      both or neither: query i sees key j only if their ids are equal.
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
     config: tiling; defaults to `defaults.mosaic_forward(head_dim,
       seq_q=..., causal=...)`.
@@ -406,6 +431,12 @@ def forward(
   batch, seq_q, heads, head_dim = q.shape
   seq_k, kv_heads = k.shape[1], k.shape[2]
   mask = band_of(seq_q, seq_k, causal, window_size)
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids go together: pass both or neither")
+  segments = q_segment_ids is not None
+  if segments:
+    check_segment_ids(q_segment_ids, kv_segment_ids, batch, seq_q, seq_k)
+    mask = dataclasses.replace(mask, segments=True)
   scores = scores_of(q, mask, softmax_scale, softcap, alibi_slopes)
   if config is None:
     config = defaults.mosaic_forward(head_dim, seq_q=seq_q, causal=causal)
@@ -421,6 +452,13 @@ def forward(
   # its end, where the TMA engine loads zeros and the kernel stores nothing.
   k, v = pad_seq(k, config.block_kv), pad_seq(v, config.block_kv)
   num_q_blocks = pl.cdiv(q.shape[1], config.block_q)
+  id_inputs = ()
+  if segments:
+    # Each consumer's K/V block range under the ids, computed once per call
+    # outside the kernel; groups past seq_q (a last Q block partly past it)
+    # get the empty range.
+    id_inputs = segment_inputs(q_segment_ids, kv_segment_ids, padded_q=q.shape[1], padded_k=k.shape[1], rows=rows,
+                               block=config.block_kv, groups=num_q_blocks * consumers, q_outer=True)
 
   # head_dim is a multiple of 64: every tile takes the 128-byte swizzle.
   transforms = swizzled(head_dim, dtype)
@@ -455,5 +493,6 @@ def forward(
   out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32))
   out, lse = specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                                 interpret_params=interpret_params, name="flash2_fwd_mosaic",
-                                consumers=consumers)(q, k, v, tile_table(schedule), *optional_slopes(alibi_slopes))
+                                consumers=consumers)(q, k, v, tile_table(schedule), *optional_slopes(alibi_slopes),
+                                                     *id_inputs)
   return unpad_seq(out, seq_q), unpad_seq(lse, seq_q, axis=2)
