@@ -436,6 +436,24 @@ def choose(problem: Problem, device: Device, backend: Backend, *, block_sizes: B
 # ---------------------------------------------------------------- decoding (flash_decode)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeCall:
+  """Everything static about one flash_decode call: hashable, so jit caches
+  on it, and a pytree without leaves, so it passes through the custom_vjp
+  and custom_vmap that wrap the call as an argument.
+
+  has_sinks: the call passes sinks (they join in `combine`, so the kernel's
+  problem does not say)."""
+
+  problem: DecodeProblem
+  plan: PassPlan
+  interpret: bool = False
+  has_sinks: bool = False
+
+
+jax.tree_util.register_static(DecodeCall)
+
+
 def choose_decode(p: DecodeProblem, device: Device, backend: Backend, *, batch: int, kv_heads: int, max_seq: int,
                   num_splits: int | None, sm_count: int | None) -> PassPlan:
   """Which backend runs a flash_decode call, and with which DecodeConfig:
@@ -460,10 +478,13 @@ def choose_decode(p: DecodeProblem, device: Device, backend: Backend, *, batch: 
   return PassPlan(XLA.name, reason=why)
 
 
-def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks, p: DecodeProblem, plan: PassPlan, *,
-           interpret: bool) -> tuple[jax.Array, jax.Array]:
+def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks,
+           call: DecodeCall) -> tuple[jax.Array, jax.Array]:
   """Runs a flash_decode call on its plan's backend: (out like q, lse float32
-  [batch, heads, seq_q], natural log)."""
+  [batch, heads, seq_q], natural log). slopes: float32 [batch or 1, heads];
+  sinks: float32 [heads], or on the Triton path also [batch or 1, heads]
+  (sharding.decode folds a vmapped call's sinks into batch)."""
+  p, plan = call.problem, call.plan
   if plan.backend == XLA.name:
     out, lse = reference.decode_attention(
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=p.softmax_scale,
@@ -472,6 +493,6 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks, p: De
     return out, lse
   config: DecodeConfig = plan.config
   parts, lse = triton_decode.decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p, config,
-                                    interpret=interpret)
+                                    interpret=call.interpret)
   return triton_decode.combine(parts, lse, sinks, seq_q=q.shape[1], heads=q.shape[2], head_dim=q.shape[3],
                                dtype=q.dtype)

@@ -5,22 +5,23 @@ for speculative decoding) to a contiguous or paged KV cache whose sequences
 have their own lengths. On NVIDIA GPUs it runs the split-KV kernel of
 jax_flash2.triton.decode (flash-decoding: each sequence's cache is cut
 into splits that run in parallel, merged exactly by their lse); elsewhere a
-plain XLA attention over the gathered cache. It is forward only.
+plain XLA attention over the gathered cache. It is forward only. Under jit
+with operands sharded over batch and heads the kernel runs on each shard
+without gathering, and a vmapped axis folds into batch (jax_flash2.sharding).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash2 import backends
+from jax_flash2 import backends, sharding
 from jax_flash2.api import (MAX_HEAD_DIM, SUPPORTED_DTYPES, check_backend, check_flag, check_positive, check_scale,
                             check_sinks, check_slopes, check_window)
-from jax_flash2.backends import Backend, Device, PassPlan
+from jax_flash2.backends import Backend, DecodeCall, Device, PassPlan
 from jax_flash2.problem import DecodeProblem
 
 # Pages hold a multiple of this many tokens: the kernel's K/V blocks divide a page.
@@ -103,9 +104,12 @@ def flash_decode(
   # too) read as the capacity: no kernel reads past the cache or the table.
   capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
   lens = jnp.clip(cache_seqlens.astype(jnp.int32), 0, capacity)
-  out, lse = _without_gradient(q, k_cache, v_cache, lens,
-                               None if block_table is None else block_table.astype(jnp.int32), slopes, sinks,
-                               p=p, plan=plan, interpret=interpret)
+  table = None if block_table is None else block_table.astype(jnp.int32)
+  arrays = (q, k_cache, v_cache, lens, table, slopes, sinks)
+  if plan.backend != Backend.XLA.value:
+    # The kernel is partitioned over Auto mesh axes only; plain XLA takes any.
+    sharding.check_auto_axes(zip(sharding.DECODE_ARGS, arrays))
+  out, lse = _no_gradient_call(arrays, DecodeCall(p, plan, interpret, has_sinks=sinks is not None))
   return (out, lse) if return_lse else out
 
 
@@ -186,12 +190,12 @@ def write_kv_cache(
 
 
 @jax.custom_vjp
-def _no_gradient_call(arrays, static):
-  return backends.decode(*arrays, static.p, static.plan, interpret=static.interpret)
+def _no_gradient_call(arrays, call: DecodeCall):
+  return sharding.decode(*arrays, call)
 
 
-def _no_gradient_fwd(arrays, static):
-  return _no_gradient_call(arrays, static), None
+def _no_gradient_fwd(arrays, call):
+  return _no_gradient_call(arrays, call), None
 
 
 def _no_gradient_bwd(residuals, cotangents):
@@ -200,24 +204,6 @@ def _no_gradient_bwd(residuals, cotangents):
 
 
 _no_gradient_call.defvjp(_no_gradient_fwd, _no_gradient_bwd)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  """The static half of a call (hashable), passed through the custom_vjp as
-  a pytree without leaves."""
-
-  p: DecodeProblem
-  plan: PassPlan
-  interpret: bool
-
-
-jax.tree_util.register_static(_Static)
-
-
-def _without_gradient(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks, *, p, plan, interpret):
-  return _no_gradient_call((q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks),
-                           _Static(p, plan, interpret))
 
 
 # ---------------------------------------------------------------- checks

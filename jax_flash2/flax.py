@@ -83,6 +83,18 @@ What maps onto what (the keywords the modules pass, as of flax 0.12):
   ``broadcast_dropout=True`` (Flax's default) shares one mask across batch
   and heads, as Flax does.
 
+Decoding: in a ``decode=True`` module (linen or NNX) each step attends one
+query to the whole cache under Flax's cache mask ``arange(max_length) <=
+cache_index``. Such a call (one query row, a mask of one row per sequence,
+no bias, no dropout) runs `jax_flash2.flash_decode` over the cache, its
+lengths read off the mask: the split-KV kernel reads only the written part
+of the cache. A mask whose visible keys are not a prefix (the cache mask
+joined with a left-padding mask) takes flash_attention instead, decided on
+the device; gradients go through flash_attention. A one-query call that
+cannot be served (a per-head mask, a bias, dropout) warns with the reason;
+``FlashAttentionFn.why_not_decode`` says it too, and
+``make_attention_fn(decode=False)`` keeps flash_attention throughout.
+
 Not supported (each raises a clear error rather than silently differing):
 
 - Sowing the weights (``sow_weights=True``, which passes ``module``):
@@ -111,7 +123,10 @@ Semantics that differ from Flax's default:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -120,6 +135,7 @@ import jax.numpy as jnp
 from jax_flash2.api import flash_attention
 from jax_flash2.backends import Backend
 from jax_flash2.config import BlockSizes, MosaicConfig
+from jax_flash2.decode import flash_decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +153,9 @@ class FlashAttentionFn:
     interpret: run the Pallas kernels in interpret mode (CPU tests).
     block_sizes: the Triton kernels' tiles; None for the measured defaults.
     mosaic_config: the Mosaic kernels' tilings; None for the measured defaults.
+    decode: serve one query row against a cache under a one-row mask (Flax's
+      decode=True cache step) through `jax_flash2.flash_decode`; see
+      `why_not_decode`. False: always flash_attention.
   """
 
   causal: bool = False
@@ -145,6 +164,7 @@ class FlashAttentionFn:
   interpret: bool = False
   block_sizes: BlockSizes | None = None
   mosaic_config: MosaicConfig | None = None
+  decode: bool = True
 
   def __post_init__(self):
     if not isinstance(self.causal, bool):
@@ -160,6 +180,8 @@ class FlashAttentionFn:
     if self.mosaic_config is not None and not isinstance(self.mosaic_config, MosaicConfig):
       raise TypeError(
           f"mosaic_config must be a jax_flash2.MosaicConfig or None, got {type(self.mosaic_config).__name__}")
+    if not isinstance(self.decode, bool):
+      raise TypeError(f"decode must be a bool, got {type(self.decode).__name__}")
     if self.softmax_scale is not None and not isinstance(self.softmax_scale, (int, float)):
       raise TypeError(f"softmax_scale must be a float or None, got {type(self.softmax_scale).__name__}")
 
@@ -229,12 +251,67 @@ class FlashAttentionFn:
         causal = True
       else:
         mask = _and_masks(mask, jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_)))
-    out = flash_attention(
-        q, k, v, mask=mask, bias=bias, causal=causal, sinks=sinks, softmax_scale=self.softmax_scale,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng, dropout_broadcast=broadcast_dropout, backend=self.backend,
-        interpret=self.interpret, block_sizes=self.block_sizes, mosaic_config=self.mosaic_config,
-    )
+    attend = functools.partial(
+        flash_attention, bias=bias, causal=causal, softmax_scale=self.softmax_scale, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, dropout_broadcast=broadcast_dropout, backend=self.backend, interpret=self.interpret,
+        block_sizes=self.block_sizes, mosaic_config=self.mosaic_config)
+    why = self.why_not_decode(q, k, mask, bias=bias, dropout_rate=dropout_rate)
+    if why is None:
+      out = _prefix_decode(attend, self._decode)(q, k, v, _visible_keys(mask, q.shape[0], k.shape[1]), sinks)
+    else:
+      if self.decode and q.shape[1] == 1 and mask is not None:
+        # Shaped like Flax's cache step (one query under a mask), yet served
+        # by flash_attention: say why, as flash_attention says why it runs XLA.
+        warnings.warn(
+            f"jax_flash2.flax: this one-query call over {k.shape[1]} keys (Flax's decode=True cache step) runs "
+            f"flash_attention, not flash_decode: {why}. Pass make_attention_fn(decode=False) to silence this.",
+            RuntimeWarning, stacklevel=2)
+      out = attend(q, k, v, mask=mask, sinks=sinks)
     return out.reshape(batch_shape + out.shape[1:])
+
+  def why_not_decode(self, query: jax.Array, key: jax.Array, mask: jax.Array | None, *,
+                     bias: jax.Array | None = None, dropout_rate: float = 0.0) -> str | None:
+    """None when a call serves one query row per sequence through
+    flash_decode, else why it runs flash_attention (a sentence).
+
+    Served: decode is set, q_length is 1, and the mask is one row per
+    sequence ([batch..., 1, 1, kv_length] or broadcastable: Flax's decode=True
+    cache step passes arange(kv_length) <= cache_index); no bias and no
+    active dropout. The mask's keys must also be a prefix (keys 0..n-1
+    visible, n the sequence's cache length), which only the values tell: a
+    mask that is not (Flax's cache mask joined with a left-padding mask, say)
+    takes flash_attention on the device (a lax.cond), with the same result.
+
+    Args:
+      query: [batch..., q_length, heads, head_dim].
+      key: [batch..., kv_length, kv_heads, head_dim] (the cache).
+      mask: as __call__'s (None: no mask).
+      bias, dropout_rate: as __call__'s (dropout_rate 0 when deterministic).
+    """
+    if not self.decode:
+      return "decode=False"
+    if query.shape[-3] != 1:
+      return f"q_length is {query.shape[-3]}; flash_decode serves one query row per sequence"
+    if mask is None:
+      return "there is no mask (Flax's cache step passes one: the written part of the cache)"
+    shape = (1, 1) + tuple(jnp.shape(mask))  # a heads and a query axis, where a low-rank mask has none
+    if shape[-3] != 1:
+      return f"the mask {tuple(jnp.shape(mask))} differs between heads; flash_decode takes one length per sequence"
+    if shape[-2] != 1 or shape[-1] not in (1, key.shape[-3]):
+      # Not a mask for this call at all: flash_attention says what is wrong.
+      return f"the mask {tuple(jnp.shape(mask))} is not one row over {key.shape[-3]} keys"
+    if bias is not None:
+      return "there is a bias; flash_decode takes none"
+    if dropout_rate > 0.0:
+      return "attention dropout is on; flash_decode is inference only"
+    return None
+
+  def _decode(self, q, k, v, cache_seqlens, sinks):
+    # Mosaic has no decode kernel; backend="mosaic" means the Mosaic kernels
+    # where they serve and the Triton ones for the rest (backends.choose).
+    backend = Backend.TRITON.value if self.backend == Backend.MOSAIC.value else self.backend
+    return flash_decode(q, k, v, cache_seqlens, sinks=sinks, softmax_scale=self.softmax_scale, backend=backend,
+                        interpret=self.interpret)
 
 
 def make_attention_fn(
@@ -244,12 +321,14 @@ def make_attention_fn(
     interpret: bool = False,
     block_sizes: BlockSizes | None = None,
     mosaic_config: MosaicConfig | None = None,
+    decode: bool = True,
 ) -> FlashAttentionFn:
   """An `attention_fn` for Flax's attention modules with these flash options
-  bound (see `jax_flash2.flash_attention` for their meaning)."""
+  bound (see `jax_flash2.flash_attention` for their meaning; decode: see
+  `FlashAttentionFn`)."""
   return FlashAttentionFn(
       causal=causal, softmax_scale=softmax_scale, backend=backend, interpret=interpret,
-      block_sizes=block_sizes, mosaic_config=mosaic_config,
+      block_sizes=block_sizes, mosaic_config=mosaic_config, decode=decode,
   )
 
 
@@ -319,6 +398,47 @@ def _flatten_mask(mask, batch_shape: tuple[int, ...], name: str = "mask") -> jax
     raise ValueError(f"{name} batch dims {tuple(mask.shape[:len(batch_shape)])} do not broadcast to "
                      f"{batch_shape}") from None
   return mask.reshape((math.prod(batch_shape),) + tail)
+
+
+def _visible_keys(mask: jax.Array, batch: int, kv_length: int) -> jax.Array:
+  """A one-row mask [batch or 1, 1, 1, kv_length] (or broadcastable) as bool [batch, kv_length]."""
+  return jnp.broadcast_to(mask[:, 0, 0, :] != 0, (batch, kv_length))
+
+
+def _prefix_decode(attend: Callable, decode: Callable) -> Callable:
+  """f(q, k, v, visible, sinks) -> out like q: one query row per sequence
+  (q [batch, 1, heads, head_dim]) over k, v [batch, kv_length, kv_heads,
+  head_dim] where the bool [batch, kv_length] `visible` allows.
+
+  Where every sequence's visible keys are a prefix, k and v are a KV cache
+  whose lengths are the prefixes' and `decode` (flash_decode) serves the
+  call; otherwise `attend` (flash_attention with that mask) does: a
+  lax.cond on the device, so any mask gives the same result. flash_decode
+  has no gradient, so a differentiated call runs `attend` and its vjp.
+  """
+
+  def run(q, k, v, visible, sinks):
+    lens = jnp.sum(visible, axis=1, dtype=jnp.int32)
+    prefix = jnp.all(visible == (jnp.arange(visible.shape[1], dtype=jnp.int32)[None, :] < lens[:, None]))
+    return jax.lax.cond(prefix, lambda: decode(q, k, v, lens, sinks),
+                        lambda: attend(q, k, v, mask=visible[:, None, None, :], sinks=sinks))
+
+  @jax.custom_vjp
+  def served(q, k, v, visible, sinks):
+    return run(q, k, v, visible, sinks)
+
+  def fwd(q, k, v, visible, sinks):
+    # The vjp function is a pytree of flash_attention's residuals.
+    out, vjp = jax.vjp(lambda q, k, v, sinks: attend(q, k, v, mask=visible[:, None, None, :], sinks=sinks),
+                       q, k, v, sinks)
+    return out, vjp
+
+  def bwd(vjp, dout):
+    dq, dk, dv, dsinks = vjp(dout)
+    return dq, dk, dv, None, dsinks  # the mask takes no gradient
+
+  served.defvjp(fwd, bwd)
+  return served
 
 
 def _and_masks(mask: jax.Array | None, extra: jax.Array) -> jax.Array:

@@ -22,6 +22,9 @@ a vmapped axis is folded into the kernels' batch axis, which they handle
 anyway, and the partitioned function is called again on the folded arrays.
 
 Neither wrapper is differentiable; vjp.py puts the one custom_vjp around them.
+
+flash_decode's kernel and combine get the same two wrappers (the last
+section); decode.py wraps them in a custom_vjp that refuses gradients.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_flash2 import backends
-from jax_flash2.backends import Call
+from jax_flash2.backends import Call, DecodeCall
 from jax_flash2.problem import Operands, Problem
 
 
@@ -102,6 +105,12 @@ def _factors(q_shape, kv_shape, shapes: dict[str, tuple[int, ...]], ring: bool =
   return names
 
 
+# The factors that must be replicated: every one but batch and heads (see
+# _factors and _decode_factors), except seq_q and seq_k (i, j) where a call
+# rides the ring.
+_REPLICATED = ("i", "j", "d", "mb", "mh", "ab", "z", "n", "p", "t", "sb")
+
+
 def _rule(operands: list[str], results: list[str], ring: bool = False) -> tuple[str, dict]:
   """The einsum-like rule: batch and heads pass through; head_dim and the
   broadcast mask axes must be replicated, and so must seq_q and seq_k
@@ -109,8 +118,7 @@ def _rule(operands: list[str], results: list[str], ring: bool = False) -> tuple[
   rule = f"{', '.join(operands)} -> {', '.join(results)}"
   # Shardy wants the special factors listed in the order they first appear.
   order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
-  replicated = tuple(f for f in order if f in (("d", "mb", "mh", "ab", "z") if ring else
-                                               ("i", "j", "d", "mb", "mh", "ab", "z")))
+  replicated = tuple(f for f in order if f in _REPLICATED and not (ring and f in ("i", "j")))
   return rule, {"need_replication_factors": replicated}
 
 
@@ -441,7 +449,12 @@ def check_auto_sharded(q, k, v, operands: Operands) -> None:
   """Refuses inputs sharded over explicit mesh axes (sharding in types,
   jax.sharding.AxisType.Explicit): the kernels' custom_partitioning rules
   speak to the partitioner of Auto axes only."""
-  for name, x in (("q", q), ("k", k), ("v", v), *zip(Operands._fields, operands)):
+  check_auto_axes((("q", q), ("k", k), ("v", v), *zip(Operands._fields, operands)))
+
+
+def check_auto_axes(named) -> None:
+  """check_auto_sharded over (name, array or None) pairs."""
+  for name, x in named:
     sharding = None if x is None else getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
@@ -485,3 +498,167 @@ def bias_gradient(q, k, v, out, lse, do, dlse, operands: Operands, call: Call) -
   """dS, float32 [batch, heads, seq_q, seq_k]: the bias's gradient before the
   sum over its broadcast axes."""
   return _with_vmap(_bias_gradient_partitioned, 7, call)(q, k, v, out, lse, do, dlse, *operands)
+
+
+# ---------------------------------------------------------------- decoding (flash_decode)
+#
+# The split-KV kernel and its combine are per (batch, K/V head) too, so they
+# get the same treatment: a custom_partitioning whose rule passes batch and
+# heads through, under a custom_vmap that folds a vmapped axis into batch.
+# A paged cache's page pool is indexed by the block table, not by batch: it
+# is replicated over the batch shards (each holds the pages its sequences
+# name) and split with the K/V heads only. The cache's sequence axis is
+# replicated: splitting it would need the combine across devices.
+
+DECODE_ARGS = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "alibi_slopes", "sinks")
+
+
+def _decode_factors(call: DecodeCall, shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+  """Shardy factors of flash_decode's operands (the present ones, by name)
+  and of its results "qo" and "rows".
+
+  b batch, i seq_q, d head_dim, h heads (qh / kh under GQA, as in _factors);
+  j the contiguous cache's max_seq; n, p the paged cache's pages and page
+  rows; t the block table's pages per sequence; ab, sb a broadcast (size 1)
+  batch axis of the slopes and sinks.
+  """
+  q, k = shapes["q"], shapes["k_cache"]
+  heads, kv_heads = ("h", "h") if q[2] == k[2] else ("qh", "kh")
+  cache = f"n p {kv_heads} d" if call.problem.paged else f"b j {kv_heads} d"
+  names = {"q": f"b i {heads} d", "k_cache": cache, "v_cache": cache, "cache_seqlens": "b", "block_table": "b t",
+           "qo": f"b i {heads} d", "rows": f"b {heads} i"}
+  if "alibi_slopes" in shapes:
+    names["alibi_slopes"] = f"{'b' if shapes['alibi_slopes'][0] > 1 else 'ab'} {heads}"
+  if "sinks" in shapes:
+    sinks = shapes["sinks"]
+    names["sinks"] = heads if len(sinks) == 1 else f"{'b' if sinks[0] > 1 else 'sb'} {heads}"
+  return names
+
+
+def _decode_present(call: DecodeCall) -> tuple[str, ...]:
+  has = {"block_table": call.problem.paged, "alibi_slopes": call.problem.has_alibi, "sinks": call.has_sinks}
+  return tuple(name for name in DECODE_ARGS if has.get(name, True))
+
+
+def _decode_rule(call, mesh, operand_types, result_types):
+  del mesh, result_types
+  present = _decode_present(call)
+  f = _decode_factors(call, dict(zip(present, (_shape(t) for t in operand_types))))
+  return _rule([f[name] for name in present], [f["qo"], f["rows"]])
+
+
+def _decode_partition(call, mesh, arg_shapes, result_shape):
+  del result_shape
+  args = dict(zip(DECODE_ARGS, arg_shapes))
+  q, k = args["q"], args["k_cache"]
+  spec = lambda x: tuple(x.sharding.spec) + (None,) * (4 - len(x.sharding.spec))
+  q_spec, k_spec = spec(q), spec(k)
+  # The cache is what a decode step reads and q a row per sequence: where
+  # the cache is split (a contiguous one over batch, any over its K/V heads)
+  # q follows it, rather than the cache being gathered to q's sharding.
+  batch = (None if call.problem.paged else k_spec[0]) or q_spec[0]
+  heads = kv_heads = k_spec[2]
+  if heads is None:
+    # As in _shard_plan: the K/V heads split like the query heads when
+    # whole groups stay on a shard; one K/V head (MQA) is replicated, each
+    # shard reading it for its query heads (the forward needs no sum over
+    # them); any other split of the heads is gathered.
+    heads = kv_heads = q_spec[2]
+    if k.shape[2] != q.shape[2] and heads is not None:
+      if k.shape[2] == 1:
+        kv_heads = None
+      elif k.shape[2] % _axes_size(mesh, heads):
+        heads = kv_heads = None
+  axes = lambda entry: set() if entry is None else set(entry if isinstance(entry, tuple) else (entry,))
+  if axes(batch) & axes(heads):  # one mesh axis cannot split both
+    heads = kv_heads = None
+  sharded = lambda *spec: NamedSharding(mesh, P(*spec))
+  qo = sharded(batch, None, heads, None)
+  cache = sharded(None if call.problem.paged else batch, None, kv_heads, None)
+
+  def of(name, x):
+    if x is None:
+      return None
+    if name == "cache_seqlens":
+      return sharded(batch)
+    if name == "block_table":
+      return sharded(batch, None)
+    if x.ndim == 1:  # per-head sinks
+      return sharded(heads)
+    return sharded(batch if x.shape[0] > 1 else None, heads)  # slopes, per-batch sinks
+
+  shardings = (qo, cache, cache, *(of(name, args[name]) for name in DECODE_ARGS[3:]))
+  # Every shard holds whole (sequence, K/V group) problems: the kernel and
+  # combine run on them as they are, with no communication.
+  lower = lambda *args: _decode_kernels(*args, call)
+  return mesh, lower, (qo, sharded(batch, heads, None)), shardings
+
+
+def _decode_kernels(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks, call: DecodeCall):
+  # One shard's call: the GQA group shrinks when the query heads are split
+  # and a single K/V head is not.
+  group = q.shape[2] // k_cache.shape[2]
+  if call.problem.group != group:
+    call = dataclasses.replace(call, problem=dataclasses.replace(call.problem, group=group))
+  return backends.decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks, call)
+
+
+# One lowering shared by identical calls (a model's layers), as _one_lowering.
+_decode_kernels = jax.jit(_decode_kernels, static_argnums=(len(DECODE_ARGS),))
+_decode_partitioned = custom_partitioning(_decode_kernels, static_argnums=(len(DECODE_ARGS),))
+_decode_partitioned.def_partition(partition=_decode_partition, sharding_rule=_decode_rule)
+
+
+def _decode_with_vmap(call: DecodeCall) -> Callable:
+  """The partitioned decode under a custom_vmap that folds the vmapped axis
+  into batch. Under a paged cache mapped with the calls, instance v's pages
+  are renumbered after instances 0..v-1's; a shared pool keeps its numbers."""
+
+  @jax.custom_batching.custom_vmap
+  def fn(*args):
+    return _decode_partitioned(*args, call)
+
+  @fn.def_vmap
+  def rule(axis_size, in_batched, q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks):
+    in_q, in_k, in_v, in_lens, in_table, in_slopes, in_sinks = in_batched
+    batch = q.shape[1] if in_q else q.shape[0]
+    problem = call.problem
+    if not problem.paged:
+      k_cache, v_cache = _fold(k_cache, axis_size, in_k), _fold(v_cache, axis_size, in_v)
+    elif in_k or in_v:
+      pages = problem.num_pages
+      k_cache, v_cache = _fold(k_cache, axis_size, in_k), _fold(v_cache, axis_size, in_v)
+      # Clipped first, as the kernel clips a page number: an instance's bad
+      # entry reads its own last page, as the unbatched call does, not a
+      # page of the next instance.
+      offsets = jnp.arange(axis_size, dtype=jnp.int32)[:, None, None] * pages
+      block_table = jnp.clip(block_table.astype(jnp.int32), 0, pages - 1) + offsets
+      in_table = True
+      problem = dataclasses.replace(problem, num_pages=axis_size * pages)
+    if problem.paged:
+      block_table = _fold(block_table, axis_size, in_table)
+    q, cache_seqlens = _fold(q, axis_size, in_q), _fold(cache_seqlens, axis_size, in_lens)
+    slopes = _fold_mask(slopes, axis_size, in_slopes, batch)
+    if sinks is not None:
+      # An instance's [heads] as [1, heads] ([batch or 1, heads] stays), then
+      # folded like the slopes: [axis_size * batch, heads], or [1, heads]
+      # when shared.
+      per_instance = (-1, sinks.shape[-1])
+      sinks = sinks.reshape((axis_size, *per_instance) if in_sinks else per_instance)
+      sinks = _fold_mask(sinks, axis_size, in_sinks, batch)
+    # Under vmap again, not partitioned: nested vmaps fold in turn.
+    out, lse = _decode_with_vmap(dataclasses.replace(call, problem=problem))(
+        q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks)
+    return (_unfold(out, axis_size), _unfold(lse, axis_size)), (True, True)
+
+  return fn
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks, call: DecodeCall):
+  """flash_decode's (out like q, lse float32 [batch, heads, seq_q]): the
+  kernel per shard under jit with batch/head sharding, a vmapped axis folded
+  into batch (see backends.decode for the arguments). The XLA path is plain
+  JAX, which the partitioner and vmap handle themselves."""
+  if call.plan.backend == backends.XLA.name:
+    return backends.decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks, call)
+  return _decode_with_vmap(call)(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks)

@@ -104,6 +104,48 @@ def random_inputs(seed: int, batch, seq_q, seq_k, heads, head_dim, dtype=jnp.flo
   )
 
 
+def decode_inputs(seed, batch, seq_q, heads, kv_heads, head_dim, max_seq, lens, page_size=None, dtype=jnp.float32):
+  """flash_decode's inputs on fresh random numbers: q, the kernel's k/v
+  caches (poisoned with NaN where no key is valid: a kernel that reads one
+  comes out NaN), the block table (None when contiguous), cache_seqlens, and
+  the clean contiguous k/v caches for the reference. Paged: each sequence
+  owns max_seq // page_size pages, shuffled over a pool with spare pages."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((batch, seq_q, heads, head_dim), np.float32)
+  k, v = (rng.standard_normal((batch, max_seq, kv_heads, head_dim), np.float32) for _ in range(2))
+  valid = np.arange(max_seq)[None, :] < np.asarray(lens)[:, None]
+  k, v = (np.where(valid[:, :, None, None], x, 0.0).astype(np.float32) for x in (k, v))
+  poisoned = [np.where(valid[:, :, None, None], x, np.nan).astype(np.float32) for x in (k, v)]
+  table = None
+  if page_size is not None:
+    per_seq = max_seq // page_size
+    pages = batch * per_seq + 3
+    order = rng.permutation(pages)[:batch * per_seq].reshape(batch, per_seq)
+    paged = []
+    for x in poisoned:
+      pool = np.full((pages, page_size, kv_heads, head_dim), np.nan, np.float32)
+      pool[order.reshape(-1)] = x.reshape(batch * per_seq, page_size, kv_heads, head_dim)
+      paged.append(pool)
+    poisoned, table = paged, jnp.asarray(order, jnp.int32)
+  as_jnp = lambda x: jnp.asarray(x).astype(dtype)
+  return (as_jnp(q), *(as_jnp(x) for x in poisoned), table, jnp.asarray(lens, jnp.int32), as_jnp(k), as_jnp(v))
+
+
+def decode_reference(q, k, v, lens, **options):
+  """(out, lse) of reference.decode_attention in float64 over the clean
+  caches (q, k, v are cast); array options (slopes, sinks, block_table) are
+  operands of one jitted program, the rest static: op by op, the reference
+  cost more than the interpret-mode kernel it checks."""
+  arrays = {name: x for name, x in options.items() if isinstance(x, (jax.Array, np.ndarray))}
+  static = tuple(sorted((name, x) for name, x in options.items() if name not in arrays))
+  return _decode_reference(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), lens, arrays, static)
+
+
+@functools.partial(jax.jit, static_argnums=(5,))
+def _decode_reference(q, k, v, lens, arrays, static):
+  return reference.decode_attention(q, k, v, lens, **arrays, **dict(static))
+
+
 def rel_err(x, ref, floor: float = 0.0) -> float:
   """||x - ref|| / max(||ref||, floor), in float64; inf on any NaN or misplaced inf.
 

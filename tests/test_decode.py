@@ -1,8 +1,9 @@
 """flash_decode and write_kv_cache: the split-KV Triton kernel in interpret
 mode against the float64 reference over the gathered cache (contiguous and
 paged caches, ragged lengths, GQA/MQA, every option), the XLA path, split
-counts, jit, the cache writes, no gradient, and the argument checks; then
-the compiled kernel at realistic sizes (marker gpu).
+counts, jit, vmap, the cache writes, no gradient, and the argument checks;
+then the compiled kernel at realistic sizes (marker gpu). Sharded calls:
+test_sharding.py.
 
 Interpret mode poisons outputs (unwritten blocks read NaN, see
 test_kernels.py); the caches are poisoned with NaN past each sequence's
@@ -20,40 +21,13 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from conftest import assert_within_plain_error, rel_err
+from conftest import assert_within_plain_error, decode_inputs, decode_reference, rel_err
 from jax_flash2 import DecodeConfig, defaults, decode_plan, flash_decode, reference, write_kv_cache
 from jax_flash2.problem import DecodeProblem
 from jax_flash2.triton import decode as triton_decode
 
 
-def _caches(seed, batch, seq_q, heads, kv_heads, head_dim, max_seq, lens, page_size=None, dtype=jnp.float32):
-  """q, the kernel's k/v caches (poisoned where no key is valid), the
-  block table (None when contiguous), cache_seqlens, and the clean
-  contiguous k/v caches for the reference. Paged: each sequence owns
-  max_seq // page_size pages, shuffled over a pool with spare pages."""
-  rng = np.random.default_rng(seed)
-  q = rng.standard_normal((batch, seq_q, heads, head_dim), np.float32)
-  k, v = (rng.standard_normal((batch, max_seq, kv_heads, head_dim), np.float32) for _ in range(2))
-  valid = np.arange(max_seq)[None, :] < np.asarray(lens)[:, None]
-  k, v = (np.where(valid[:, :, None, None], x, 0.0).astype(np.float32) for x in (k, v))
-  poisoned = [np.where(valid[:, :, None, None], x, np.nan).astype(np.float32) for x in (k, v)]
-  table = None
-  if page_size is not None:
-    per_seq = max_seq // page_size
-    pages = batch * per_seq + 3
-    order = rng.permutation(pages)[:batch * per_seq].reshape(batch, per_seq)
-    paged = []
-    for x in poisoned:
-      pool = np.full((pages, page_size, kv_heads, head_dim), np.nan, np.float32)
-      pool[order.reshape(-1)] = x.reshape(batch * per_seq, page_size, kv_heads, head_dim)
-      paged.append(pool)
-    poisoned, table = paged, jnp.asarray(order, jnp.int32)
-  as_jnp = lambda x: jnp.asarray(x).astype(dtype)
-  return (as_jnp(q), *(as_jnp(x) for x in poisoned), table, jnp.asarray(lens, jnp.int32), as_jnp(k), as_jnp(v))
-
-
-def _reference(q, k, v, lens, **options):
-  return reference.decode_attention(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), lens, **options)
+_reference = decode_reference
 
 
 def _check(got, want, tol=1e-5):
@@ -79,8 +53,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"sq{c[0]}-h{c[1]}:{c[2]}-d{c[3]}-page{c[6]}")
 def test_matches_reference(case):
   seq_q, heads, kv_heads, head_dim, max_seq, lens, page_size = case
-  q, kc, vc, table, seqlens, k, v = _caches(len(lens), len(lens), seq_q, heads, kv_heads, head_dim, max_seq, lens,
-                                            page_size)
+  q, kc, vc, table, seqlens, k, v = decode_inputs(len(lens), len(lens), seq_q, heads, kv_heads, head_dim, max_seq,
+                                                  lens, page_size)
   got = flash_decode(q, kc, vc, seqlens, block_table=table, return_lse=True, interpret=True)
   _check(got, _reference(q, k, v, seqlens))
 
@@ -90,7 +64,7 @@ def test_window_softcap_alibi_sinks(paged):
   """Every option at once, seq_q 4, GQA 4:1: causal with a left window and
   sinks; softcap and ALiBi (per batch element) too."""
   lens = [0, 128, 50]
-  q, kc, vc, table, seqlens, k, v = _caches(7, 3, 4, 8, 2, 64, 128, lens, 16 if paged else None)
+  q, kc, vc, table, seqlens, k, v = decode_inputs(7, 3, 4, 8, 2, 64, 128, lens, 16 if paged else None)
   rng = np.random.default_rng(1)
   slopes = jnp.asarray(rng.uniform(0.01, 0.3, (3, 8)), jnp.float32)
   sinks = jnp.asarray(rng.standard_normal(8), jnp.float32)
@@ -108,7 +82,7 @@ def test_non_causal_window():
   """Without causal the new queries see the keys after their level one,
   up to a right window of 2 (and a left one of 9); head_dim 80, padded to
   128 inside."""
-  q, kc, vc, table, seqlens, k, v = _caches(3, 2, 4, 4, 4, 80, 64, [64, 30])
+  q, kc, vc, table, seqlens, k, v = decode_inputs(3, 2, 4, 4, 4, 80, 64, [64, 30])
   options = dict(causal=False, window_size=(9, 2))
   _check(flash_decode(q, kc, vc, seqlens, return_lse=True, interpret=True, **options),
          _reference(q, k, v, seqlens, **options))
@@ -116,7 +90,7 @@ def test_non_causal_window():
 
 def test_splits_agree():
   """One split, several, and the default give the same result to rounding."""
-  q, kc, vc, table, seqlens, k, v = _caches(5, 2, 1, 8, 2, 64, 256, [256, 130], 32)
+  q, kc, vc, table, seqlens, k, v = decode_inputs(5, 2, 1, 8, 2, 64, 256, [256, 130], 32)
   runs = [flash_decode(q, kc, vc, seqlens, block_table=table, return_lse=True, interpret=True, num_splits=n)
           for n in (1, 5, None)]
   want = _reference(q, k, v, seqlens)
@@ -128,7 +102,7 @@ def test_splits_agree():
 
 
 def test_jit_matches_eager_and_xla():
-  q, kc, vc, table, seqlens, k, v = _caches(11, 2, 1, 4, 2, 64, 64, [3, 64], 16)
+  q, kc, vc, table, seqlens, k, v = decode_inputs(11, 2, 1, 4, 2, 64, 64, [3, 64], 16)
   eager = flash_decode(q, kc, vc, seqlens, block_table=table, return_lse=True, interpret=True)
   jitted = jax.jit(functools.partial(flash_decode, return_lse=True, interpret=True))(q, kc, vc, seqlens,
                                                                                         block_table=table)
@@ -137,6 +111,24 @@ def test_jit_matches_eager_and_xla():
   # The XLA path, on the same poisoned paged cache.
   xla = flash_decode(q, kc, vc, seqlens, block_table=table, return_lse=True, backend="xla")
   _check(xla, _reference(q, k, v, seqlens))
+
+
+def test_vmap_folds_into_batch():
+  """jax.vmap over 2 independent problems, each with its own paged cache
+  (the pools' pages renumbered into one), its own sinks and shared per-batch
+  ALiBi slopes, equals each problem against the float64 reference (so the
+  unbatched call, which test_matches_reference holds to the same)."""
+  problems = [decode_inputs(20 + i, 2, 4, 4, 2, 16, 32, lens, 16) for i, lens in enumerate(([32, 0], [7, 20]))]
+  q, kc, vc, table, seqlens, k, v = (jnp.stack(xs) for xs in zip(*problems))
+  rng = np.random.default_rng(8)
+  sinks = jnp.asarray(rng.standard_normal((2, 4)), jnp.float32)
+  slopes = jnp.asarray(rng.uniform(0.1, 0.5, (2, 4)), jnp.float32)
+  decode = lambda q, kc, vc, lens, table, sinks: flash_decode(q, kc, vc, lens, block_table=table, sinks=sinks,
+                                                              alibi_slopes=slopes, return_lse=True, interpret=True)
+  got = jax.jit(jax.vmap(decode))(q, kc, vc, seqlens, table, sinks)
+  for i in range(2):
+    want = _reference(q[i], k[i], v[i], seqlens[i], sinks=_f64(sinks[i]), alibi_slopes=_f64(slopes))
+    _check([x[i] for x in got], want)
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -190,14 +182,14 @@ def test_write_kv_cache_drops_past_capacity():
 
 
 def test_grad_raises():
-  q, kc, vc, table, seqlens, k, v = _caches(2, 1, 1, 2, 1, 16, 32, [20])
+  q, kc, vc, table, seqlens, k, v = decode_inputs(2, 1, 1, 2, 1, 16, 32, [20])
   f = lambda q: flash_decode(q, kc, vc, seqlens, backend="xla").sum()
   with pytest.raises(TypeError, match="no gradient.*flash_attention"):
     jax.grad(f)(q)
 
 
 def test_auto_backend_and_plan():
-  q, kc, vc, table, seqlens, _, _ = _caches(2, 8, 1, 8, 1, 64, 8192, [1] * 8)
+  q, kc, vc, table, seqlens, _, _ = decode_inputs(2, 8, 1, 8, 1, 64, 8192, [1] * 8)
   if jax.devices()[0].platform != "gpu":
     with pytest.warns(RuntimeWarning, match="flash_decode runs the plain XLA"):
       flash_decode(q[:1, :, :, :], kc[:1, :64], vc[:1, :64], seqlens[:1])
@@ -218,7 +210,7 @@ def test_auto_backend_and_plan():
 
 
 def test_bad_inputs_name_the_argument():
-  q, kc, vc, table, seqlens, _, _ = _caches(2, 2, 1, 4, 2, 64, 64, [3, 5], 16)
+  q, kc, vc, table, seqlens, _, _ = decode_inputs(2, 2, 1, 4, 2, 64, 64, [3, 5], 16)
   call = functools.partial(flash_decode, interpret=True)
   cases = [
       (dict(q=q[0]), ValueError, "q must have shape"),
@@ -299,7 +291,7 @@ def test_gpu_matches_reference(shape, dtype):
   lens[0] = max_seq
   if batch > 1:
     lens[1] = 0
-  q, kc, vc, table, seqlens, k, v = _caches(batch + max_seq, batch, seq_q, heads, kv_heads, head_dim, max_seq,
+  q, kc, vc, table, seqlens, k, v = decode_inputs(batch + max_seq, batch, seq_q, heads, kv_heads, head_dim, max_seq,
                                             lens, page, dtype)
   # Around log(length): the sink takes a sizeable share of each row.
   sinks = jnp.asarray(np.log(max_seq) + np.random.default_rng(0).standard_normal(heads), jnp.float32)

@@ -5,6 +5,8 @@ kernels in interpret mode, float32."""
 from __future__ import annotations
 
 import functools
+import warnings
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -361,3 +363,129 @@ def test_mismatched_batch_dims_raise():
   q = jnp.zeros((BATCH, SEQ, HEADS, HEAD_DIM))
   with pytest.raises(ValueError, match="batch dims must match"):
     FLASH(q, q[:1], q[:1])
+
+
+# ---------------------------------------------------------------- decoding (flash_decode)
+
+VOCAB = 11
+
+
+class _Decoder(nn.Module):
+  """Tokens -> logits through one cached (decode=True) self-attention layer."""
+
+  attention: Any = nn.dot_product_attention
+
+  @nn.compact
+  def __call__(self, tokens, mask=None):
+    x = nn.Embed(VOCAB, FEATURES)(tokens)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True, attention_fn=self.attention)(x, mask=mask)
+    return nn.Dense(VOCAB)(x)
+
+
+def _decode_step(attention):
+  """(logits [batch, 1, VOCAB], cache) of one jitted decode step."""
+  model = _Decoder(attention)
+  return jax.jit(lambda params, cache, token, mask: model.apply(
+      {"params": params, "cache": cache}, token, mask=mask, mutable=["cache"]), compiler_options=FAST_COMPILE)
+
+
+def _greedy(step, params, cache, mask, steps=4):
+  """(tokens [batch, steps], logits [batch, steps, VOCAB]) of greedy decoding from tokens 3 and 5."""
+  token, tokens, logits = jnp.asarray([[3], [5]], jnp.int32), [], []
+  for _ in range(steps):
+    out, variables = step(params, cache, token, mask)
+    cache, token = variables["cache"], jnp.argmax(out, axis=-1).astype(jnp.int32)  # int64 under x64: a recompile
+    tokens.append(token[:, 0])
+    logits.append(out[:, 0])
+  return jnp.stack(tokens, 1), jnp.stack(logits, 1)
+
+
+def test_linen_decode_runs_flash_decode_and_generates_flaxs_tokens():
+  """Greedy generation with a decode=True model: jax_flash2's attention_fn
+  (interpret mode) gives Flax's tokens and logits.
+
+  Our cache is poisoned with NaN (Flax's step writes each new key and value
+  over it), Flax's is zeros: flash_decode reads only the written keys, while
+  flash_attention and Flax's attention multiply every value (0 * NaN), so
+  NaN-free logits show flash_decode served the steps. Then a mask hiding key
+  1 of sequence 1, not a prefix from step 2 on, takes flash_attention on the
+  device in the same compiled step, again with Flax's result."""
+  variables = _Decoder().init(jax.random.PRNGKey(0), jnp.zeros((BATCH, SEQ), jnp.int32))  # sizes the cache: SEQ
+  params, cache = variables["params"], variables["cache"]
+  poisoned = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan) if x.ndim == 4 else x, cache)
+  ones = jnp.ones((BATCH, 1, 1, SEQ), jnp.float32)
+  ours, theirs = _decode_step(FLASH), _decode_step(nn.dot_product_attention)
+  for mask, our_cache in ((ones, poisoned), (ones.at[1, ..., 1].set(0.0), cache)):
+    tokens, logits = _greedy(ours, params, our_cache, mask)
+    want_tokens, want_logits = _greedy(theirs, params, cache, mask)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
+    assert rel_err(logits, want_logits) < TOL
+
+
+def test_nnx_decode_with_grouped_heads():
+  """NNX's decode=True cache step with GQA (num_kv_heads): flash_decode's XLA
+  path against Flax's attention."""
+  x, _ = _inputs()
+  layers = [nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, num_kv_heads=1, decode=True,
+                                   rngs=nnx.Rngs(0), **kwargs)
+            for kwargs in ({"attention_fn": make_attention_fn(backend="xla")}, {})]
+  steps, states = [], []
+  for layer in layers:
+    layer.init_cache(x.shape)
+    graphdef, state = nnx.split(layer)
+
+    def step(state, x, graphdef=graphdef):
+      layer = nnx.merge(graphdef, state)
+      return layer(x), nnx.state(layer)
+
+    steps.append(jax.jit(step, compiler_options=FAST_COMPILE))
+    states.append(state)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # served: no fallback warning
+    for t in range(3):
+      (got, states[0]), (want, states[1]) = (step(state, x[:, t:t + 1]) for step, state in zip(steps, states))
+      assert rel_err(got, want) < TOL, t
+
+
+def test_one_query_fallbacks_say_why():
+  """A one-query call that flash_decode cannot serve runs flash_attention
+  with Flax's result and warns why (XLA backend: cheap)."""
+  keys = jax.random.split(jax.random.PRNGKey(5), 4)
+  q = jax.random.normal(keys[0], (BATCH, 1, HEADS, HEAD_DIM), jnp.float32)
+  k, v = (jax.random.normal(key, (BATCH, SEQ, HEADS, HEAD_DIM), jnp.float32) for key in keys[1:3])
+  per_head = jnp.arange(SEQ) < jnp.asarray([5, 9])[:, None, None, None]  # [heads, 1, 1, SEQ] -> per head
+  per_head = jnp.broadcast_to(jnp.swapaxes(per_head, 0, 1), (BATCH, HEADS, 1, SEQ))
+  prefix = jnp.broadcast_to(jnp.arange(SEQ) < 7, (BATCH, 1, 1, SEQ))
+  bias = jax.random.normal(keys[3], (BATCH, HEADS, 1, SEQ), jnp.float32)
+  fn = make_attention_fn(backend="xla")
+  both = lambda fn, **options: jax.jit(lambda q, k, v: (fn(q, k, v, **options), nn.dot_product_attention(
+      q, k, v, **options)), compiler_options=FAST_COMPILE)(q, k, v)
+  for options, reason in ((dict(mask=per_head), "differs between heads"), (dict(mask=prefix, bias=bias), "bias")):
+    with pytest.warns(RuntimeWarning, match=f"runs flash_attention, not flash_decode: .*{reason}"):
+      got, want = both(fn, **options)
+    assert rel_err(got, want) < TOL
+  with pytest.warns(RuntimeWarning, match="dropout is on"):
+    jax.eval_shape(functools.partial(fn, mask=prefix, dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(0)), q, k, v)
+  assert fn.why_not_decode(q, k, prefix) is None
+  assert "q_length is 2" in fn.why_not_decode(jnp.zeros((BATCH, 2, HEADS, HEAD_DIM)), k, prefix)
+  quiet = make_attention_fn(backend="xla", decode=False)
+  assert quiet.why_not_decode(q, k, prefix) == "decode=False"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.eval_shape(functools.partial(quiet, mask=per_head), q, k, v)
+  with pytest.raises(TypeError, match="decode must be a bool"):
+    make_attention_fn(decode=1)
+
+
+def test_one_query_gradient_goes_through_flash_attention():
+  """flash_decode has no gradient: a differentiated one-query call under a
+  prefix mask takes flash_attention's, equal to Flax's (XLA backend)."""
+  keys = jax.random.split(jax.random.PRNGKey(6), 4)
+  q = jax.random.normal(keys[0], (BATCH, 1, HEADS, HEAD_DIM), jnp.float32)
+  k, v = (jax.random.normal(key, (BATCH, SEQ, HEADS, HEAD_DIM), jnp.float32) for key in keys[1:3])
+  mask = (jnp.arange(SEQ) < jnp.asarray([4, 11])[:, None])[:, None, None, :]
+  dout = jax.random.normal(keys[3], q.shape, jnp.float32)
+  grads = lambda fn: jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, mask=mask) * dout), (0, 1, 2)),
+                             compiler_options=FAST_COMPILE)(q, k, v)
+  for got, want in zip(grads(make_attention_fn(backend="xla")), grads(nn.dot_product_attention)):
+    assert rel_err(got, want) < TOL

@@ -1,5 +1,6 @@
 """The kernels under SPMD: jit with batch/head-sharded operands (custom
-partitioning: per-shard kernels, no all-gather), shard_map and pmap.
+partitioning: per-shard kernels, no all-gather), shard_map and pmap; then
+flash_decode under sharded jit.
 
 On CPU the mesh is made of host devices (conftest sets
 --xla_force_host_platform_device_count=8 before jax is imported) and the
@@ -10,6 +11,7 @@ capability >= 8.0, and without enough GPUs for the mesh).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -20,10 +22,12 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import random_inputs, rel_err
-from jax_flash2 import BlockSizes, KernelConfig, flash_attention
+from conftest import decode_inputs, decode_reference, random_inputs, rel_err
+from jax_flash2 import BlockSizes, KernelConfig, flash_attention, flash_decode
 from jax_flash2 import sharding as flash_sharding
 from jax_flash2.api import check_problem
+from jax_flash2.backends import DecodeCall, PassPlan
+from jax_flash2.problem import DecodeProblem
 
 SMALL = BlockSizes(fwd=KernelConfig(16, 16), dkv=KernelConfig(16, 16), dq=KernelConfig(16, 16))
 MODES = [
@@ -371,3 +375,81 @@ def test_sinks_shard_with_the_heads(kernel):
   want = jax.jit(f)(q, k, v, dout, sinks)
   for name, x, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
     assert rel_err(x, w) < 1e-5, name
+
+
+# ---------------------------------------------------------------- flash_decode
+
+DECODE_MODES = [
+    pytest.param(dict(interpret=True), id="interpret"),
+    pytest.param(dict(backend="triton"), id="gpu", marks=pytest.mark.gpu),
+]
+# batch, heads, kv_heads, page_size (None: contiguous), the caches' spec (q's is QKV)
+DECODE_CASES = {
+    # GQA 2:1: the K/V heads split with the query heads' groups.
+    "gqa_contiguous": (4, 8, 4, None, QKV),
+    # MQA, paged: the page pool is indexed by the block table, so it stays
+    # whole on every batch shard, and its one K/V head serves each head shard.
+    "mqa_paged_sinks": (4, 8, 1, 16, P()),
+}
+
+
+@pytest.mark.parametrize("kernel", DECODE_MODES)
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_sharded_runs_per_shard_without_all_gather(case, kernel):
+  """flash_decode under jit with q, the caches, cache_seqlens (and the block
+  table, the sinks) sharded over batch and heads: the kernel runs on shards
+  of batch and heads, no collective, and equals the float64 reference to
+  float32 rounding (as the unsharded call does, test_decode.py)."""
+  batch, heads, kv_heads, page, cache_spec = DECODE_CASES[case]
+  mesh = _mesh((2, 4))
+  lens = [32, 0, 17, 5]
+  q, kc, vc, table, seqlens, k, v = decode_inputs(9, batch, 1, heads, kv_heads, 16, 32, lens, page)
+  sinks = jnp.asarray(np.random.default_rng(3).standard_normal(heads), jnp.float32) if page else None
+  sharded = lambda spec: None if spec is None else NamedSharding(mesh, spec)
+  shardings = (sharded(QKV), sharded(cache_spec), sharded(cache_spec),
+               sharded(P("data")), sharded(P("data", None) if page else None), sharded(P("model") if page else None))
+  f = lambda q, kc, vc, lens, table, sinks: flash_decode(q, kc, vc, lens, block_table=table, sinks=sinks,
+                                                         return_lse=True, **kernel)
+  (out, lse), hlo = _compile(f, (q, kc, vc, seqlens, table, sinks), shardings)
+  if mesh.size > 1:
+    assert not COLLECTIVES.findall(hlo), COLLECTIVES.findall(hlo)
+    assert f"f32[{','.join(map(str, q.shape))}]" not in hlo
+  want = decode_reference(q, k, v, seqlens, sinks=None if sinks is None else jnp.asarray(sinks, jnp.float64))
+  for name, x, w in zip(("out", "lse"), (out, lse), want):
+    assert rel_err(x, w) < 1e-5, name
+  assert out.sharding.is_equivalent_to(shardings[0], 4)
+
+
+def test_decode_shards_follow_the_cache():
+  """The partition callback's choice, without compiling: q split over batch
+  alone takes the cache's head split (moving q, not gathering the cache);
+  a paged pool stays whole over batch; heads that would split a K/V group
+  across shards are gathered; one mesh axis never splits both. (The host's
+  CPU devices: a GPU host may have fewer GPUs than the mesh.)"""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), (AxisType.Auto,) * 2, devices=jax.devices("cpu")[:8])
+  p = DecodeProblem(seq_q=1, head_dim=16, softmax_scale=0.25, dtype="float32", group=2)
+  call = DecodeCall(p, PassPlan("triton"), interpret=True)
+  arg = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+  lens = arg((4,), P("data"))
+
+  def chosen(q_spec, cache_spec, kv_heads=4, paged=False):
+    call_here = dataclasses.replace(call, problem=dataclasses.replace(
+        p, group=8 // kv_heads, page_size=16 if paged else None, num_pages=8 if paged else None))
+    cache = arg((8, 16, kv_heads, 16) if paged else (4, 32, kv_heads, 16), cache_spec)
+    table = arg((4, 2), P("data")) if paged else None
+    args = (arg((4, 1, 8, 16), q_spec), cache, cache, lens, table, None, None)
+    _, _, _, shardings = flash_sharding._decode_partition(call_here, mesh, args, None)
+    return tuple(tuple(s.spec) + (None,) * (4 - len(s.spec)) for s in shardings[:2])
+
+  assert chosen(P("data"), P("data", None, "model")) == (tuple(QKV), tuple(QKV))
+  assert chosen(QKV, P(), paged=True) == (tuple(QKV), (None, None, "model", None))
+  assert chosen(QKV, P("data"), kv_heads=2) == (("data", None, None, None),) * 2  # 2 K/V heads over 4 shards
+  assert chosen(P(None, None, "data"), P("data")) == (("data", None, None, None),) * 2
+
+
+def test_decode_explicit_mesh_axes_are_refused():
+  devices = jax.devices("cpu")[:2]
+  mesh = jax.make_mesh((2,), ("x",), (AxisType.Explicit,), devices=devices)
+  q, kc, vc, _, seqlens, _, _ = decode_inputs(1, 2, 1, 2, 1, 16, 16, [3, 16])
+  with pytest.raises(NotImplementedError, match=r"k_cache is sharded over explicit mesh axes \['x'\]"):
+    flash_decode(q, jax.device_put(kc, NamedSharding(mesh, P("x"))), vc, seqlens, interpret=True)

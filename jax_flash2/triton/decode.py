@@ -205,7 +205,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodePro
 
 def combine(out, lse, sinks, *, seq_q: int, heads: int, head_dim: int, dtype):
   """Merges the splits of `decode` exactly by their lse, joins the sinks
-  (one logit per head in each row's denominator) and unpacks the rows.
+  (one logit per head in each row's denominator; float32 [heads] or
+  [batch or 1, heads]) and unpacks the rows.
 
   Returns out [batch, seq_q, heads, head_dim] in dtype and lse float32
   [batch, heads, seq_q]: -inf (the sink with sinks) for a row that saw no
@@ -216,8 +217,10 @@ def combine(out, lse, sinks, *, seq_q: int, heads: int, head_dim: int, dtype):
   lse = lse[:, :, :, :seq_q * g]
   m = jnp.max(lse, axis=2)  # [batch, kv_heads, rows]
   if sinks is not None:
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(kv_heads, 1, g), (kv_heads, seq_q, g))
-    sink = jnp.broadcast_to(sink.reshape(kv_heads, seq_q * g), m.shape)
+    # Row r of K/V head h holds head h * g + r % g, as the kernel packs them.
+    sink = sinks.astype(jnp.float32).reshape(-1, kv_heads, 1, g)
+    sink = jnp.broadcast_to(sink, (sink.shape[0], kv_heads, seq_q, g)).reshape(-1, kv_heads, seq_q * g)
+    sink = jnp.broadcast_to(sink, m.shape)
     m = jnp.maximum(m, sink)
   m = jnp.where(m == -jnp.inf, 0.0, m)
   weights = jnp.exp(lse - m[:, :, None])  # [batch, kv_heads, splits, rows]
