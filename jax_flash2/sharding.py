@@ -40,7 +40,7 @@ from jax.extend.mlir import ir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash2 import backends
+from jax_flash2 import backends, ring_steps
 from jax_flash2.backends import Call, DecodeCall
 from jax_flash2.problem import Operands, Problem
 
@@ -267,11 +267,10 @@ def _forward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
   plan = _arg_plan(mesh, arg_shapes, 3, rides_ring(call.problem))
   if plan.seq is not None:
-    from jax_flash2 import ring  # its steps call the kernels of this module
 
     # The sequence stays split: K/V travel round the devices along it.
     def lower(q, k, v, *operands):
-      return ring.sharded_forward(q, k, v, Operands(*operands), _local(call, q, k), plan.seq)
+      return ring_steps.sharded_forward(q, k, v, Operands(*operands), _local(call, q, k), plan.seq, LOCAL_PARTS)
   else:
     # Every shard is a set of whole (batch, head) problems: the same kernels
     # run it on shard-shaped operands, with no communication.
@@ -316,6 +315,11 @@ def local_backward(q, k, v, out, lse, do, dlse, operands: Operands, call: Call):
   return _backward_kernels(q, k, v, out, lse, do, dlse, *operands, call)
 
 
+# Inside a partition callback a ring's steps call the kernels on the shards
+# as they are (jax_flash2.ring_steps).
+LOCAL_PARTS = ring_steps.Parts(local_forward, local_backward)
+
+
 def _backward_rule_operands(call, operand_types, ring: bool = False) -> tuple[dict[str, str], list[str]]:
   f, operands = _operand_rule(call, operand_types, 7, ring)
   qo, kv, rows = f["qo"], f["kv"], f["rows"]
@@ -340,11 +344,10 @@ def _backward_partition(call, mesh, arg_shapes, result_shape):
 
   def lower(*args):
     if plan.seq is not None:
-      from jax_flash2 import ring  # its steps call the kernels of this module
-
+  
       q, k, v, out, lse, do, dlse, *operands = args
-      dq, dk, dv = ring.sharded_backward(q, k, v, out, lse, do, dlse, Operands(*operands), _local(call, q, k),
-                                         plan.seq)
+      dq, dk, dv = ring_steps.sharded_backward(q, k, v, out, lse, do, dlse, Operands(*operands),
+                                               _local(call, q, k), plan.seq, LOCAL_PARTS)
     else:
       dq, dk, dv = _backward_kernels(*args, call)
     if plan.kv_partial_over is not None:

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import assert_within_plain_error, random_inputs, reference_with_grads, rel_err
 from jax_flash2 import RingLayout, RingStrategy, flash_attention, ring_attention, zigzag_order
-from jax_flash2 import ring as ring_lib
+from jax_flash2 import ring_steps as ring_lib
 from jax_flash2.api import check_problem
 from jax_flash2.backends import Backend, Device
 
@@ -281,12 +281,12 @@ def _ring(num_devices, layout, *, causal=True, window_size=None, seq=16) -> ring
   q = jax.ShapeDtypeStruct((1, seq, 2, 16), jnp.float32)
   problem = check_problem(q, q, q, causal=causal, window_size=window_size)
   return ring_lib.Ring(AXIS, num_devices, RingLayout(layout), RingStrategy.RING, problem, Device(None),
-                       Backend.XLA)
+                       Backend.XLA, ring_lib.Parts(None, None))  # XLA steps: no kernel parts
 
 
 def _runs(ring: ring_lib.Ring, t: int, device: int) -> list:
   """The blocks a device runs at step t."""
-  step = ring_lib._schedule(ring)[t]
+  step = ring_lib.schedule(ring)[t]
   return list(step.kinds[step.table[device]])
 
 
