@@ -371,11 +371,17 @@ def segment_refs(refs, segments: bool) -> tuple[SegmentIds | None, tuple]:
   return (SegmentIds(*refs[:3]), refs[3:]) if segments else (None, refs)
 
 
-def check_segment_ids(q_ids, kv_ids, batch: int, seq_q: int, seq_k: int) -> None:
-  """q_ids int32 [batch, seq_q] and kv_ids int32 [batch, seq_k], or a ValueError."""
-  for name, ids, seq in (("q_segment_ids", q_ids, seq_q), ("kv_segment_ids", kv_ids, seq_k)):
+def with_segment_ids(mask: Mask, q_ids, kv_ids, batch: int) -> Mask:
+  """`mask` with segment ids taking part where given: q_ids int32 [batch,
+  seq_q] and kv_ids int32 [batch, seq_k], both or neither, or a ValueError."""
+  if (q_ids is None) != (kv_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids go together: pass both or neither")
+  if q_ids is None:
+    return mask
+  for name, ids, seq in (("q_segment_ids", q_ids, mask.seq_q), ("kv_segment_ids", kv_ids, mask.seq_k)):
     if ids.shape != (batch, seq) or ids.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32 [batch, seq] = [{batch}, {seq}], got {ids.dtype}{list(ids.shape)}")
+  return dataclasses.replace(mask, segments=True)
 
 
 def pad_ids(ids: jax.Array, length: int) -> jax.Array:
@@ -422,13 +428,8 @@ def backward_kernels(kernels: dict, q, k, v, do, lse, delta, *, causal: bool, wi
   check_smem(config, {name: smem_bytes(config, head_dim, q.dtype) for name, (_, smem_bytes) in kernels.items()},
              head_dim)
   mask = band_of(q.shape[1], k.shape[1], causal, window_size)
-  if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError("q_segment_ids and kv_segment_ids go together: pass both or neither")
-  kwargs = {}
-  if q_segment_ids is not None:
-    check_segment_ids(q_segment_ids, kv_segment_ids, q.shape[0], q.shape[1], k.shape[1])
-    mask = dataclasses.replace(mask, segments=True)
-    kwargs = dict(segment_ids=(q_segment_ids, kv_segment_ids))
+  mask = with_segment_ids(mask, q_segment_ids, kv_segment_ids, q.shape[0])
+  kwargs = dict(segment_ids=(q_segment_ids, kv_segment_ids)) if mask.segments else {}
   scores = scores_of(q, mask, softmax_scale, softcap, alibi_slopes)
   padded = pad_backward(q, k, v, do, lse, delta)
   kwargs.update(mask=mask, scores=scores, slopes=alibi_slopes, config=config, interpret=interpret)

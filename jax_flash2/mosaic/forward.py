@@ -39,7 +39,6 @@ masked K/V block).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -53,9 +52,9 @@ from jax_flash2.config import MosaicForwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, Scores, at_least, band_of, check_operands,
-    check_segment_ids, check_smem, interpret_params_of, kv_range, kv_ring_producer, optional_ref, optional_slopes,
+    check_smem, interpret_params_of, kv_range, kv_ring_producer, optional_ref, optional_slopes,
     outer_grid, pad_seq, q_tile_work, run_tiles, scores_of, segment_inputs, segment_range, segment_refs,
-    specialized_kernel, swizzled, tile_table, triangular, unpad_seq,
+    specialized_kernel, swizzled, tile_table, triangular, unpad_seq, with_segment_ids,
 )
 
 # Shared memory Mosaic reserves for itself beside the forward's buffers
@@ -431,12 +430,8 @@ def forward(
   batch, seq_q, heads, head_dim = q.shape
   seq_k, kv_heads = k.shape[1], k.shape[2]
   mask = band_of(seq_q, seq_k, causal, window_size)
-  if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError("q_segment_ids and kv_segment_ids go together: pass both or neither")
-  segments = q_segment_ids is not None
-  if segments:
-    check_segment_ids(q_segment_ids, kv_segment_ids, batch, seq_q, seq_k)
-    mask = dataclasses.replace(mask, segments=True)
+  mask = with_segment_ids(mask, q_segment_ids, kv_segment_ids, batch)
+  segments = mask.segments
   scores = scores_of(q, mask, softmax_scale, softcap, alibi_slopes)
   if config is None:
     config = defaults.mosaic_forward(head_dim, seq_q=seq_q, causal=causal)
