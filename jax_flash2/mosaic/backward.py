@@ -59,7 +59,8 @@ from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands,
     PersistentSchedule, QTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
-    kv_outer_smem_bytes, kv_range, kv_ring_producer, optional_ref, optional_slopes, outer_grid, recomputed_probs,
+    kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_ref, optional_slopes, outer_grid,
+    recomputed_probs,
     run_tiles, segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled, tile_table, triangular,
 )
 
@@ -261,7 +262,7 @@ def _dq_kernel(
     if segments is not None:
       lo, full_lo, full_hi, hi = segment_range((lo, full_lo, full_hi, hi), segments.ranges, tile.batch,
                                                lax.div(q_start, jnp.int32(rows)), tile.kv_lo, tile.kv_end)
-      q_ids = plgpu.load(segments.q.at[tile.batch, pl.ds(q_start, rows)], layout=row_layout)
+      q_ids = load_ids(segments.q.at[tile.batch, pl.ds(q_start, rows)], layout=row_layout)
     slope = scores.slope(slopes_ref, tile.batch, tile.head)
 
     def slot_of(kb):
@@ -276,7 +277,7 @@ def _dq_kernel(
         return row, col
 
       def same_segment():
-        kv_ids = plgpu.load(segments.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
+        kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
                             layout=plgpu.Layout.WGMMA.reduce(0))
         return lax.broadcast_in_dim(q_ids, s.shape, [0]) == lax.broadcast_in_dim(kv_ids, s.shape, [1])
 

@@ -85,7 +85,8 @@ from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, Scores,
     backward_kernels, check_operands, copy_q_block, interpret_params_of, kv_range, kv_ring_producer,
-    observe_last_releases, optional_ref, optional_slopes, outer_grid, recomputed_probs, run_tiles, segment_inputs,
+    load_ids, observe_last_releases, optional_ref, optional_slopes, outer_grid, recomputed_probs, run_tiles,
+    segment_inputs,
     segment_range, segment_refs, specialized_kernel, swizzled, triangular, zero_padded_keys,
 )
 
@@ -344,9 +345,9 @@ def _dkv_kernel(
           return query, key
 
         def same_segment():
-          kv_ids = plgpu.load(segments.kv.at[tile.batch, pl.ds(tile.k_start, ROWS)],
+          kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(tile.k_start, ROWS)],
                               layout=plgpu.Layout.WGMMA.reduce(1))
-          q_ids = plgpu.load(segments.q.at[tile.batch, pl.ds(qb * ROWS + wg * COLS, COLS)], layout=vec_layout)
+          q_ids = load_ids(segments.q.at[tile.batch, pl.ds(qb * ROWS + wg * COLS, COLS)], layout=vec_layout)
           return lax.broadcast_in_dim(kv_ids, s_t.shape, [0]) == lax.broadcast_in_dim(q_ids, s_t.shape, [1])
 
         p_t, dcap_t = recomputed_probs(s_t, lse, scores=scores, mask=mask, positions=positions, slope=slope,
@@ -510,7 +511,7 @@ def _dq_kernel(
     if segments is not None:
       lo, full_lo, full_hi, hi = segment_range((lo, full_lo, full_hi, hi), segments.ranges, tile.batch,
                                                lax.div(tile.q_start, jnp.int32(ROWS)), tile.kv_lo, tile.kv_end)
-      q_ids = plgpu.load(segments.q.at[tile.batch, pl.ds(tile.q_start, ROWS)], layout=row_layout)
+      q_ids = load_ids(segments.q.at[tile.batch, pl.ds(tile.q_start, ROWS)], layout=row_layout)
     slope = scores.slope(slopes_ref, tile.batch, tile.head)
     keys = pl.ds(wg * COLS, COLS)  # this consumer's key columns of a K/V block
     my_half = pl.ds(wg * half, half)
@@ -533,7 +534,7 @@ def _dq_kernel(
           return query, key
 
         def same_segment():
-          kv_ids = plgpu.load(segments.kv.at[tile.batch, pl.ds(kb * ROWS + wg * COLS, COLS)],
+          kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(kb * ROWS + wg * COLS, COLS)],
                               layout=plgpu.Layout.WGMMA.reduce(0))
           return lax.broadcast_in_dim(q_ids, s.shape, [0]) == lax.broadcast_in_dim(kv_ids, s.shape, [1])
 

@@ -365,6 +365,13 @@ def segment_inputs(q_ids, kv_ids, *, padded_q: int, padded_k: int, rows: int, bl
   return SegmentIds(pad_ids(q_ids, padded_q), pad_ids(kv_ids, padded_k), ranges)
 
 
+def load_ids(ref, *, layout) -> jax.Array:
+  """Segment ids from GMEM straight into `layout` (a row's or a column's of
+  the score fragment). Mosaic's optimized register loads read SMEM only;
+  these few words per tile take the plain transfer."""
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
 def segment_refs(refs, segments: bool) -> tuple[SegmentIds | None, tuple]:
   """A kernel's SegmentIds refs (its inputs after the ALiBi slopes) where
   `segments`, and the refs after them."""
@@ -1185,8 +1192,8 @@ class KVOuter:
 
       def same_segment():
         ids = self.segments
-        kv_ids = plgpu.load(ids.kv.at[batch, pl.ds(k_start, WGMMA_M)], layout=plgpu.Layout.WGMMA.reduce(1))
-        q_ids = plgpu.load(ids.q.at[batch, pl.ds(qb * self.block_q, self.block_q)],
+        kv_ids = load_ids(ids.kv.at[batch, pl.ds(k_start, WGMMA_M)], layout=plgpu.Layout.WGMMA.reduce(1))
+        q_ids = load_ids(ids.q.at[batch, pl.ds(qb * self.block_q, self.block_q)],
                            layout=plgpu.Layout.WGMMA.reduce(0))
         return lax.broadcast_in_dim(kv_ids, s_t.shape, [0]) == lax.broadcast_in_dim(q_ids, s_t.shape, [1])
 

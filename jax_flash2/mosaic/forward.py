@@ -52,7 +52,7 @@ from jax_flash2.config import MosaicForwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, Scores, at_least, band_of, check_operands,
-    check_smem, interpret_params_of, kv_range, kv_ring_producer, optional_ref, optional_slopes,
+    check_smem, interpret_params_of, kv_range, kv_ring_producer, load_ids, optional_ref, optional_slopes,
     outer_grid, pad_seq, q_tile_work, run_tiles, scores_of, segment_inputs, segment_range, segment_refs,
     specialized_kernel, swizzled, tile_table, triangular, unpad_seq, with_segment_ids,
 )
@@ -150,7 +150,7 @@ def _forward_kernel(
     if segments:
       lo, full_lo, full_hi, hi = segment_range((lo, full_lo, full_hi, hi), ranges_ref, tile.batch,
                                                lax.div(q_start, jnp.int32(rows)), tile.kv_lo, tile.kv_end)
-      q_ids = plgpu.load(ids.q.at[tile.batch, pl.ds(q_start, rows)], layout=plgpu.Layout.WGMMA.reduce(1))
+      q_ids = load_ids(ids.q.at[tile.batch, pl.ds(q_start, rows)], layout=plgpu.Layout.WGMMA.reduce(1))
     slope = scores.slope(slopes_ref, tile.batch, tile.head)
 
     def slot_of(kb):
@@ -193,7 +193,7 @@ def _forward_kernel(
         row, col = at if at is not None else positions()
         visible = mask.visible(row, col, check_queries=False, check_keys=check_keys)
         if segments:
-          kv_ids = plgpu.load(ids.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
+          kv_ids = load_ids(ids.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
                               layout=plgpu.Layout.WGMMA.reduce(0))
           visible &= (lax.broadcast_in_dim(q_ids, s.shape, [0]) == lax.broadcast_in_dim(kv_ids, s.shape, [1]))
         s = jnp.where(visible, s, -jnp.inf)
