@@ -143,10 +143,12 @@ def mosaic_pays_for_padding(seq_q: int, seq_k: int) -> bool:
 
 # ---------------------------------------------------------------- decoding (flash_decode)
 
-# Chosen, not swept (unlike the tables above): at these values the decode
-# kernel reads the cache at 2.3-2.9 TB/s on the H200, 55-68% of a copy
-# (bench/results/h200-2026-12-02-decode/). Sweep block_k, warps, stages and
-# the splits' target there.
+# Swept on the H200 (lab/tools/decode_sweep.py, 2026-12-02; bf16, head_dim
+# 128, GQA 8:1): block_k 64, 4 warps, 3 stages and two waves of programs
+# read batch-8 caches of 8k-32k at 71-89% of a copy, batch 1 at 128k 84%,
+# 64-token pages 93%; one wave with 2 stages (the earlier choice) read
+# 56-69%. Larger blocks, 8 warps and more waves measured no better.
+
 # K/V rows per block of the split-KV decode kernel; a paged cache takes the
 # largest power of two dividing its page size, up to this.
 DECODE_BLOCK_K = 64
@@ -155,6 +157,11 @@ DECODE_BLOCK_K = 64
 DECODE_SPLITS_WITHOUT_GPU = 3
 # At most this many splits: each adds a partial output to write and combine.
 DECODE_MAX_SPLITS = 64
+# Programs per SM the splits aim for: a second wave keeps loads in flight
+# while the first one's programs finish.
+DECODE_WAVES = 2
+# Software-pipelining depth of the decode loop's K/V loads.
+DECODE_STAGES = 3
 
 
 def decode_block_k(page_size: int | None) -> int:
@@ -167,13 +174,13 @@ def decode_block_k(page_size: int | None) -> int:
 
 def decode_splits(sm_count: int | None, batch: int, kv_heads: int, max_blocks: int) -> int:
   """Splits of each sequence's cache so that batch * kv_heads * splits
-  programs fill the GPU at least once (132 SMs on an H200), never more
+  programs fill the GPU DECODE_WAVES times (132 SMs on an H200), never more
   splits than a full-length cache has K/V blocks. sm_count None (no GPU):
   DECODE_SPLITS_WITHOUT_GPU."""
   if sm_count is None:
     wanted = DECODE_SPLITS_WITHOUT_GPU
   else:
-    wanted = -(-sm_count // (batch * kv_heads))
+    wanted = -(-DECODE_WAVES * sm_count // (batch * kv_heads))
   return max(1, min(wanted, max_blocks, DECODE_MAX_SPLITS))
 
 
@@ -183,4 +190,4 @@ def decode_config(page_size: int | None, sm_count: int | None, *, batch: int, kv
   block_k = decode_block_k(page_size)
   if num_splits is None:
     num_splits = decode_splits(sm_count, batch, kv_heads, -(-max_seq // block_k))
-  return DecodeConfig(block_k, num_splits)
+  return DecodeConfig(block_k, num_splits, num_stages=DECODE_STAGES)

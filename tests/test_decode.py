@@ -196,11 +196,13 @@ def test_auto_backend_and_plan():
     assert decode_plan(q, kc, vc, seqlens).backend == "xla"
     with pytest.raises(ValueError, match="backend='triton'.*interpret=True"):
       flash_decode(q, kc, vc, seqlens, backend="triton")
-  # An H200: 132 SMs over 8 sequences of one K/V head: 17 splits.
+  # An H200: two waves of 132 SMs over 8 sequences of one K/V head: 33 splits.
   plan = decode_plan(q, kc, vc, seqlens, compute_capability=(9, 0), sm_count=132)
-  assert (plan.backend, plan.config.num_splits, plan.config.block_k) == ("triton", 17, 64)
+  assert (plan.backend, plan.config.num_splits, plan.config.block_k) == ("triton", 33, 64)
+  assert plan.config.num_stages == defaults.DECODE_STAGES
   assert decode_plan(q, kc, vc, seqlens, compute_capability=(9, 0), num_splits=2).config.num_splits == 2
   assert defaults.decode_splits(132, 64, 8, 128) == 1
+  assert defaults.decode_splits(132, 8, 4, 128) == 9
   assert defaults.decode_splits(132, 1, 1, 4) == 4
   assert defaults.decode_block_k(48) == 16
   with pytest.raises(ValueError, match="DecodeConfig.block_k"):
