@@ -229,7 +229,9 @@ def combine(out, lse, sinks, *, seq_q: int, heads: int, head_dim: int, dtype):
     total = total + jnp.exp(sink - m)
   seen = total != 0.0
   total_safe = jnp.where(seen, total, 1.0)
-  merged = jnp.einsum("bhsr,bhsrd->bhrd", weights, out, precision=lax.Precision.HIGHEST) / total_safe[..., None]
+  # A weighted sum over the splits as one reduction, which XLA fuses with
+  # the weights and the division (an einsum would be a dot of its own).
+  merged = jnp.sum(weights[..., None] * out, axis=2) / total_safe[..., None]
   merged_lse = jnp.where(seen, m + jnp.log(total_safe), -jnp.inf)
   merged = merged.reshape(batch, kv_heads, seq_q, g, head_dim).transpose(0, 2, 1, 3, 4)
   merged_lse = merged_lse.reshape(batch, kv_heads, seq_q, g).transpose(0, 1, 3, 2)

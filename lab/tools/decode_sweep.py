@@ -3,7 +3,7 @@ on the GPU at the bench's decode shapes; kernel time from a profiler trace,
 split into the split kernel and the rest (the combine), bandwidth over the
 bytes the bench counts. Lab equipment: not part of the product.
 
-  python lab/tools/decode_sweep.py [--quick] > sweep.txt
+  python lab/tools/decode_sweep.py [--quick | --defaults] > sweep.txt
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def kernel_ms(fn, inputs):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--defaults", action="store_true", help="only each shape's default config")
   args = ap.parse_args()
   shapes = [
       bench_decode.DecodeShape(8, 8192, 32, 4, 128, 1, "bfloat16"),
@@ -61,7 +62,10 @@ def main():
     splits = sorted({base, 2 * base, 4 * base, 8 * base})
     block_ks = (64,) if shape.page_size else (64, 128)
     grid = itertools.product(block_ks, splits, (4, 8), (2, 3))
-    if args.quick:
+    if args.defaults:
+      c = auto.config
+      grid = [(c.block_k, c.num_splits, c.num_warps, c.num_stages)]
+    elif args.quick:
       grid = itertools.product((64,), splits, (4,), (2,))
     print(f"\n{shape.describe()}: auto {auto.config}; {nbytes / 1e6:.1f} MB", flush=True)
     for block_k, s, warps, stages in grid:
