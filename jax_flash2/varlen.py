@@ -26,6 +26,11 @@ import numpy as np
 from jax_flash2.api import check_flag, flash_attention
 from jax_flash2.backends import Backend
 
+# jnp.searchsorted's default method is a while loop, each of whose steps is a
+# host round trip on a GPU; unrolled, its log2(num_seqs) steps fuse into one
+# kernel.
+_SEARCH = "scan_unrolled"
+
 
 def flash_attention_varlen(
     q: jax.Array,
@@ -131,7 +136,7 @@ class _SlotLayout:
     self.length = max(length, 1)
     # Each slot row's sequence, shared by both sides.
     p = jnp.arange(self.length, dtype=jnp.int32)
-    seq = jnp.searchsorted(end, p, side="right").astype(jnp.int32)
+    seq = jnp.searchsorted(end, p, side="right", method=_SEARCH).astype(jnp.int32)
     q_start, k_start = end - len_q, end - len_k  # where sequence s's first query / key lands
     self.queries = _Side(p, seq, num_seqs, cu_q, q_start, pad_tail=0)
     self.keys = _Side(p, seq, num_seqs, cu_k, k_start, pad_tail=1)
@@ -162,7 +167,7 @@ class _Side:
 
 def _row_ids(cu, total: int) -> jax.Array:
   """int32 [total]: the sequence of each packed row (num_seqs past the end)."""
-  return (jnp.searchsorted(cu, jnp.arange(total, dtype=jnp.int32), side="right") - 1).astype(jnp.int32)
+  return (jnp.searchsorted(cu, jnp.arange(total, dtype=jnp.int32), side="right", method=_SEARCH) - 1).astype(jnp.int32)
 
 
 def _check_cu_seqlens(name: str, cu, total: int) -> jax.Array:

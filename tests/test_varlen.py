@@ -123,6 +123,18 @@ def test_jit_matches_eager_and_max_seqlen_shrinks_nothing_visible():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
+@pytest.mark.parametrize("same", [True, False], ids=["in_place", "slots"])
+def test_packing_runs_no_loop(same):
+  """The row ids and slots come from loop-free programs: a while loop's every
+  step is a host round trip on a GPU (jnp.searchsorted's default method)."""
+  q, k, v, *_ = _inputs(12, LENS_Q, LENS_Q if same else LENS_K, 2)
+  cu_q = _cu(LENS_Q)
+  cu_k = cu_q if same else _cu(LENS_K)
+  text = jax.jit(lambda q, k, v, cu_q, cu_k: flash_attention_varlen(
+      q, k, v, cu_q, cu_q if same else cu_k, causal=True, backend="xla")).lower(q, k, v, cu_q, cu_k).as_text()
+  assert "stablehlo.while" not in text
+
+
 def test_no_sequences():
   q, k, v, _, _, sinks = _inputs(1, (3,), (2,), 4)
   cu = jnp.zeros((1,), jnp.int32)
