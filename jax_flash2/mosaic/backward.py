@@ -60,7 +60,7 @@ from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands,
     PersistentSchedule, QTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
     kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_ref, optional_slopes, outer_grid,
-    recomputed_probs,
+    recomputed_probs, same_ids,
     run_tiles, segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled, tile_table, triangular,
 )
 
@@ -278,8 +278,8 @@ def _dq_kernel(
 
       def same_segment():
         kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
-                            layout=plgpu.Layout.WGMMA.reduce(0))
-        return lax.broadcast_in_dim(q_ids, s.shape, [0]) == lax.broadcast_in_dim(kv_ids, s.shape, [1])
+                          layout=plgpu.Layout.WGMMA.reduce(0))
+        return same_ids(q_ids, kv_ids, s.shape)
 
       return recomputed_probs(s, lse, scores=scores, mask=mask, positions=positions, slope=slope, masked=masked,
                               lse_axis=0, same_segment=None if segments is None else same_segment)

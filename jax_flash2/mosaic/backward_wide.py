@@ -86,7 +86,7 @@ from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, Scores,
     backward_kernels, check_operands, copy_q_block, interpret_params_of, kv_range, kv_ring_producer,
     load_ids, observe_last_releases, optional_ref, optional_slopes, outer_grid, recomputed_probs, run_tiles,
-    segment_inputs,
+    same_ids, segment_inputs,
     segment_range, segment_refs, specialized_kernel, swizzled, triangular, zero_padded_keys,
 )
 
@@ -345,10 +345,9 @@ def _dkv_kernel(
           return query, key
 
         def same_segment():
-          kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(tile.k_start, ROWS)],
-                              layout=plgpu.Layout.WGMMA.reduce(1))
+          kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(tile.k_start, ROWS)], layout=plgpu.Layout.WGMMA.reduce(1))
           q_ids = load_ids(segments.q.at[tile.batch, pl.ds(qb * ROWS + wg * COLS, COLS)], layout=vec_layout)
-          return lax.broadcast_in_dim(kv_ids, s_t.shape, [0]) == lax.broadcast_in_dim(q_ids, s_t.shape, [1])
+          return same_ids(kv_ids, q_ids, s_t.shape)
 
         p_t, dcap_t = recomputed_probs(s_t, lse, scores=scores, mask=mask, positions=positions, slope=slope,
                                        masked=masked, lse_axis=1,
@@ -535,8 +534,8 @@ def _dq_kernel(
 
         def same_segment():
           kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(kb * ROWS + wg * COLS, COLS)],
-                              layout=plgpu.Layout.WGMMA.reduce(0))
-          return lax.broadcast_in_dim(q_ids, s.shape, [0]) == lax.broadcast_in_dim(kv_ids, s.shape, [1])
+                            layout=plgpu.Layout.WGMMA.reduce(0))
+          return same_ids(q_ids, kv_ids, s.shape)
 
         p, dcap = recomputed_probs(s, lse, scores=scores, mask=mask, positions=positions, slope=slope, masked=masked,
                                    lse_axis=0, same_segment=None if segments is None else same_segment)

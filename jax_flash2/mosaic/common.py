@@ -372,6 +372,12 @@ def load_ids(ref, *, layout) -> jax.Array:
   return plgpu.load(ref, layout=layout, optimized=False)
 
 
+def same_ids(row_ids, col_ids, shape) -> jax.Array:
+  """bool `shape` [rows, cols]: where a row's segment id equals its column's
+  (row_ids, col_ids in the rows' and the columns' fragment layouts)."""
+  return lax.broadcast_in_dim(row_ids, shape, [0]) == lax.broadcast_in_dim(col_ids, shape, [1])
+
+
 def segment_refs(refs, segments: bool) -> tuple[SegmentIds | None, tuple]:
   """A kernel's SegmentIds refs (its inputs after the ALiBi slopes) where
   `segments`, and the refs after them."""
@@ -1193,9 +1199,8 @@ class KVOuter:
       def same_segment():
         ids = self.segments
         kv_ids = load_ids(ids.kv.at[batch, pl.ds(k_start, WGMMA_M)], layout=plgpu.Layout.WGMMA.reduce(1))
-        q_ids = load_ids(ids.q.at[batch, pl.ds(qb * self.block_q, self.block_q)],
-                           layout=plgpu.Layout.WGMMA.reduce(0))
-        return lax.broadcast_in_dim(kv_ids, s_t.shape, [0]) == lax.broadcast_in_dim(q_ids, s_t.shape, [1])
+        q_ids = load_ids(ids.q.at[batch, pl.ds(qb * self.block_q, self.block_q)], layout=plgpu.Layout.WGMMA.reduce(0))
+        return same_ids(kv_ids, q_ids, s_t.shape)
 
     def positions():
       key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)

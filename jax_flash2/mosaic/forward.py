@@ -53,7 +53,7 @@ from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, Scores, at_least, band_of, check_operands,
     check_smem, interpret_params_of, kv_range, kv_ring_producer, load_ids, optional_ref, optional_slopes,
-    outer_grid, pad_seq, q_tile_work, run_tiles, scores_of, segment_inputs, segment_range, segment_refs,
+    outer_grid, pad_seq, q_tile_work, run_tiles, same_ids, scores_of, segment_inputs, segment_range, segment_refs,
     specialized_kernel, swizzled, tile_table, triangular, unpad_seq, with_segment_ids,
 )
 
@@ -193,9 +193,8 @@ def _forward_kernel(
         row, col = at if at is not None else positions()
         visible = mask.visible(row, col, check_queries=False, check_keys=check_keys)
         if segments:
-          kv_ids = load_ids(ids.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
-                              layout=plgpu.Layout.WGMMA.reduce(0))
-          visible &= (lax.broadcast_in_dim(q_ids, s.shape, [0]) == lax.broadcast_in_dim(kv_ids, s.shape, [1]))
+          kv_ids = load_ids(ids.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)], layout=plgpu.Layout.WGMMA.reduce(0))
+          visible &= same_ids(q_ids, kv_ids, s.shape)
         s = jnp.where(visible, s, -jnp.inf)
       to_log2 = (lambda x: x) if scores.modified else (lambda x: x * qk_scale)
       m_new = jnp.maximum(m_i, to_log2(jnp.max(s, axis=1)))

@@ -117,6 +117,21 @@ def _cases():
         yield f"wide_{name}_{shape_name}_{'causal' if causal else 'full'}", f, (q, kv, kv, q, vec, vec)
 
 
+def _segment_cases():
+  """(name, function, structs) of the kernels with segment ids (--segments):
+  causal and a window, forward and each backward at its default tiling."""
+  ids = jax.ShapeDtypeStruct((WHOLE[0], WHOLE[1]), jnp.int32)
+  for head_dim in (64, 128, 256):
+    q, kv, vec = _structs(WHOLE, head_dim, jnp.bfloat16)
+    bwd = backward_wide.backward if head_dim == 256 else backward.backward
+    for mask_name, mask in (("causal", dict(causal=True)), ("window", dict(window_size=(200, 0)))):
+      f = lambda q, k, v, a, b, m=mask: forward.forward(q, k, v, q_segment_ids=a, kv_segment_ids=b, **m)
+      yield f"seg_fwd_d{head_dim}_{mask_name}", f, (q, kv, kv, ids, ids)
+      f = lambda q, k, v, o, l, d, a, b, m=mask, bwd=bwd: bwd(q, k, v, o, l, d, q_segment_ids=a, kv_segment_ids=b,
+                                                              **m)
+      yield f"seg_bwd_d{head_dim}_{mask_name}", f, (q, kv, kv, q, vec, vec, ids, ids)
+
+
 def kernels_text(f, *args) -> list[str]:
   """The Mosaic GPU kernels of f lowered for CUDA: MLIR without debug
   locations or the per-process dump name (kernel_fingerprint's)."""
@@ -127,8 +142,9 @@ def kernels_text(f, *args) -> list[str]:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", default="", help="only the cases whose name contains this")
+  parser.add_argument("--segments", action="store_true", help="the kernels with segment ids instead")
   args = parser.parse_args()
-  for name, f, structs in _cases():
+  for name, f, structs in (_segment_cases() if args.segments else _cases()):
     if args.only not in name:
       continue
     try:
