@@ -372,6 +372,20 @@ def load_ids(ref, *, layout) -> jax.Array:
   return plgpu.load(ref, layout=layout, optimized=False)
 
 
+def segment_hull(ranges, batch, first, consumers: int, lo, hi):
+  """(lo, hi), a tile's band of inner blocks, narrowed to the hull of its
+  consumers' ranges under the segment ids: row groups first .. first +
+  consumers - 1 of `ranges` (SegmentIds.ranges). The caller clamps `first`
+  and this the batch: a persistent CTA also asks for the tile after its
+  last, which it never runs, and the reads must stay in bounds."""
+  b = jnp.minimum(batch, ranges.shape[0] - 1)
+  groups = [ranges.at[b, first + c] for c in range(consumers)]
+  seg_lo = functools.reduce(jnp.minimum, [g[0] for g in groups])
+  seg_hi = functools.reduce(jnp.maximum, [jnp.where(g[0] < g[3], g[3], 0) for g in groups])
+  lo = jnp.maximum(lo, seg_lo)
+  return lo, jnp.maximum(jnp.minimum(hi, seg_hi), lo)
+
+
 def same_ids(row_ids, col_ids, shape) -> jax.Array:
   """bool `shape` [rows, cols]: where a row's segment id equals its column's
   (row_ids, col_ids in the rows' and the columns' fragment layouts)."""
@@ -667,16 +681,8 @@ class QTile:
     q_start = q_index * block_q
     lo, hi = q_tile_blocks(q_start, block_q=block_q, block_kv=block_kv, mask=mask, consumers=consumers)
     if segment_ranges is not None:
-      # The hull of the consumers' segment ranges, inside the band's. (A
-      # persistent CTA also asks for the tile after its last, which it never
-      # runs: clamped indices keep that read in bounds.)
-      b = jnp.minimum(batch, segment_ranges.shape[0] - 1)
       first = jnp.clip(q_index, 0, num_q_blocks - 1) * consumers
-      groups = [segment_ranges.at[b, first + c] for c in range(consumers)]
-      seg_lo = functools.reduce(jnp.minimum, [g[0] for g in groups])
-      seg_hi = functools.reduce(jnp.maximum, [jnp.where(g[0] < g[3], g[3], 0) for g in groups])
-      lo = jnp.maximum(lo, seg_lo)
-      hi = jnp.maximum(jnp.minimum(hi, seg_hi), lo)
+      lo, hi = segment_hull(segment_ranges, batch, first, consumers, lo, hi)
     if isinstance(lo, int):
       return cls(batch, head, q_start, hi)
     return cls(batch, head, q_start, hi - lo, kv_lo=lo)
@@ -1104,16 +1110,10 @@ class KVOuter:
     k_start = kv_index * OUTER_ROWS
     lo, _ = self.mask.q_blocks_right(k_start, WGMMA_M, self.block_q)
     if self.segments is not None:
-      # The hull of the consumers' segment ranges inside the band's (clamped
-      # reads: a persistent CTA also asks for the tile after its last).
       hi = self.num_q if self.mask.left is None else self.mask.q_blocks_left(k_start, OUTER_ROWS, self.block_q)[1]
       ranges = self.segments.ranges
-      b = jnp.minimum(batch, ranges.shape[0] - 1)
       first = jnp.clip(kv_index * NUM_CONSUMERS, 0, ranges.shape[1] - NUM_CONSUMERS)
-      groups = [ranges.at[b, first + c] for c in range(NUM_CONSUMERS)]
-      lo = jnp.maximum(lo, functools.reduce(jnp.minimum, [g[0] for g in groups]))
-      hi = jnp.maximum(jnp.minimum(hi, functools.reduce(jnp.maximum, [jnp.where(g[0] < g[3], g[3], 0)
-                                                                      for g in groups])), lo)
+      lo, hi = segment_hull(ranges, batch, first, NUM_CONSUMERS, lo, hi)
       return self.tile_type(batch, kv_head, kv_index, k_start, lo, self.group * (hi - lo), self.num_q, q_end=hi)
     if self.mask.left is None:
       return self.tile_type(batch, kv_head, kv_index, k_start, lo, self.group * (jnp.int32(self.num_q) - lo),
