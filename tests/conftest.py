@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.util
 import os
 import pkgutil
@@ -80,6 +81,21 @@ def pytest_xdist_make_scheduler(config, log):
       return nodeid
 
   return OneWorkerGroups(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+  """A pytest-xdist worker's full garbage collection, before it reports
+  that it has finished, and the heap frozen after it. Once the last worker
+  has reported, the controller tears the workers down and execnet SIGINTs
+  one still running 5 s later; pytest's unconfigure then ran full
+  collections over the heap of a whole run (jax's caches: 0.6 s each after
+  41 interpreter tests, growing with the run), the SIGINT landed in jax's gc
+  callback, and the run printed a PytestUnraisableExceptionWarning with a
+  KeyboardInterrupt. Frozen objects are skipped by those collections."""
+  if hasattr(session.config, "workerinput"):
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -165,7 +165,7 @@ INTERPRETER = {
     # A causal sliding window, ragged, GQA: consumers drain the blocks
     # before their left edge and past their diagonal; the overlapped
     # forward and dQ; three ring slots wrap mid-tile.
-    "d64_sliding_causal_ragged_gqa": ((1, 200, 300, 4, 64), 2, jnp.bfloat16, dict(causal=True, window_size=(70, 0)),
+    "d64_sliding_causal_ragged_gqa": ((1, 200, 300, 2, 64), 1, jnp.bfloat16, dict(causal=True, window_size=(70, 0)),
                                       F(128, 64, 3, softmax_overlap=True), B(64, 64, 3, dq_softmax_overlap=True), True),
     # Two sides with a softcap, persistent CTAs (round-robin: the window's
     # tiles), early vectors in dK/dV.
@@ -187,14 +187,14 @@ INTERPRETER = {
                                    F(192, 64, 2, softmax_overlap=True, persistent=True, consumers=3), None, True),
     # The d128 defaults (128-row K/V blocks, persistent CTAs, overlap) with
     # two sides and a softcap, ragged and GQA.
-    "d128_both_sides_softcap_ragged_gqa": ((1, 200, 136, 4, 128), 2, jnp.bfloat16,
+    "d128_both_sides_softcap_ragged_gqa": ((1, 200, 136, 2, 128), 1, jnp.bfloat16,
                                            dict(window_size=(40, 40), softcap=10.0), None, None, False),
     # A right side alone, causal-like: the balanced persistent table, with ALiBi.
     "d128_right_only_balanced_alibi": (
         (1, 384, 384, 2, 128), None, jnp.float16, dict(window_size=(None, 50), alibi="heads"),
         F(128, 64, 2, softmax_overlap=True, persistent=True, balanced=True), B(64, 64, 2, dq_persistent=True), False),
     # head_dim 256 (backward_wide): a causal window with softcap and ALiBi, ragged, GQA.
-    "d256_causal_window_all_ragged_gqa": ((1, 200, 300, 2, 256), 1, jnp.bfloat16,
+    "d256_causal_window_all_ragged_gqa": ((1, 72, 136, 2, 256), 1, jnp.bfloat16,
                                           dict(causal=True, window_size=(60, 0), softcap=4.0, alibi="batch"),
                                           None, None, True),
     # head_dim 256, a right side alone with rows that see no key, persistent.

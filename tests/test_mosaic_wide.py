@@ -105,8 +105,8 @@ INTERPRET = [
     ((1, 128, 128, 1, D), jnp.bfloat16, False, None, "kernels"),
     ((1, 128, 256, 2, D), jnp.float16, True, None, "kernels"),  # seq_q < seq_k: skipped and masked blocks
     ((1, 256, 128, 1, D), jnp.bfloat16, True, None, "backward"),  # seq_q > seq_k: rows that see no key give 0
-    ((1, 200, 300, 2, D), jnp.bfloat16, True, 1, "backward"),  # ragged, grouped-query (dK, dV over 2 heads)
-    ((1, 200, 136, 1, D), jnp.float16, False, None, "backward"),  # ragged: padded keys unmasked, zeroed
+    ((1, 72, 136, 2, D), jnp.bfloat16, True, 1, "backward"),  # ragged, grouped-query (dK, dV over 2 heads)
+    ((1, 72, 136, 1, D), jnp.float16, False, None, "backward"),  # ragged: padded keys unmasked, zeroed
 ]
 
 
