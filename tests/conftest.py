@@ -57,8 +57,6 @@ def has_supported_gpu() -> bool:
 # fixture runs once rather than once per worker that gets one of its tests.
 ONE_WORKER_GROUPS = {
     "tests/test_example.py::": "train_gpt runs",
-    "tests/test_bench.py::test_cli_tiny_cpu_run": "bench tiny run",
-    "tests/test_bench.py::test_cli_runs_gqa": "bench tiny run",
     "tests/test_ring.py::test_p8_": "ring P = 8 programs",
 }
 
