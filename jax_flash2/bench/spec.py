@@ -181,19 +181,18 @@ class TimedRun:
 
 
 @dataclasses.dataclass(frozen=True)
-class SweepConfig:
-  """The grid of a run plus how to time it. Built by `cli.config_from_args`.
+class SweepConfig(TimedRun):
+  """The grid of a run (timing, checks and output: `TimedRun`). Built by
+  `cli.config_from_args`.
 
   `batch` None means tokens // seqlen; `heads` None means hidden // head_dim;
   `kv_heads` None means heads. `windows` holds None for no window; `segments`
   1 for no segment ids; `softcaps` None for no softcap. `varlens`: packings
   of --varlen, each a tuple of sequence lengths run as one row of their sum
   in place of `seqlens` (which then holds those sums); () for none.
-  `sinks`: every problem has attention sinks
-  (impls.sink_logits; FLOPs unchanged). `impls` are those that run here; `left_out` those
-  asked for (or defaults) that cannot. `kernel_time`: also read each cell's
-  GPU kernel time from a profiler trace. `save`: write results into `out`
-  (None: a dated folder the CLI picks); `plot`: with them, the PNG plots.
+  `sinks`: every problem has attention sinks (impls.sink_logits; FLOPs
+  unchanged). `impls` are those that run here. `plot`: with saved results,
+  the PNG plots.
   """
 
   seqlens: tuple[int, ...]
@@ -212,26 +211,10 @@ class SweepConfig:
   softcaps: tuple[float | None, ...] = (None,)
   varlens: tuple[tuple[int, ...], ...] = ()
   sinks: bool = False
-  warmup: int = 3
-  iters: int = 20
-  input_sets: int = 2
-  check: bool = True
-  interpret: bool = False
-  platform: str = "gpu"
-  left_out: tuple[LeftOut, ...] = ()
-  kernel_time: bool = False
-  save: bool = True
-  out: str | None = None
   plot: bool = True
   memory: bool = False
   memory_only: bool = False
   memory_max_seqlen: int | None = None
-  seed: int = 0
-
-  @property
-  def tiny(self) -> bool:
-    """True when running without a GPU: figures are CPU / interpret figures."""
-    return self.platform != "gpu"
 
   def batch_for(self, seqlen: int) -> int:
     return self.batch if self.batch is not None else max(1, self.tokens // seqlen)
