@@ -133,6 +133,15 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, p: DecodeProblem, rows:
   lse_ref[...] = jnp.where(seen, m_i + jnp.log2(l_safe), -jnp.inf)
 
 
+def _per_row(per_head, kv_heads: int, seq_q: int) -> jax.Array:
+  """A per-head value, [heads] or [batch or 1, heads], in the kernel's row
+  packing, [batch or 1, kv_heads, seq_q * group]: row r of K/V head h holds
+  query r // group of head h * group + r % group."""
+  group = per_head.shape[-1] // kv_heads
+  x = per_head.reshape(-1, kv_heads, 1, group)
+  return jnp.broadcast_to(x, (x.shape[0], kv_heads, seq_q, group)).reshape(x.shape[0], kv_heads, seq_q * group)
+
+
 def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodeProblem, config: DecodeConfig, *,
            interpret: bool = False):
   """Runs the split-KV kernel.
@@ -176,10 +185,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodePro
     in_specs.append(pl.BlockSpec((None, block_table.shape[1]), lambda b, h, s: (b, 0)))
     args.append(block_table.astype(jnp.int32))
   if p.has_alibi:
-    # Each row's slope: row r holds head h * group + r % group.
-    per_row = slopes.reshape(slopes.shape[0], kv_heads, 1, g)
-    per_row = jnp.broadcast_to(per_row, (slopes.shape[0], kv_heads, seq_q, g)).reshape(-1, kv_heads, seq_q * g)
-    per_row = jnp.pad(per_row.astype(jnp.float32), ((0, 0), (0, 0), (0, rows - seq_q * g)))
+    per_row = jnp.pad(_per_row(slopes.astype(jnp.float32), kv_heads, seq_q), ((0, 0), (0, 0), (0, rows - seq_q * g)))
     batched = per_row.shape[0] > 1
     in_specs.append(pl.BlockSpec((None, None, rows), lambda b, h, s: (b if batched else 0, h, 0)))
     args.append(per_row)
@@ -217,10 +223,7 @@ def combine(out, lse, sinks, *, seq_q: int, heads: int, head_dim: int, dtype):
   lse = lse[:, :, :, :seq_q * g]
   m = jnp.max(lse, axis=2)  # [batch, kv_heads, rows]
   if sinks is not None:
-    # Row r of K/V head h holds head h * g + r % g, as the kernel packs them.
-    sink = sinks.astype(jnp.float32).reshape(-1, kv_heads, 1, g)
-    sink = jnp.broadcast_to(sink, (sink.shape[0], kv_heads, seq_q, g)).reshape(-1, kv_heads, seq_q * g)
-    sink = jnp.broadcast_to(sink, m.shape)
+    sink = jnp.broadcast_to(_per_row(sinks.astype(jnp.float32), kv_heads, seq_q), m.shape)
     m = jnp.maximum(m, sink)
   m = jnp.where(m == -jnp.inf, 0.0, m)
   weights = jnp.exp(lse - m[:, :, None])  # [batch, kv_heads, splits, rows]
