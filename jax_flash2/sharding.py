@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -149,6 +150,21 @@ class _ShardPlan:
   seq: str | tuple[str, ...] | None = None
 
 
+def _group_split(mesh, heads, q_heads: int, kv_heads: int) -> tuple[Any, Any, bool]:
+  """(the query heads' split, the K/V heads', whether a single K/V head is
+  replicated) for query heads split as `heads` (a PartitionSpec entry):
+  under GQA the K/V heads split like the query heads when that keeps whole
+  groups on a shard; MQA's single K/V head is replicated, each shard
+  reading it for its query heads; any other split of the heads is gathered."""
+  if kv_heads == q_heads or heads is None:
+    return heads, heads, False
+  if kv_heads == 1:
+    return heads, None, True
+  if kv_heads % _axes_size(mesh, heads):
+    return None, None, False
+  return heads, heads, False
+
+
 def _shard_plan(mesh, q, k, operands: dict, ring: bool = False) -> _ShardPlan:
   """Every device holds whole (batch, head) problems: q's batch and head
   sharding is kept and everything else is replicated; with ring (the
@@ -163,14 +179,9 @@ def _shard_plan(mesh, q, k, operands: dict, ring: bool = False) -> _ShardPlan:
   gathered.
   """
   spec = tuple(q.sharding.spec) + (None,) * (4 - len(q.sharding.spec))
-  batch, heads = spec[0], spec[2]
-  seq = spec[1] if ring else None
-  kv_heads, partial = heads, None
-  if k.shape[2] != q.shape[2] and heads is not None:
-    if k.shape[2] == 1:
-      kv_heads, partial = None, heads
-    elif k.shape[2] % _axes_size(mesh, heads):
-      heads = kv_heads = None
+  batch, seq = spec[0], spec[1] if ring else None
+  heads, kv_heads, mqa = _group_split(mesh, spec[2], q.shape[2], k.shape[2])
+  partial = heads if mqa else None
   sharded = lambda *spec: NamedSharding(mesh, P(*spec))
 
   def of_operand(name, x):
@@ -267,7 +278,6 @@ def _forward_partition(call, mesh, arg_shapes, result_shape):
   del result_shape
   plan = _arg_plan(mesh, arg_shapes, 3, rides_ring(call.problem))
   if plan.seq is not None:
-
     # The sequence stays split: K/V travel round the devices along it.
     def lower(q, k, v, *operands):
       return ring_steps.sharded_forward(q, k, v, Operands(*operands), _local(call, q, k), plan.seq, LOCAL_PARTS)
@@ -344,7 +354,6 @@ def _backward_partition(call, mesh, arg_shapes, result_shape):
 
   def lower(*args):
     if plan.seq is not None:
-  
       q, k, v, out, lse, do, dlse, *operands = args
       dq, dk, dv = ring_steps.sharded_backward(q, k, v, out, lse, do, dlse, Operands(*operands),
                                                _local(call, q, k), plan.seq, LOCAL_PARTS)
@@ -562,16 +571,9 @@ def _decode_partition(call, mesh, arg_shapes, result_shape):
   batch = (None if call.problem.paged else k_spec[0]) or q_spec[0]
   heads = kv_heads = k_spec[2]
   if heads is None:
-    # As in _shard_plan: the K/V heads split like the query heads when
-    # whole groups stay on a shard; one K/V head (MQA) is replicated, each
-    # shard reading it for its query heads (the forward needs no sum over
-    # them); any other split of the heads is gathered.
-    heads = kv_heads = q_spec[2]
-    if k.shape[2] != q.shape[2] and heads is not None:
-      if k.shape[2] == 1:
-        kv_heads = None
-      elif k.shape[2] % _axes_size(mesh, heads):
-        heads = kv_heads = None
+    # Else q's head split decides (the forward needs no sum over MQA's
+    # replicated K/V head).
+    heads, kv_heads, _ = _group_split(mesh, q_spec[2], q.shape[2], k.shape[2])
   axes = lambda entry: set() if entry is None else set(entry if isinstance(entry, tuple) else (entry,))
   if axes(batch) & axes(heads):  # one mesh axis cannot split both
     heads = kv_heads = None
