@@ -60,8 +60,8 @@ from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands,
     PersistentSchedule, QTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
     kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_ref, optional_slopes, outer_grid,
-    recomputed_probs, same_ids,
-    run_tiles, segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled, tile_table, triangular,
+    recomputed_probs, run_tiles, same_ids, segment_inputs, segment_range, segment_refs, specialized_kernel,
+    swizzled, tile_table, triangular,
 )
 
 HEAD_DIMS = (64, 128)

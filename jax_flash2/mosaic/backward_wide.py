@@ -84,10 +84,9 @@ from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, Scores,
-    backward_kernels, check_operands, copy_q_block, interpret_params_of, kv_range, kv_ring_producer,
-    load_ids, observe_last_releases, optional_ref, optional_slopes, outer_grid, recomputed_probs, run_tiles,
-    same_ids, segment_inputs,
-    segment_range, segment_refs, specialized_kernel, swizzled, triangular, zero_padded_keys,
+    backward_kernels, check_operands, copy_q_block, interpret_params_of, kv_range, kv_ring_producer, load_ids,
+    observe_last_releases, optional_ref, optional_slopes, outer_grid, recomputed_probs, run_tiles, same_ids,
+    segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled, triangular, zero_padded_keys,
 )
 
 # Outer rows per CTA and rows per streamed block: one wgmma M.
