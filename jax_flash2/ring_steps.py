@@ -302,8 +302,8 @@ def _backward_kind(parts: Parts, blocks: tuple[_Block, ...], grads, inputs):
     operands = Operands(q_segment_ids=_take(q_ids, rows), kv_segment_ids=_take(kv_ids, cols))
     got = _part_backward(_take(q, rows), _take(k, cols), _take(v, cols), _take(out, rows), _take(lse, rows, 2),
                          _take(do, rows), _take(dlse, rows, 2), operands, block.call, parts)
-    for acc, parts, g in ((dq, rows, got[0]), (dk, cols, got[1]), (dv, cols, got[2])):
-      for i, piece in _split(g, parts):
+    for acc, chunks, g in ((dq, rows, got[0]), (dk, cols, got[1]), (dv, cols, got[2])):
+      for i, piece in _split(g, chunks):
         acc[i] = acc[i] + piece.astype(jnp.float32)
   return dq, dk, dv
 

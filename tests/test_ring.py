@@ -196,6 +196,14 @@ def test_ring_interpret_kernels():
               backend="triton", interpret=True, check_vma=False)
 
 
+def test_ring_interpret_kernels_two_masks_a_step():
+  """Zigzag under a causal window with the Triton kernels (interpret mode):
+  some device's step holds blocks of two different masks, so one step's
+  backward calls the kernels for two blocks in turn."""
+  _check_ring(2, layout="zigzag", causal=True, window_size=(5, None), backend="triton", interpret=True,
+              check_vma=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_devices", [2, 4, 8])
 @pytest.mark.parametrize("layout, causal, strategy", [("zigzag", True, "ring"), ("contiguous", False, "allgather"),
