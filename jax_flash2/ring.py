@@ -9,7 +9,6 @@ themselves are jax_flash2.ring_steps; here a call is checked and its steps
 run sharding's partitioned kernels.
 """
 
-
 from __future__ import annotations
 
 import enum
