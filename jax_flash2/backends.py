@@ -494,5 +494,4 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks,
   config: DecodeConfig = plan.config
   parts, lse = triton_decode.decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p, config,
                                     interpret=call.interpret)
-  return triton_decode.combine(parts, lse, sinks, seq_q=q.shape[1], heads=q.shape[2], head_dim=q.shape[3],
-                               dtype=q.dtype)
+  return triton_decode.combine(parts, lse, sinks, p, heads=q.shape[2], dtype=q.dtype, interpret=call.interpret)

@@ -47,6 +47,7 @@ CASES = [
     (4, 4, 1, 128, 96, [96, 5, 0, 64], None),  # MQA, speculative
     (4, 16, 2, 64, 128, [128, 0, 77], 16),  # paged, GQA 8:1
     (1, 4, 1, 128, 128, [65, 128], 32),  # paged, MQA
+    (2, 6, 2, 80, 100, [100, 1, 50], None),  # group 3 and head_dim 80: padded rows and columns
 ]
 
 
@@ -249,9 +250,10 @@ def test_bad_inputs_name_the_argument():
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_kernel_lowers_for_an_h200(paged):
-  """The kernel through the Pallas Triton lowering for an H200 target, on
-  any host: the block-table and length loads, the bounds' integer
-  arithmetic and every option must lower (interpret mode checks none of that)."""
+  """The split and combine kernels through the Pallas Triton lowering for an
+  H200 target, on any host: the block-table and length loads, the gathers
+  of q and the per-head values, the bounds' integer arithmetic and every
+  option must lower (interpret mode checks none of that)."""
   batch, seq_q, heads, kv_heads, d = 3, 4, 16, 2, 128
   p = DecodeProblem(seq_q=seq_q, head_dim=d, softmax_scale=0.1, dtype="bfloat16", group=heads // kv_heads,
                     window_left=100, window_right=0, softcap=20.0, has_alibi=True,
@@ -264,12 +266,13 @@ def test_kernel_lowers_for_an_h200(paged):
   config = defaults.decode_config(p.page_size, 132, batch=batch, kv_heads=kv_heads, max_seq=1000)
 
   def run(q, k, v, lens, table, slopes):
-    return triton_decode.decode(q, k, v, lens, table, slopes, p, config)
+    parts, lse = triton_decode.decode(q, k, v, lens, table, slopes, p, config)
+    return triton_decode.combine(parts, lse, slopes[0], p, heads=heads, dtype=q.dtype)
 
   device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
   with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
     lowered = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",))
-  assert "flash2_decode" in lowered.as_text()
+  assert "flash2_decode" in lowered.as_text() and "flash2_decode_combine" in lowered.as_text()
 
 
 # ---------------------------------------------------------------- on a GPU: the 2x rule

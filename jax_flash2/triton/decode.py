@@ -1,19 +1,24 @@
-"""Split-KV decoding over a KV cache (flash-decoding) as a Pallas kernel
+"""Split-KV decoding over a KV cache (flash-decoding) as Pallas kernels
 (Triton lowering).
 
-Grid: (batch, K/V heads, splits). The few new queries of one sequence and
-the query heads of one K/V group are packed into the rows of one tile (row
-r is query r // group of head h * group + r % group), so each program reads
-its slice of K/V once for the whole group. A program owns split s of its
-sequence's cache: the K/V blocks of [0, cache_seqlens[b]) inside the causal
-or window band, cut into `splits` near-equal runs. The loop bound follows
-the sequence's own length, so a short sequence costs what it reads and the
-blocks past it are never loaded. Each program keeps the running row max
-`m_i`, row sum `l_i` and unnormalised output `acc`, as the forward kernel
-does, and writes its normalised partial output and its rows' lse (base 2),
-float32; `combine` merges the splits exactly by their lse. Only the blocks
-crossing an edge of the band or the sequence's end take the element mask
-(`_band`'s full stretch runs without it, as in the forward kernel).
+Split kernel, grid (batch, K/V heads, splits). The few new queries of one
+sequence and the query heads of one K/V group are packed into the rows of
+one tile (row r is query r // group of head h * group + r % group),
+gathered from q in place, so each program reads its slice of K/V once for
+the whole group. A program owns split s of its sequence's cache: the K/V
+blocks of [0, cache_seqlens[b]) inside the causal or window band, cut into
+`splits` near-equal runs. The loop bound follows the sequence's own length,
+so a short sequence costs what it reads and the blocks past it are never
+loaded. Each program keeps the running row max `m_i`, row sum `l_i` and
+unnormalised output `acc`, as the forward kernel does, and writes its
+normalised partial output and its rows' lse (base 2), float32. Only the
+blocks crossing an edge of the band or the sequence's end take the element
+mask (`_band`'s full stretch runs without it, as in the forward kernel).
+
+Combine kernel, grid (batch, K/V heads, queries): merges one query's
+splits exactly by their lse, joins the sinks and writes the output and lse
+in the caller's layouts, so a decoding step is two kernels and no XLA
+around them.
 
 A paged cache ([num_pages, page_size, kv_heads, D]) is read through the
 block table: K/V block j of a sequence lies in page block_table[b, j *
@@ -56,24 +61,39 @@ def _band(p: DecodeProblem, length, block_k: int):
   return lo, full_lo, full_hi, hi
 
 
+def _group_rows(p: DecodeProblem, kv_head, rows: int):
+  """(query, head) [rows] of the packed rows of K/V head `kv_head`: row r is
+  query r // group of head kv_head * group + r % group. Rows past seq_q *
+  group repeat the last real row, so that every gather stays in bounds and
+  a padding row computes a copy of a real one."""
+  r = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), p.seq_q * p.group - 1)
+  g = jnp.int32(p.group)
+  return lax.div(r, g), kv_head * g + lax.rem(r, g)
+
+
 def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, p: DecodeProblem, rows: int, block_k: int, splits: int):
-  # lens_ref: [batch] int32; q_ref, o_ref: [rows, D]; lse_ref: [rows];
-  # k_ref, v_ref: [seq, D] (contiguous) or [num_pages, page_size, D]
-  # (paged); then the block table's row [max_pages] when paged and the
-  # rows' ALiBi slopes [rows] with ALiBi.
+  # lens_ref: [batch] int32; q_ref: [seq_q, heads, head_dim]; k_ref, v_ref:
+  # [seq, D] (contiguous) or [num_pages, page_size, D] (paged); then the
+  # block table's row [max_pages] when paged and the ALiBi slopes [heads]
+  # with ALiBi; o_ref: [rows, D]; lse_ref: [rows].
   refs = list(refs)
   table_ref = refs.pop(0) if p.paged else None
   slopes_ref = refs.pop(0) if p.has_alibi else None
   o_ref, lse_ref = refs
-  b, split = pl.program_id(0), pl.program_id(2)
+  b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = lens_ref[b]
   cols = common.head_mask(p)
-  r_idx = jnp.arange(rows, dtype=jnp.int32)
+  query, head = _group_rows(p, kv_head, rows)
   # The cache position each row's query is level with.
-  q_pos = length - p.seq_q + lax.div(r_idx, jnp.int32(p.group))
-  q = common.load_tile(q_ref, None, cols)
+  q_pos = length - p.seq_q + query
+  d_idx = jnp.arange(p.head_dim_padded, dtype=jnp.int32)
+  if cols is None:
+    q = q_ref[query[:, None], head[:, None], d_idx[None, :]]
+  else:
+    q = q_ref[query[:, None], head[:, None], jnp.minimum(d_idx, p.head_dim - 1)[None, :]]
+    q = jnp.where(cols[None, :], q, 0)
   qk_scale = p.softmax_scale * LOG2_E
-  slope = None if slopes_ref is None else slopes_ref[...] * LOG2_E
+  slope = None if slopes_ref is None else slopes_ref[head] * LOG2_E
 
   def tile(ref, kb):
     if not p.paged:
@@ -133,18 +153,9 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, p: DecodeProblem, rows:
   lse_ref[...] = jnp.where(seen, m_i + jnp.log2(l_safe), -jnp.inf)
 
 
-def _per_row(per_head, kv_heads: int, seq_q: int) -> jax.Array:
-  """A per-head value, [heads] or [batch or 1, heads], in the kernel's row
-  packing, [batch or 1, kv_heads, seq_q * group]: row r of K/V head h holds
-  query r // group of head h * group + r % group."""
-  group = per_head.shape[-1] // kv_heads
-  x = per_head.reshape(-1, kv_heads, 1, group)
-  return jnp.broadcast_to(x, (x.shape[0], kv_heads, seq_q, group)).reshape(x.shape[0], kv_heads, seq_q * group)
-
-
 def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodeProblem, config: DecodeConfig, *,
            interpret: bool = False):
-  """Runs the split-KV kernel.
+  """Runs the split kernel.
 
   Args:
     q: [batch, seq_q, heads, head_dim].
@@ -156,23 +167,19 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodePro
     config: block_k (dividing page_size when paged), num_splits, warps, stages.
 
   Returns:
-    out: float32 [batch, kv_heads, num_splits, rows, head_dim_padded], each
-      split's normalised output, rows packing (query, head in group).
-    lse: float32 [batch, kv_heads, num_splits, rows], natural log; -inf
-      for a split that saw no key.
+    parts: float32 [batch, kv_heads, num_splits, rows, head_dim_padded],
+      each split's normalised output, rows packing (query, head in group).
+    lse: float32 [batch, kv_heads, num_splits, rows], base 2; -inf for a
+      split that saw no key.
   """
   batch, seq_q, heads, head_dim = q.shape
-  kv_heads, g = k_cache.shape[2], p.group
+  kv_heads = k_cache.shape[2]
   d = p.head_dim_padded
   block_k, num_splits = config.block_k, config.num_splits
-  rows = max(16, 1 << (seq_q * g - 1).bit_length())
-  # [batch, kv_heads, rows, D]: the group's heads and queries as rows.
-  packed = q.reshape(batch, seq_q, kv_heads, g, head_dim).transpose(0, 2, 1, 3, 4)
-  packed = packed.reshape(batch, kv_heads, seq_q * g, head_dim)
-  packed = jnp.pad(packed, ((0, 0), (0, 0), (0, rows - seq_q * g), (0, d - head_dim)))
+  rows = _rows(p)
   in_specs = [
       pl.BlockSpec((batch,), lambda b, h, s: (0,)),
-      pl.BlockSpec((None, None, rows, d), lambda b, h, s: (b, h, 0, 0)),
+      pl.BlockSpec((None, seq_q, heads, head_dim), lambda b, h, s: (b, 0, 0, 0)),
   ]
   if p.paged:
     kv_spec = pl.BlockSpec((k_cache.shape[0], p.page_size, None, d), lambda b, h, s: (0, 0, h, 0))
@@ -180,17 +187,16 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodePro
     kv_spec = pl.BlockSpec((None, common.round_up(k_cache.shape[1], block_k), None, d),
                            lambda b, h, s: (b, 0, h, 0))
   in_specs += [kv_spec, kv_spec]
-  args = [cache_seqlens.astype(jnp.int32), packed, k_cache, v_cache]
+  args = [cache_seqlens.astype(jnp.int32), q, k_cache, v_cache]
   if p.paged:
     in_specs.append(pl.BlockSpec((None, block_table.shape[1]), lambda b, h, s: (b, 0)))
     args.append(block_table.astype(jnp.int32))
   if p.has_alibi:
-    per_row = jnp.pad(_per_row(slopes.astype(jnp.float32), kv_heads, seq_q), ((0, 0), (0, 0), (0, rows - seq_q * g)))
-    batched = per_row.shape[0] > 1
-    in_specs.append(pl.BlockSpec((None, None, rows), lambda b, h, s: (b if batched else 0, h, 0)))
-    args.append(per_row)
+    batched = slopes.shape[0] > 1
+    in_specs.append(pl.BlockSpec((None, heads), lambda b, h, s: (b if batched else 0, 0)))
+    args.append(slopes.astype(jnp.float32))
   kernel = functools.partial(_decode_kernel, p=p, rows=rows, block_k=block_k, splits=num_splits)
-  out, lse = pl.pallas_call(
+  return pl.pallas_call(
       kernel,
       grid=(batch, kv_heads, num_splits),
       in_specs=in_specs,
@@ -206,36 +212,92 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodePro
       interpret=interpret,
       name="flash2_decode",
   )(*args)
-  return out, lse * LN_2
 
 
-def combine(out, lse, sinks, *, seq_q: int, heads: int, head_dim: int, dtype):
-  """Merges the splits of `decode` exactly by their lse, joins the sinks
-  (one logit per head in each row's denominator; float32 [heads] or
-  [batch or 1, heads]) and unpacks the rows.
+def _rows(p: DecodeProblem) -> int:
+  """Rows of the split kernel's tile: seq_q * group, rounded up to a power
+  of two >= 16 (the tensor cores' smallest M)."""
+  return max(16, 1 << (p.seq_q * p.group - 1).bit_length())
 
-  Returns out [batch, seq_q, heads, head_dim] in dtype and lse float32
-  [batch, heads, seq_q]: -inf (the sink with sinks) for a row that saw no
-  key, whose output is zeros."""
-  batch, kv_heads = out.shape[:2]
-  g = heads // kv_heads
-  out = out[:, :, :, :seq_q * g, :head_dim]
-  lse = lse[:, :, :, :seq_q * g]
-  m = jnp.max(lse, axis=2)  # [batch, kv_heads, rows]
-  if sinks is not None:
-    sink = jnp.broadcast_to(_per_row(sinks.astype(jnp.float32), kv_heads, seq_q), m.shape)
+
+def _combine_kernel(parts_ref, lse_ref, *refs, p: DecodeProblem, splits: int, has_sinks: bool):
+  # parts_ref: [splits, rows, D]; lse_ref: [splits, rows] (base 2); then the
+  # sinks [heads] with sinks; o_ref: [heads, D]; lse_out_ref: [heads].
+  refs = list(refs)
+  sinks_ref = refs.pop(0) if has_sinks else None
+  o_ref, lse_out_ref = refs
+  kv_head, query = pl.program_id(1), pl.program_id(2)
+  g = p.group
+  # This query's rows of the packing, one per head of the group, gathered
+  # (loads and stores take powers of two: past the group, rows repeat its
+  # last head, and their stores write that head's values again).
+  r = jnp.minimum(jnp.arange(1 << (g - 1).bit_length(), dtype=jnp.int32), g - 1)
+  row, head = query * g + r, kv_head * g + r
+  d_idx = jnp.arange(p.head_dim_padded, dtype=jnp.int32)
+
+  def lse_of(s):
+    return lse_ref[s, row]
+
+  m = lax.fori_loop(0, splits, lambda s, m: jnp.maximum(m, lse_of(s)), jnp.full(r.shape, -jnp.inf, jnp.float32))
+  sink = None
+  if sinks_ref is not None:
+    sink = sinks_ref[head] * LOG2_E
     m = jnp.maximum(m, sink)
+  # A row no split saw (and no sink): weigh everything by exp2(-inf) = 0.
   m = jnp.where(m == -jnp.inf, 0.0, m)
-  weights = jnp.exp(lse - m[:, :, None])  # [batch, kv_heads, splits, rows]
-  total = jnp.sum(weights, axis=2)
-  if sinks is not None:
-    total = total + jnp.exp(sink - m)
+
+  def add(s, carry):
+    acc, total = carry
+    w = jnp.exp2(lse_of(s) - m)
+    return acc + w[:, None] * parts_ref[s, row[:, None], d_idx[None, :]], total + w
+
+  zeros = jnp.zeros(r.shape, jnp.float32)
+  acc, total = lax.fori_loop(0, splits, add, (jnp.zeros((r.shape[0], d_idx.shape[0]), jnp.float32), zeros))
+  if sink is not None:
+    total = total + jnp.exp2(sink - m)
   seen = total != 0.0
   total_safe = jnp.where(seen, total, 1.0)
-  # A weighted sum over the splits as one reduction, which XLA fuses with
-  # the weights and the division (an einsum would be a dot of its own).
-  merged = jnp.sum(weights[..., None] * out, axis=2) / total_safe[..., None]
-  merged_lse = jnp.where(seen, m + jnp.log(total_safe), -jnp.inf)
-  merged = merged.reshape(batch, kv_heads, seq_q, g, head_dim).transpose(0, 2, 1, 3, 4)
-  merged_lse = merged_lse.reshape(batch, kv_heads, seq_q, g).transpose(0, 1, 3, 2)
-  return merged.reshape(batch, seq_q, heads, head_dim).astype(dtype), merged_lse.reshape(batch, heads, seq_q)
+  o_ref[head[:, None], d_idx[None, :]] = (acc / total_safe[:, None]).astype(o_ref.dtype)
+  lse_out_ref[head] = jnp.where(seen, (m + jnp.log2(total_safe)) * LN_2, -jnp.inf)
+
+
+def combine(parts, lse, sinks, p: DecodeProblem, *, heads: int, dtype, interpret: bool = False):
+  """Merges the splits of `decode` exactly by their lse and joins the sinks
+  (one logit per head in each row's denominator; float32 [heads] or [batch
+  or 1, heads]).
+
+  Returns out [batch, seq_q, heads, head_dim] in dtype and lse float32
+  [batch, heads, seq_q], natural log: -inf (the sink with sinks) for a row
+  that saw no key, whose output is zeros."""
+  batch, kv_heads, num_splits, rows, d = parts.shape
+  seq_q = p.seq_q
+  in_specs = [
+      pl.BlockSpec((None, None, num_splits, rows, d), lambda b, h, i: (b, h, 0, 0, 0)),
+      pl.BlockSpec((None, None, num_splits, rows), lambda b, h, i: (b, h, 0, 0)),
+  ]
+  args = [parts, lse]
+  if sinks is not None:
+    sinks = jnp.asarray(sinks, jnp.float32).reshape(-1, heads)
+    batched = sinks.shape[0] > 1
+    in_specs.append(pl.BlockSpec((None, heads), lambda b, h, i: (b if batched else 0, 0)))
+    args.append(sinks)
+  kernel = functools.partial(_combine_kernel, p=p, splits=num_splits, has_sinks=sinks is not None)
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(batch, kv_heads, seq_q),
+      in_specs=in_specs,
+      out_specs=[
+          pl.BlockSpec((None, None, heads, d), lambda b, h, i: (b, i, 0, 0)),
+          pl.BlockSpec((None, heads, None), lambda b, h, i: (b, 0, i)),
+      ],
+      out_shape=[
+          common.out_struct((batch, seq_q, heads, d), dtype, *args),
+          common.out_struct((batch, heads, seq_q), jnp.float32, *args),
+      ],
+      compiler_params=common.compiler_params(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="flash2_decode_combine",
+  )(*args)
+  # A head_dim that is no power of two is padded in the kernels (the
+  # padding columns are zeros).
+  return (out if d == p.head_dim else out[..., :p.head_dim]), lse
