@@ -6,9 +6,14 @@
 #   bash lab/gpu_record.sh 'NAME BENCH-ARGS...' ...
 #
 # tokamax and what it needs beyond the device image travel as wheels in
-# .whl/ (carry it); xprof, which tokamax's own benchmarking module imports
-# when tokamax is imported, is stubbed: the bench times tokamax's attention
-# with its own timer and trace. LIMIT (default 540 s) bounds the whole run;
+# .whl/ (carry it): tokamax 0.0.17, absl-py, annotated-types, einshape,
+# immutabledict, pydantic, pydantic-core, tensorboardx, tqdm,
+# typing-inspection (`pip download --no-deps`, as the device README says).
+# xprof, which tokamax's own benchmarking module imports when tokamax is
+# imported, is stubbed: the bench times tokamax's attention with its own
+# timer and trace; so is qwix where the image lacks it (tokamax names its
+# QArray in annotations; its quantize, for quantized inputs, the bench
+# never calls; the real one needs flax and its dependencies). LIMIT (default 540 s) bounds the whole run;
 # PRE, if set, is a command run first (a quick test, say). Each sweep's
 # files and log go into $OUT/bench.tgz.
 set -uo pipefail
@@ -22,6 +27,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   touch /tmp/site/xprof/__init__.py /tmp/site/xprof/cli/__init__.py
   echo 'def get_kernel_stats_tool(*args, **kwargs): raise NotImplementedError("xprof is stubbed")' \
     >/tmp/site/xprof/cli/tools.py
+  if ! python -c "import qwix" 2>/dev/null; then
+    mkdir -p /tmp/site/qwix
+    printf 'class QArray:\n  """Stub."""\n\ndef quantize(*args, **kwargs):\n  raise NotImplementedError("qwix is stubbed")\n\ndequantize = quantize\n' \
+      >/tmp/site/qwix/__init__.py
+  fi
   export PYTHONPATH=.:/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noheader
