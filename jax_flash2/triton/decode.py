@@ -15,10 +15,10 @@ normalised partial output and its rows' lse (base 2), float32. Only the
 blocks crossing an edge of the band or the sequence's end take the element
 mask (`_band`'s full stretch runs without it, as in the forward kernel).
 
-Combine kernel, grid (batch, K/V heads, queries): merges one query's
-splits exactly by their lse, joins the sinks and writes the output and lse
-in the caller's layouts, so a decoding step is two kernels and no XLA
-around them.
+Combine kernel, grid (batch, heads, queries): merges one row's splits
+exactly by their lse, joins the sink and writes the output and lse in the
+caller's layouts, so a decoding step is two kernels and no XLA around
+them.
 
 A paged cache ([num_pages, page_size, kv_heads, D]) is read through the
 block table: K/V block j of a sequence lies in page block_table[b, j *
@@ -221,44 +221,50 @@ def _rows(p: DecodeProblem) -> int:
 
 
 def _combine_kernel(parts_ref, lse_ref, *refs, p: DecodeProblem, splits: int, has_sinks: bool):
-  # parts_ref: [splits, rows, D]; lse_ref: [splits, rows] (base 2); then the
-  # sinks [heads] with sinks; o_ref: [heads, D]; lse_out_ref: [heads].
+  # One output row (head, query) a program. parts_ref: [splits, rows, D];
+  # lse_ref: [splits, rows] (base 2); then the head's sink [] with sinks;
+  # o_ref: [D]; lse_out_ref: [].
   refs = list(refs)
-  sinks_ref = refs.pop(0) if has_sinks else None
+  sink_ref = refs.pop(0) if has_sinks else None
   o_ref, lse_out_ref = refs
-  kv_head, query = pl.program_id(1), pl.program_id(2)
-  g = p.group
-  # This query's rows of the packing, one per head of the group, gathered
-  # (loads and stores take powers of two: past the group, rows repeat its
-  # last head, and their stores write that head's values again).
-  r = jnp.minimum(jnp.arange(1 << (g - 1).bit_length(), dtype=jnp.int32), g - 1)
-  row, head = query * g + r, kv_head * g + r
+  head, query = pl.program_id(1), pl.program_id(2)
+  row = query * p.group + lax.rem(head, jnp.int32(p.group))
   d_idx = jnp.arange(p.head_dim_padded, dtype=jnp.int32)
+  # The splits in chunks of a power of two (what loads take); a chunk's
+  # slots past the last split repeat it and weigh nothing.
+  chunk = min(16, 1 << (splits - 1).bit_length())
+  chunks = -(-splits // chunk)
 
-  def lse_of(s):
-    return lse_ref[s, row]
+  def load(c):
+    s = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    clamped = jnp.minimum(s, splits - 1)
+    lse = jnp.where(s < splits, lse_ref[clamped, row], -jnp.inf)
+    return lse, clamped
 
-  m = lax.fori_loop(0, splits, lambda s, m: jnp.maximum(m, lse_of(s)), jnp.full(r.shape, -jnp.inf, jnp.float32))
-  sink = None
-  if sinks_ref is not None:
-    sink = sinks_ref[head] * LOG2_E
+  def chunk_max(c, m):
+    return jnp.maximum(m, jnp.max(load(c)[0]))
+
+  m = lax.fori_loop(0, chunks, chunk_max, jnp.float32(-jnp.inf))
+  if sink_ref is not None:
+    sink = sink_ref[...] * LOG2_E
     m = jnp.maximum(m, sink)
   # A row no split saw (and no sink): weigh everything by exp2(-inf) = 0.
   m = jnp.where(m == -jnp.inf, 0.0, m)
 
-  def add(s, carry):
+  def add(c, carry):
     acc, total = carry
-    w = jnp.exp2(lse_of(s) - m)
-    return acc + w[:, None] * parts_ref[s, row[:, None], d_idx[None, :]], total + w
+    lse, s = load(c)
+    w = jnp.exp2(lse - m)
+    part = parts_ref[s[:, None], row, d_idx[None, :]]
+    return acc + jnp.sum(w[:, None] * part, axis=0), total + jnp.sum(w)
 
-  zeros = jnp.zeros(r.shape, jnp.float32)
-  acc, total = lax.fori_loop(0, splits, add, (jnp.zeros((r.shape[0], d_idx.shape[0]), jnp.float32), zeros))
-  if sink is not None:
+  acc, total = lax.fori_loop(0, chunks, add, (jnp.zeros(d_idx.shape, jnp.float32), jnp.float32(0.0)))
+  if sink_ref is not None:
     total = total + jnp.exp2(sink - m)
   seen = total != 0.0
   total_safe = jnp.where(seen, total, 1.0)
-  o_ref[head[:, None], d_idx[None, :]] = (acc / total_safe[:, None]).astype(o_ref.dtype)
-  lse_out_ref[head] = jnp.where(seen, (m + jnp.log2(total_safe)) * LN_2, -jnp.inf)
+  o_ref[...] = (acc / total_safe).astype(o_ref.dtype)
+  lse_out_ref[...] = jnp.where(seen, (m + jnp.log2(total_safe)) * LN_2, -jnp.inf)
 
 
 def combine(parts, lse, sinks, p: DecodeProblem, *, heads: int, dtype, interpret: bool = False):
@@ -270,25 +276,25 @@ def combine(parts, lse, sinks, p: DecodeProblem, *, heads: int, dtype, interpret
   [batch, heads, seq_q], natural log: -inf (the sink with sinks) for a row
   that saw no key, whose output is zeros."""
   batch, kv_heads, num_splits, rows, d = parts.shape
-  seq_q = p.seq_q
+  seq_q, g = p.seq_q, p.group
   in_specs = [
-      pl.BlockSpec((None, None, num_splits, rows, d), lambda b, h, i: (b, h, 0, 0, 0)),
-      pl.BlockSpec((None, None, num_splits, rows), lambda b, h, i: (b, h, 0, 0)),
+      pl.BlockSpec((None, None, num_splits, rows, d), lambda b, h, i: (b, h // g, 0, 0, 0)),
+      pl.BlockSpec((None, None, num_splits, rows), lambda b, h, i: (b, h // g, 0, 0)),
   ]
   args = [parts, lse]
   if sinks is not None:
     sinks = jnp.asarray(sinks, jnp.float32).reshape(-1, heads)
     batched = sinks.shape[0] > 1
-    in_specs.append(pl.BlockSpec((None, heads), lambda b, h, i: (b if batched else 0, 0)))
+    in_specs.append(pl.BlockSpec((None, None), lambda b, h, i: (b if batched else 0, h)))
     args.append(sinks)
   kernel = functools.partial(_combine_kernel, p=p, splits=num_splits, has_sinks=sinks is not None)
   out, lse = pl.pallas_call(
       kernel,
-      grid=(batch, kv_heads, seq_q),
+      grid=(batch, heads, seq_q),
       in_specs=in_specs,
       out_specs=[
-          pl.BlockSpec((None, None, heads, d), lambda b, h, i: (b, i, 0, 0)),
-          pl.BlockSpec((None, heads, None), lambda b, h, i: (b, 0, i)),
+          pl.BlockSpec((None, None, None, d), lambda b, h, i: (b, i, h, 0)),
+          pl.BlockSpec((None, None, None), lambda b, h, i: (b, h, i)),
       ],
       out_shape=[
           common.out_struct((batch, seq_q, heads, d), dtype, *args),
