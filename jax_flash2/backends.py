@@ -487,7 +487,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks,
   p, plan = call.problem, call.plan
   if plan.backend == XLA.name:
     out, lse = reference.decode_attention(
-        q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=p.softmax_scale,
+        q, k_cache, v_cache, jnp.clip(cache_seqlens, 0, triton_decode.capacity(k_cache, block_table)), block_table=block_table, softmax_scale=p.softmax_scale,
         causal=False, window_size=(p.window_left, p.window_right), softcap=p.softcap, alibi_slopes=slopes,
         sinks=sinks, compute_dtype=jnp.float32)
     return out, lse

@@ -100,10 +100,7 @@ def flash_decode(
     )
   slopes = None if alibi_slopes is None else jnp.reshape(alibi_slopes, (-1, q.shape[2])).astype(jnp.float32)
   sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
-  # Lengths past the cache's capacity (write_kv_cache counts dropped tokens
-  # too) read as the capacity: no kernel reads past the cache or the table.
-  capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
-  lens = jnp.clip(cache_seqlens.astype(jnp.int32), 0, capacity)
+  lens = cache_seqlens.astype(jnp.int32)
   table = None if block_table is None else block_table.astype(jnp.int32)
   arrays = (q, k_cache, v_cache, lens, table, slopes, sinks)
   if plan.backend != Backend.XLA.value:

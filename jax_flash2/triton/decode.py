@@ -71,7 +71,15 @@ def _group_rows(p: DecodeProblem, kv_head, rows: int):
   return lax.div(r, g), kv_head * g + lax.rem(r, g)
 
 
-def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, p: DecodeProblem, rows: int, block_k: int, splits: int):
+def capacity(k_cache, block_table) -> int:
+  """Keys a sequence's cache holds: max_seq, or max_pages * page_size when
+  paged. Lengths past it (write_kv_cache counts dropped tokens too) read as
+  it, so that no kernel reads past the cache or the table."""
+  return k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+
+
+def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, p: DecodeProblem, rows: int, block_k: int, splits: int,
+                   capacity: int):
   # lens_ref: [batch] int32; q_ref: [seq_q, heads, head_dim]; k_ref, v_ref:
   # [seq, D] (contiguous) or [num_pages, page_size, D] (paged); then the
   # block table's row [max_pages] when paged and the ALiBi slopes [heads]
@@ -81,7 +89,7 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, p: DecodeProblem, rows:
   slopes_ref = refs.pop(0) if p.has_alibi else None
   o_ref, lse_ref = refs
   b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  length = lens_ref[b]
+  length = jnp.clip(lens_ref[b], 0, capacity)
   cols = common.head_mask(p)
   query, head = _group_rows(p, kv_head, rows)
   # The cache position each row's query is level with.
@@ -162,7 +170,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodePro
     k_cache, v_cache: [batch, max_seq, kv_heads, head_dim], or paged
       [num_pages, page_size, kv_heads, head_dim] with block_table int32
       [batch, max_pages] (None when contiguous).
-    cache_seqlens: int32 [batch].
+    cache_seqlens: int32 [batch], clipped to [0, capacity] here.
     slopes: float32 [batch or 1, heads] ALiBi slopes, or None.
     config: block_k (dividing page_size when paged), num_splits, warps, stages.
 
@@ -195,7 +203,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodePro
     batched = slopes.shape[0] > 1
     in_specs.append(pl.BlockSpec((None, heads), lambda b, h, s: (b if batched else 0, 0)))
     args.append(slopes.astype(jnp.float32))
-  kernel = functools.partial(_decode_kernel, p=p, rows=rows, block_k=block_k, splits=num_splits)
+  kernel = functools.partial(_decode_kernel, p=p, rows=rows, block_k=block_k, splits=num_splits,
+                             capacity=capacity(k_cache, block_table))
   return pl.pallas_call(
       kernel,
       grid=(batch, kv_heads, num_splits),
