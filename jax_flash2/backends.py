@@ -486,8 +486,10 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks,
   (sharding.decode folds a vmapped call's sinks into batch)."""
   p, plan = call.problem, call.plan
   if plan.backend == XLA.name:
+    # The split kernel clips the lengths itself; the reference takes them clipped.
+    lens = jnp.clip(cache_seqlens, 0, triton_decode.capacity(k_cache, block_table))
     out, lse = reference.decode_attention(
-        q, k_cache, v_cache, jnp.clip(cache_seqlens, 0, triton_decode.capacity(k_cache, block_table)), block_table=block_table, softmax_scale=p.softmax_scale,
+        q, k_cache, v_cache, lens, block_table=block_table, softmax_scale=p.softmax_scale,
         causal=False, window_size=(p.window_left, p.window_right), softcap=p.softcap, alibi_slopes=slopes,
         sinks=sinks, compute_dtype=jnp.float32)
     return out, lse

@@ -95,10 +95,10 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, p: DecodeProblem, rows:
   # The cache position each row's query is level with.
   q_pos = length - p.seq_q + query
   d_idx = jnp.arange(p.head_dim_padded, dtype=jnp.int32)
-  if cols is None:
-    q = q_ref[query[:, None], head[:, None], d_idx[None, :]]
-  else:
-    q = q_ref[query[:, None], head[:, None], jnp.minimum(d_idx, p.head_dim - 1)[None, :]]
+  if cols is not None:  # padding columns read the last real one, then zero
+    d_idx = jnp.minimum(d_idx, p.head_dim - 1)
+  q = q_ref[query[:, None], head[:, None], d_idx[None, :]]
+  if cols is not None:
     q = jnp.where(cols[None, :], q, 0)
   qk_scale = p.softmax_scale * LOG2_E
   slope = None if slopes_ref is None else slopes_ref[head] * LOG2_E
