@@ -3,7 +3,11 @@ whose speed targets miss (a causal window (1024, 0) and 8 packed causal
 sequences at 16k, head_dim 128): forward+backward kernel time (profiler)
 and wall clock per call, each variant against the defaults in the same run.
 
-  PYTHONPATH=. python lab/tools/mosaic_options_sweep.py [--cases window packed] [--seqlen 16384]
+  PYTHONPATH=. python lab/tools/mosaic_options_sweep.py [--cases window packed ragged] [--seqlen 16384]
+      [--variants default persistent=False ...] [--modes fwd fwd+bwd]
+
+(ragged: 8 causal sequences of the varlen bench's lengths 1024, 3072, 512, 4096,
+2560, 1536, 2048, 1536 as segment ids.)
 
 The defaults (jax_flash2.defaults.mosaic_forward/backward) were tuned on
 plain full and causal attention; a variant that wins here by more than the
@@ -44,6 +48,8 @@ def main() -> None:
   ap.add_argument("--cases", nargs="*", default=["window", "packed"])
   ap.add_argument("--seqlen", type=int, default=16384)
   ap.add_argument("--heads", type=int, default=16)
+  ap.add_argument("--variants", nargs="*", default=None, help="names to run (default: all)")
+  ap.add_argument("--modes", nargs="*", default=["fwd+bwd"], choices=["fwd", "fwd+bwd"])
   args = ap.parse_args()
   s, h, d = args.seqlen, args.heads, 128
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -53,32 +59,49 @@ def main() -> None:
   variants = [("default", fwd0, bwd0)]
   variants += [(name, dataclasses.replace(fwd0, **kw), bwd0) for name, kw in FORWARD.items()]
   variants += [(name, fwd0, dataclasses.replace(bwd0, **kw)) for name, kw in BACKWARD.items()]
+  variants.append(("persistent=False all", dataclasses.replace(fwd0, persistent=False, balanced=False),
+                   dataclasses.replace(bwd0, dq_persistent=False, dkv_persistent=False)))
   variants.append(("default again", fwd0, bwd0))
+  if args.variants is not None:
+    variants = [v for v in variants if v[0] in args.variants or v[0] == "default again"]
   for case in args.cases:
     kw = dict(causal=True, backend="mosaic")
-    if case == "window":
+    if case == "causal":
+      pass
+    elif case == "window":
       kw["window_size"] = (1024, 0)
     elif case == "packed":
       ids = jnp.repeat(jnp.arange(8, dtype=jnp.int32), s // 8)[None]
       kw["q_segment_ids"] = kw["kv_segment_ids"] = ids
+    elif case == "ragged":
+      lengths = [1024, 3072, 512, 4096, 2560, 1536, 2048, 1536]
+      ids = jnp.repeat(jnp.arange(8, dtype=jnp.int32), jnp.asarray(lengths), total_repeat_length=s)[None]
+      kw["q_segment_ids"] = kw["kv_segment_ids"] = ids
     print(f"== {case}: s{s} h{h} d{d} causal {kw.get('window_size', '')}", flush=True)
-    base = None
+    base = {}
     for name, fwd, bwd in variants:
       config = MosaicConfig(forward=fwd, backward=bwd)
 
-      def f(q, k, v, do, config=config):
+      def f_fwd(q, k, v, do, config=config):
+        return flash_attention(q, k, v, mosaic_config=config, **kw)
+
+      def f_both(q, k, v, do, config=config):
         out, pull = jax.vjp(lambda q, k, v: flash_attention(q, k, v, mosaic_config=config, **kw), q, k, v)
         return (out, *pull(do))
 
-      try:
-        fn = jax.jit(f)
-        wall = timing.time_fn_ms(fn, q, k, v, do, warmup=2, iters=9)
-        kern = kernel_trace.device_ms_per_call(lambda i: fn(q, k, v, do), 10)
-      except Exception as e:  # a tiling that does not fit: say so, go on
-        print(f"  {name:30s} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
-        continue
-      base = base or kern
-      print(f"  {name:30s} wall {wall:7.3f} ms  kernel {kern:7.3f} ms  ({kern / base - 1:+.1%} kernel)", flush=True)
+      cells = []
+      for mode in args.modes:
+        f = f_fwd if mode == "fwd" else f_both
+        try:
+          fn = jax.jit(f)
+          wall = timing.time_fn_ms(fn, q, k, v, do, warmup=2, iters=9)
+          kern = kernel_trace.device_ms_per_call(lambda i: fn(q, k, v, do), 10)
+        except Exception as e:  # a tiling that does not fit: say so, go on
+          cells.append(f"{mode} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+          continue
+        base.setdefault(mode, kern)
+        cells.append(f"{mode} wall {wall:7.3f} kernel {kern:7.3f} ({kern / base[mode] - 1:+.1%})")
+      print(f"  {name:30s} " + "   ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

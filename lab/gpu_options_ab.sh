@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 27's speed misses on one H200: the Mosaic tilings one at a time on the
+# window and packed cases (lab/tools/mosaic_options_sweep.py), then what a
+# softcap costs and what cuts it (lab/tools/softcap_ab.py). Logs in $OUT.
+#   bash lab/gpu_options_ab.sh [sweep] [softcap128] [softcap64]
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+quiet() { grep -v "^WARNING\|^I0000\|^E0000\|^W0000"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv,noheader
+python -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())"
+for stage in "$@"; do
+  case $stage in
+    sweep) timeout 330 python lab/tools/mosaic_options_sweep.py 2>&1 | quiet | tee "$OUT/options_sweep.log" ;;
+    packed) timeout 270 python lab/tools/mosaic_options_sweep.py --cases packed --modes fwd fwd+bwd --variants \
+              default balanced=False persistent=False "bwd dq_persistent=False" "bwd dkv_persistent=False" \
+              "persistent=False all" 2>&1 | quiet | tee "$OUT/packed_sweep.log" ;;
+    ragged) timeout 150 python lab/tools/mosaic_options_sweep.py --cases ragged causal --modes fwd fwd+bwd \
+              --variants default "persistent=False all" 2>&1 | quiet | tee "$OUT/ragged_sweep.log" ;;
+    softcap128) timeout 300 python lab/tools/softcap_ab.py --head-dims 128 2>&1 | quiet | tee "$OUT/softcap_d128.log" ;;
+    softcap64) timeout 300 python lab/tools/softcap_ab.py --head-dims 64 2>&1 | quiet | tee "$OUT/softcap_d64.log" ;;
+    *) echo "unknown stage $stage" >&2 ;;
+  esac
+done

@@ -1,0 +1,155 @@
+"""What a softcap costs the Mosaic kernels, and what cuts it: kernel time of
+the forward and forward+backward with and without a softcap, under variants
+of `Scores.log2` patched in at trace time, each in the same run, with each
+variant's error against a float32 reference at a small size.
+
+  PYTHONPATH=. python lab/tools/softcap_ab.py [--seqlen 16384] [--head-dims 128 64]
+
+Variants (lab equipment, not product switches):
+  fold       the product: tanh's output times softcap * log2(e) folded into
+             the exponential's FFMA with the row max (one FMUL a score fewer)
+  unfolded   the scores taken to base 2 before the max (the code before)
+  tanh_f16   tanh.approx.f16x2: two scores a MUFU op (the rounding of the
+             tanh input to float16 is ~2^-11 relative, tanh.approx.f32's own
+             error ~2^-11)
+  tanh_bf16  tanh.approx.bf16x2 (speed only: 2^-8 relative is too coarse)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash2 import flash_attention, reference
+from jax_flash2.bench import kernel_trace, timing
+from jax_flash2.mosaic import common
+
+SOFTCAP = 30.0
+_PRODUCT = (common.Scores.log2, common.Scores.unit)
+
+
+def _log2_in(tanh_dtype):
+  def log2(self, s, query, key, slope):
+    dcap = None
+    if self.softcap is not None:
+      x = s * (self.softmax_scale / self.softcap)
+      s = jnp.tanh(x.astype(tanh_dtype)).astype(jnp.float32)
+      dcap = 1.0 - s * s
+    if self.alibi:
+      distance = jnp.abs((query - key + self.offset).astype(jnp.float32))
+      s = s * self._base2 - (slope * common.LOG2_E) * distance
+    return s, dcap
+  return log2
+
+
+def _unfolded(self, s, query, key, slope):
+  s, dcap = _PRODUCT[0](self, s, query, key, slope)
+  return (s if self.alibi or self.softcap is None else s * self._base2), dcap
+
+
+def _unfolded_unit(self):
+  return None if self.alibi or self.softcap is not None else self._base2
+
+
+VARIANTS = {
+    "fold": _PRODUCT,
+    "unfolded": (_unfolded, property(_unfolded_unit)),
+    "tanh_f16": (_log2_in(jnp.float16), _PRODUCT[1]),
+    "tanh_bf16": (_log2_in(jnp.bfloat16), _PRODUCT[1]),
+}
+
+
+@contextlib.contextmanager
+def variant(name):
+  common.Scores.log2, common.Scores.unit = VARIANTS[name]
+  try:
+    yield
+  finally:
+    common.Scores.log2, common.Scores.unit = _PRODUCT
+
+
+def _inputs(b, s, h, kvh, d, seed):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(keys[0], (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (b, s, kvh, d), jnp.float32).astype(jnp.bfloat16) for kk in keys[1:3])
+  do = jax.random.normal(keys[3], (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+  return q, k, v, do
+
+
+INTERPRET = False  # --interpret: a CPU smoke test of the variants' errors, no timing
+
+
+def _fns(softcap, window):
+  kw = dict(causal=True, softcap=softcap, window_size=window, backend="mosaic", interpret=INTERPRET)
+
+  def fwd(q, k, v, do):
+    return flash_attention(q, k, v, **kw)
+
+  def fwd_bwd(q, k, v, do):
+    out, pull = jax.vjp(lambda q, k, v: flash_attention(q, k, v, **kw), q, k, v)
+    return (out, *pull(do))
+
+  return fwd, fwd_bwd
+
+
+def _errors(name, d):
+  """Relative errors of out, dq, dk, dv against float32, and plain bf16's
+  (2 x 2048 tokens, 4 heads; the same inputs for every variant)."""
+  q, k, v, do = _inputs(2, 256 if INTERPRET else 2048, 4, 4, d, seed=7)
+  with variant(name):
+    got = jax.jit(_fns(SOFTCAP, None)[1])(q, k, v, do)
+
+  def ref(dtype):
+    def f(q, k, v):
+      return reference.attention(q, k, v, causal=True, softcap=SOFTCAP, compute_dtype=dtype)[0]
+    out, pull = jax.vjp(f, *(x.astype(dtype) for x in (q, k, v)))
+    return (out, *pull(do.astype(dtype)))
+
+  exact, plain = jax.jit(lambda: ref(jnp.float32))(), jax.jit(lambda: ref(jnp.bfloat16))()
+
+  def rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+  return [(rel(g, e), rel(p, e)) for g, e, p in zip(got, exact, plain)]
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--seqlen", type=int, default=16384)
+  ap.add_argument("--head-dims", type=int, nargs="*", default=[128, 64])
+  ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+  ap.add_argument("--interpret", action="store_true")
+  args = ap.parse_args()
+  global INTERPRET
+  INTERPRET = args.interpret
+  s = args.seqlen
+  for d in args.head_dims:
+    h = 2048 // d
+    q, k, v, do = _inputs(1, s, h, h, d, seed=0)
+    print(f"== d{d} h{h} s{s} causal, softcap {SOFTCAP}", flush=True)
+    rows = [("none", None)] + [(n, SOFTCAP) for n in args.variants] + [("none again", None)]
+    base = {}
+    for name, cap in [] if INTERPRET else rows:
+      fwd, fwd_bwd = _fns(cap, None)
+      cells = []
+      for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        with variant(name if cap else "fold"):
+          jitted = jax.jit(fn)
+          wall = timing.time_fn_ms(fn, q, k, v, do, warmup=2, iters=7)
+          kern = kernel_trace.device_ms_per_call(lambda i: jitted(q, k, v, do), 10)
+        base.setdefault(what, kern)
+        cells.append(f"{what} wall {wall:7.3f} kernel {kern:7.3f} ({kern / base[what] - 1:+6.1%})")
+      print(f"  {name:11s} " + "   ".join(cells), flush=True)
+    for name in args.variants:
+      errs = _errors(name, d)
+      print(f"  error {name:11s} " + "  ".join(f"{w}: {g:.2e} (plain {p:.2e}, {g / p:.2f}x)"
+                                                 for w, (g, p) in zip(("out", "dq", "dk", "dv"), errs)), flush=True)
+
+
+if __name__ == "__main__":
+  main()
