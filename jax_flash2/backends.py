@@ -279,9 +279,10 @@ class MosaicKernels(Kernels):
                        f"{_options(problem)}; pass fused_dq=False")
     if given is not None:
       return given
+    segments = problem.mask.segments
     if backward:
-      return defaults.mosaic_backward(problem.head_dim, fused=problem.is_plain)
-    return defaults.mosaic_forward(problem.head_dim, seq_q=problem.seq_q, causal=problem.causal)
+      return defaults.mosaic_backward(problem.head_dim, fused=problem.is_plain, segments=segments)
+    return defaults.mosaic_forward(problem.head_dim, seq_q=problem.seq_q, causal=problem.causal, segments=segments)
 
   def forward(self, q, k, v, operands, problem, config: MosaicForwardConfig, *, interpret):
     return mosaic_forward.forward(q, k, v, **_mosaic_options(operands, problem), config=config,

@@ -80,29 +80,35 @@ def block_sizes(head_dim_padded: int, causal: bool, *, has_bias: bool = False, i
 THREE_CONSUMERS_MIN_SEQ = {False: 2048, True: 8192}
 
 
-def mosaic_forward(head_dim: int, *, seq_q: int, causal: bool) -> MosaicForwardConfig:
+def mosaic_forward(head_dim: int, *, seq_q: int, causal: bool, segments: bool = False) -> MosaicForwardConfig:
   """The Mosaic forward's tiling: the deepest ring that fits shared memory
   with 128-row K/V blocks (64 at head_dim 256), the softmax overlapped with
   P V, persistent CTAs where their second Q buffer fits (head_dim 64 and
   128) with causal tiles from a balanced table; at head_dim 64 and long
   seq_q three consumer warpgroups, whose softmax keeps the tensor cores
-  busier (the head_dim-64 forward is bound by its element-wise work)."""
+  busier (the head_dim-64 forward is bound by its element-wise work).
+
+  segments: with segment ids a tile's work depends on the ids, which the
+  persistent CTAs' static schedules (built for the band alone) cannot see:
+  one CTA a tile, balanced by the hardware as CTAs finish, instead."""
   if head_dim <= 64:
     config = MosaicForwardConfig(block_q=128, block_kv=128, stages=4, softmax_overlap=True, persistent=True,
                                  balanced=True)
     if seq_q >= THREE_CONSUMERS_MIN_SEQ[bool(causal)]:
       config = dataclasses.replace(config, block_q=192, consumers=3)
-    return config
-  if head_dim <= 128:
-    return MosaicForwardConfig(block_q=128, block_kv=128, stages=2, softmax_overlap=True, persistent=True,
-                               balanced=True)
-  return MosaicForwardConfig(block_q=128, block_kv=64, stages=2, softmax_overlap=True)
+  elif head_dim <= 128:
+    config = MosaicForwardConfig(block_q=128, block_kv=128, stages=2, softmax_overlap=True, persistent=True,
+                                 balanced=True)
+  else:
+    config = MosaicForwardConfig(block_q=128, block_kv=64, stages=2, softmax_overlap=True)
+  return dataclasses.replace(config, persistent=False, balanced=False) if segments else config
 
 
-def mosaic_backward(head_dim: int, *, fused: bool = True) -> MosaicBackwardConfig:
+def mosaic_backward(head_dim: int, *, fused: bool = True, segments: bool = False) -> MosaicBackwardConfig:
   """The Mosaic backward's tiling. fused: whether the problem may take the
   fused kernel (full and causal attention; windows, softcap and ALiBi take
-  the two kernels at head_dim 64 too, with its tiles otherwise).
+  the two kernels at head_dim 64 too, with its tiles otherwise); segments:
+  with segment ids, one CTA a tile (as `mosaic_forward` says why).
 
   head_dim 64: one kernel computes dQ as well (fused_dq), faster than two
   by 9-20%, with lse and delta loaded under the score products (1-2% faster
@@ -113,12 +119,14 @@ def mosaic_backward(head_dim: int, *, fused: bool = True) -> MosaicBackwardConfi
   causal. head_dim 256 (backward_wide.py): 64-row blocks, two ring slots,
   persistent dQ CTAs (persistent dK/dV CTAs spill)."""
   if head_dim <= 64:
-    return MosaicBackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
-                                dkv_persistent=True, fused_dq=fused, early_vectors=True)
-  if head_dim <= 128:
-    return MosaicBackwardConfig(block_q=64, block_kv=64, stages=2, dq_softmax_overlap=True, dq_persistent=True,
-                                dkv_persistent=True)
-  return MosaicBackwardConfig(block_q=64, block_kv=64, stages=2, dq_persistent=True)
+    config = MosaicBackwardConfig(block_q=64, block_kv=128, stages=4, dq_softmax_overlap=True, dq_persistent=True,
+                                  dkv_persistent=True, fused_dq=fused, early_vectors=True)
+  elif head_dim <= 128:
+    config = MosaicBackwardConfig(block_q=64, block_kv=64, stages=2, dq_softmax_overlap=True, dq_persistent=True,
+                                  dkv_persistent=True)
+  else:
+    config = MosaicBackwardConfig(block_q=64, block_kv=64, stages=2, dq_persistent=True)
+  return dataclasses.replace(config, dq_persistent=False, dkv_persistent=False) if segments else config
 
 
 # ---------------------------------------------------------------- where "auto" runs them

@@ -20,6 +20,17 @@ for stage in "$@"; do
               --variants default "persistent=False all" 2>&1 | quiet | tee "$OUT/ragged_sweep.log" ;;
     softcap128) timeout 300 python lab/tools/softcap_ab.py --head-dims 128 2>&1 | quiet | tee "$OUT/softcap_d128.log" ;;
     softcap64) timeout 300 python lab/tools/softcap_ab.py --head-dims 64 2>&1 | quiet | tee "$OUT/softcap_d64.log" ;;
+    segtests) timeout 200 python -m pytest -q -m gpu tests/test_gpu.py -k "segment_ids or varlen" -p no:cacheprovider \
+                2>&1 | quiet | tail -n 15 | tee "$OUT/segment_tests.log" ;;
+    segrecord)  # packed and varlen with one CTA a tile under segment ids, plain causal in the same run
+      mkdir -p "$OUT/bench"
+      timeout 150 python -m jax_flash2.bench --head-dims 128 --seqlens 16k --causal true --segments 1 8 \
+        --modes fwd fwd+bwd --impls flash2 --iters 10 --warmup 2 --no-progress --no-plot \
+        --out "$OUT/bench/mosaic-segments-onecta" 2>&1 | quiet | tail -n 12
+      timeout 120 python -m jax_flash2.bench --head-dims 128 --causal true \
+        --varlen 1024,3072,512,4096,2560,1536,2048,1536 --modes fwd fwd+bwd --impls flash2 flash2-segids \
+        --iters 10 --warmup 2 --no-progress --no-plot --out "$OUT/bench/mosaic-varlen-onecta" 2>&1 | quiet | tail -n 12
+      tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -r "$OUT/bench" ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done

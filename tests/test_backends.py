@@ -5,6 +5,8 @@ cannot run, and the Mosaic kernels through the API in Mosaic's interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -118,6 +120,24 @@ def test_options_run_mosaic_at_the_bench_shapes(head_dim, options):
       causal = options.get("causal", False) or options.get("window_size", (None, None))[1] == 0
       assert got.forward.config == defaults.mosaic_forward(head_dim, seq_q=seq, causal=causal)
       assert got.backward.config == defaults.mosaic_backward(head_dim, fused=False)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_segment_ids_take_one_cta_a_tile(head_dim):
+  """With segment ids plan() reports the measured tiles with every kernel on
+  one CTA a tile (a tile's work follows the ids, which the persistent CTAs'
+  static schedules cannot see); the same problem without ids keeps them."""
+  q, k, v = _structs(16384, heads=2048 // head_dim, head_dim=head_dim)
+  ids = jax.ShapeDtypeStruct((1, 16384), jnp.int32)
+  got = plan(q, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids, compute_capability=HOPPER)
+  assert (got.forward.backend, got.backward.backend) == ("mosaic", "mosaic")
+  forward, backward = got.forward.config, got.backward.config
+  assert not (forward.persistent or forward.balanced or backward.dq_persistent or backward.dkv_persistent)
+  assert forward == dataclasses.replace(defaults.mosaic_forward(head_dim, seq_q=16384, causal=True),
+                                        persistent=False, balanced=False)
+  plain = plan(q, k, v, causal=True, compute_capability=HOPPER)
+  assert plain.forward.config == defaults.mosaic_forward(head_dim, seq_q=16384, causal=True)
+  assert plain.backward.config.dq_persistent
 
 
 def test_fused_backward_config_refused_for_options():

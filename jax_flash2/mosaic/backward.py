@@ -489,7 +489,8 @@ def _gradients(names, q, k, v, do, lse, delta, config, interpret, **band_and_sco
   check_operands("the Mosaic GPU dK/dV and dQ kernels (head_dim 256: backward_wide)", HEAD_DIMS, q, k, v, do, lse,
                  delta)
   if config is None:
-    config = defaults.mosaic_backward(q.shape[-1], fused=False)
+    config = defaults.mosaic_backward(q.shape[-1], fused=False,
+                                      segments=band_and_scores.get("q_segment_ids") is not None)
   if config.fused_dq:
     raise ValueError(f"{config}: fused_dq is backward_fused's kernel; the two kernels here need fused_dq=False")
   kernels = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}

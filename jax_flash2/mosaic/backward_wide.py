@@ -659,7 +659,8 @@ def _gradients(names, q, k, v, do, lse, delta, config, interpret, **band_and_sco
   """The gradients of the kernels `names` ("dkv", "dq") on the checked
   operands; config None takes the measured default tiling."""
   check_operands("the wide Mosaic GPU backward", HEAD_DIMS, q, k, v, do, lse, delta)
-  config = defaults.mosaic_backward(q.shape[-1]) if config is None else config
+  if config is None:
+    config = defaults.mosaic_backward(q.shape[-1], segments=band_and_scores.get("q_segment_ids") is not None)
   _check_config(config)
   kernels = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}
   return backward_kernels({name: kernels[name] for name in names}, q, k, v, do, lse, delta, config=config,

@@ -433,7 +433,7 @@ def forward(
   segments = mask.segments
   scores = scores_of(q, mask, softmax_scale, softcap, alibi_slopes)
   if config is None:
-    config = defaults.mosaic_forward(head_dim, seq_q=seq_q, causal=causal)
+    config = defaults.mosaic_forward(head_dim, seq_q=seq_q, causal=causal, segments=segments)
   check_smem(config, {"the forward": smem_bytes(config, head_dim, q.dtype)}, head_dim)
   interpret_params, interpret = interpret_params_of(interpret)
   rows, dtype, consumers = config.rows_per_consumer, q.dtype, config.consumers
