@@ -22,7 +22,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conftest import assert_matches_reference, flash_with_grads, random_inputs, reference_with_grads
-from jax_flash2 import backends, flash_attention, plan
+from jax_flash2 import backends, defaults, flash_attention, plan
 from jax_flash2.config import MosaicBackwardConfig as B
 from jax_flash2.config import MosaicForwardConfig as F
 from jax_flash2.mask import NUMPY, Mask
@@ -387,7 +387,8 @@ def test_flash_attention_segment_ids_on_mosaic():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_kernels_with_segment_ids_lower_for_cuda(head_dim):
   """The causal forward and backward with segment ids, at their default
-  tilings, lower for sm_90a."""
+  tilings (one CTA a tile), lower for sm_90a; the forward also at the
+  tiling a long sequence takes (three consumers at head_dim 64)."""
   lower = lambda f, *args: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   q = jax.ShapeDtypeStruct((2, 1024, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1024, 2, head_dim), jnp.bfloat16)
@@ -396,6 +397,10 @@ def test_kernels_with_segment_ids_lower_for_cuda(head_dim):
   text = lower(lambda q, k, v, a, b: mosaic_fwd.forward(q, k, v, causal=True, q_segment_ids=a, kv_segment_ids=b),
                q, kv, kv, ids, ids)
   assert "flash2_fwd_mosaic" in text and "mosaic_gpu_v2" in text
+  long = defaults.mosaic_forward(head_dim, seq_q=16384, causal=True, segments=True)
+  text = lower(lambda q, k, v, a, b: mosaic_fwd.forward(q, k, v, causal=True, q_segment_ids=a, kv_segment_ids=b,
+                                                        config=long), q, kv, kv, ids, ids)
+  assert "flash2_fwd_mosaic" in text
   kernels, wide = (backward_wide, "_wide") if head_dim == 256 else (mosaic_bwd, "")
   text = lower(lambda q, k, v, lse, a, b: kernels.backward(q, k, v, q, lse, lse, causal=True, q_segment_ids=a,
                                                             kv_segment_ids=b), q, kv, kv, rows, ids, ids)

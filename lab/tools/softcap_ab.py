@@ -6,19 +6,25 @@ variant's error against a float32 reference at a small size.
   PYTHONPATH=. python lab/tools/softcap_ab.py [--seqlen 16384] [--head-dims 128 64]
 
 Variants (lab equipment, not product switches):
-  fold       the product: tanh's output times softcap * log2(e) folded into
-             the exponential's FFMA with the row max (one FMUL a score fewer)
-  unfolded   the scores taken to base 2 before the max (the code before)
+  product    tanh.approx.f32, the scores taken to base 2 before the row max
   tanh_f16   tanh.approx.f16x2: two scores a MUFU op (the rounding of the
              tanh input to float16 is ~2^-11 relative, tanh.approx.f32's own
              error ~2^-11)
-  tanh_bf16  tanh.approx.bf16x2 (speed only: 2^-8 relative is too coarse)
+  tanh_bf16  tanh.approx.bf16x2 (speed only: 2^-8 relative is coarse)
+
+Measured 2026-12-04 on the H200 (lab/results/2026-12-04_s24/), d128 16k
+causal, kernel time over no softcap: product +31.5% fwd / +15.3% fwd+bwd,
+tanh_f16 +33.8 / +14.8, tanh_bf16 +26.6 / +14.9; and folding tanh's
+softcap * log2(e) into the exponential's FFMA with the row max taken on tanh
+(lab/patches/softcap_unit_fold.diff, one FMUL a score fewer; run as this
+script's "fold" then) +35.5 / +17.1: not taken (lab/variants.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,47 +35,37 @@ from jax_flash2.bench import kernel_trace, timing
 from jax_flash2.mosaic import common
 
 SOFTCAP = 30.0
-_PRODUCT = (common.Scores.log2, common.Scores.unit)
+_PRODUCT = common.Scores.log2
 
 
 def _log2_in(tanh_dtype):
+  """Scores.log2 with tanh taken in tanh_dtype."""
+
   def log2(self, s, query, key, slope):
     dcap = None
     if self.softcap is not None:
-      x = s * (self.softmax_scale / self.softcap)
-      s = jnp.tanh(x.astype(tanh_dtype)).astype(jnp.float32)
-      dcap = 1.0 - s * s
+      t = jnp.tanh((s * (self.softmax_scale / self.softcap)).astype(tanh_dtype)).astype(jnp.float32)
+      s, dcap = t * (self.softcap * common.LOG2_E), 1.0 - t * t
+    else:
+      s = s * (self.softmax_scale * common.LOG2_E)
     if self.alibi:
       distance = jnp.abs((query - key + self.offset).astype(jnp.float32))
-      s = s * self._base2 - (slope * common.LOG2_E) * distance
+      s = s - (slope * common.LOG2_E) * distance
     return s, dcap
+
   return log2
 
 
-def _unfolded(self, s, query, key, slope):
-  s, dcap = _PRODUCT[0](self, s, query, key, slope)
-  return (s if self.alibi or self.softcap is None else s * self._base2), dcap
-
-
-def _unfolded_unit(self):
-  return None if self.alibi or self.softcap is not None else self._base2
-
-
-VARIANTS = {
-    "fold": _PRODUCT,
-    "unfolded": (_unfolded, property(_unfolded_unit)),
-    "tanh_f16": (_log2_in(jnp.float16), _PRODUCT[1]),
-    "tanh_bf16": (_log2_in(jnp.bfloat16), _PRODUCT[1]),
-}
+VARIANTS = {"product": _PRODUCT, "tanh_f16": _log2_in(jnp.float16), "tanh_bf16": _log2_in(jnp.bfloat16)}
 
 
 @contextlib.contextmanager
 def variant(name):
-  common.Scores.log2, common.Scores.unit = VARIANTS[name]
+  common.Scores.log2 = VARIANTS[name]
   try:
     yield
   finally:
-    common.Scores.log2, common.Scores.unit = _PRODUCT
+    common.Scores.log2 = _PRODUCT
 
 
 def _inputs(b, s, h, kvh, d, seed):
@@ -103,13 +99,16 @@ def _errors(name, d):
   with variant(name):
     got = jax.jit(_fns(SOFTCAP, None)[1])(q, k, v, do)
 
-  def ref(dtype):
+  def ref(dtype, q, k, v, do):
     def f(q, k, v):
       return reference.attention(q, k, v, causal=True, softcap=SOFTCAP, compute_dtype=dtype)[0]
     out, pull = jax.vjp(f, *(x.astype(dtype) for x in (q, k, v)))
     return (out, *pull(do.astype(dtype)))
 
-  exact, plain = jax.jit(lambda: ref(jnp.float32))(), jax.jit(lambda: ref(jnp.bfloat16))()
+  # Arguments, not closed-over constants: XLA would fold the reference's
+  # products at compile time (minutes on the GPU machine's CPU).
+  exact = jax.jit(functools.partial(ref, jnp.float32))(q, k, v, do)
+  plain = jax.jit(functools.partial(ref, jnp.bfloat16))(q, k, v, do)
 
   def rel(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -138,7 +137,7 @@ def main() -> None:
       fwd, fwd_bwd = _fns(cap, None)
       cells = []
       for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-        with variant(name if cap else "fold"):
+        with variant(name if cap else "product"):
           jitted = jax.jit(fn)
           wall = timing.time_fn_ms(fn, q, k, v, do, warmup=2, iters=7)
           kern = kernel_trace.device_ms_per_call(lambda i: jitted(q, k, v, do), 10)
