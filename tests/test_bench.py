@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import types
+import weakref
 from typing import Literal
 
 import jax
@@ -753,7 +754,7 @@ def test_json_and_csv_schema(tmp_path):
   path = tmp_path / "r.json"
   report.write_json(str(path), meta, cfg, [ok, bad, win, packed], [check], [])
   doc = json.loads(path.read_text())  # strict JSON: the NaN became null
-  assert doc["schema_version"] == report.SCHEMA_VERSION == 5
+  assert doc["schema_version"] == report.SCHEMA_VERSION == 6
   for key in ("date_utc", "command", "gpu_name", "driver_version", "jax_version", "jaxlib_version",
               "python_version", "device_kind", "backend", "cuda_runtime_version", "cudnn_version", "cupti_version",
               "jax_cuda_plugin", "jax_cuda_plugin_version", "tokamax_version"):
@@ -989,6 +990,35 @@ def test_time_fn_ms_times_a_jitted_function():
   x = jnp.ones((64, 64), jnp.float32)
   ms = timing.time_fn_ms(lambda x: x @ x, x, warmup=1, iters=3, calls_per_round=2)
   assert isinstance(ms, float) and ms > 0
+
+
+def test_rounds_fill_their_time_and_hold_one_result():
+  """A timed round launches as many calls as fill ROUND_SECONDS by the last
+  warm-up call's time (at least CALLS_PER_ROUND, at most
+  MAX_CALLS_PER_ROUND), and holds only its latest call's outputs."""
+  assert timing.round_size(None) == timing.CALLS_PER_ROUND
+  assert timing.round_size(1.0) == timing.CALLS_PER_ROUND
+  assert timing.round_size(timing.ROUND_SECONDS / 40) == 40
+  assert timing.round_size(1e-7) == timing.MAX_CALLS_PER_ROUND
+  calls, live, held = [], weakref.WeakSet(), []
+
+  class Output:
+    def block_until_ready(self):
+      return self
+
+  def call(i):
+    calls.append(i)
+    held.append(len(live))  # earlier outputs still alive as this call starts
+    out = Output()
+    live.add(out)
+    return out
+
+  times = timing.time_calls(call, warmup=0, iters=2)
+  assert len(times) == 2 and all(t > 0 for t in times)
+  assert calls == list(range(timing.CALLS_PER_ROUND)) * 2 and max(held) <= 1
+  calls.clear()
+  timing.time_calls(call, warmup=1, iters=1, calls_per_round=7)
+  assert calls == [0] + list(range(7))
 
 
 def test_cudnn_deterministic_is_cudnn_compiled_for_determinism():
@@ -1280,7 +1310,7 @@ def test_decode_tiny_cpu_run(tmp_path, no_tokamax):
   text = printed.getvalue()
   assert "left out cudnn: needs an NVIDIA GPU" in text and "host figures" in text
   doc = json.loads((tmp_path / "results.json").read_text())
-  assert doc["schema_version"] == 5 and doc["kind"] == "decode" and doc["notes"]["tiny_cpu_run"]
+  assert doc["schema_version"] == 6 and doc["kind"] == "decode" and doc["notes"]["tiny_cpu_run"]
   meta = doc["metadata"]
   assert meta["copy_tb_s"] > 0 and meta["copy_kernel_tb_s"] is None and "host" in meta["copy_note"]
   cells = doc["cells"]

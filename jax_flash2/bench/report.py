@@ -38,7 +38,10 @@ from jax_flash2.bench.spec import (
 # softcaps and varlens.
 # 5: --decode runs write "kind": "decode" with decode cells (bench/decode.py:
 # DecodeCell: bytes, tb_s, copy_fraction, ...) and the copy bandwidth in the metadata.
-SCHEMA_VERSION = 5
+# 6: "ms" from timed rounds of as many calls as fill timing.ROUND_SECONDS (at
+# least 5), where every round was 5 calls (short calls read ~45 us of the
+# round's start and sync on the H200).
+SCHEMA_VERSION = 6
 _MIB = 1 << 20
 
 
@@ -335,7 +338,9 @@ def write_json(
       "config": dataclasses.asdict(cfg),
       "notes": {
           "tiny_cpu_run": cfg.tiny,
-          "ms": "median over iters rounds of the per-call time of timing.CALLS_PER_ROUND back-to-back calls, synchronised once per round",
+          "ms": "median over iters rounds of the per-call time of back-to-back calls synchronised once per round, "
+          "each round as many calls as fill timing.ROUND_SECONDS (at least timing.CALLS_PER_ROUND), so that the "
+          "round's fixed start and sync stay out of short calls' time",
           "kernel_ms": "GPU time per call: the summed durations of the kernels, memsets and copies on the GPU's "
           "streams in a jax.profiler trace of timing.CALLS_PER_ROUND back-to-back calls after the timed rounds, "
           "divided by the calls; null without a GPU (config.kernel_time false) or where the trace holds none",

@@ -2,20 +2,24 @@
 
 Every timed function is compiled ahead of time (`jax.jit(...).lower().compile()`)
 and run `warmup` times. Then `iters` rounds are timed: each round launches
-`CALLS_PER_ROUND` calls back to back and synchronises once
-(``time.perf_counter`` around the round, `jax.block_until_ready` at its end),
-giving one per-call time; the median over rounds is reported. Launching back
-to back keeps host dispatch off the GPU's critical path, as a training loop
-does; timing each call alone adds the dispatch gap to every call (on the H200
-that read cuDNN 10-15% slow, and noisily). Calls rotate over a
-few independent sets of random normal inputs so that no run reads inputs a
-previous run left in L2.
+calls back to back and synchronises once (``time.perf_counter`` around the
+round, `jax.block_until_ready` on its last call), giving one per-call time;
+the median over rounds is reported. Launching back to back keeps host
+dispatch off the GPU's critical path, as a training loop does; timing each
+call alone adds the dispatch gap to every call (on the H200 that read cuDNN
+10-15% slow, and noisily). A round also pays a fixed start and sync (about
+0.22 ms on the H200), so it launches as many calls as fill `ROUND_SECONDS`
+(at least `CALLS_PER_ROUND`): short calls then read their steady-state time
+rather than a share of that latency. Calls rotate over a few independent
+sets of random normal inputs so that no run reads inputs a previous run left
+in L2.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import statistics
 import time
 from collections.abc import Mapping
@@ -105,20 +109,41 @@ def prepare(attn: AttentionFn, mode: str, inputs: list[Inputs], compiled: Any = 
   return Prepared(compiled=compiled, args=args)
 
 
+# The fewest calls a timed round launches (and the calls a kernel-time trace
+# holds), and the time a round's calls should fill, within a most.
 CALLS_PER_ROUND = 5
+ROUND_SECONDS = 0.02
+MAX_CALLS_PER_ROUND = 200
 
 
-def time_calls(prepared: Prepared, warmup: int, iters: int, calls_per_round: int = CALLS_PER_ROUND) -> list[float]:
-  """Per-call seconds of each of `iters` timed rounds, after `warmup` untimed calls."""
+def round_size(call_seconds: float | None) -> int:
+  """Calls a timed round launches, from one synchronised call's seconds
+  (None: unknown, the fewest)."""
+  if call_seconds is None:
+    return CALLS_PER_ROUND
+  return min(MAX_CALLS_PER_ROUND, max(CALLS_PER_ROUND, math.ceil(ROUND_SECONDS / max(call_seconds, 1e-9))))
+
+
+def time_calls(prepared: Prepared, warmup: int, iters: int, calls_per_round: int | None = None) -> list[float]:
+  """Per-call seconds of each of `iters` timed rounds, after `warmup` untimed
+  calls; calls_per_round None: sized by the last warm-up call (`round_size`)."""
+  call_seconds = None
   for i in range(warmup):
+    t0 = time.perf_counter()
     jax.block_until_ready(prepared(i))
+    call_seconds = time.perf_counter() - t0
+  calls = calls_per_round or round_size(call_seconds)
   times = []
   for _ in range(iters):
     t0 = time.perf_counter()
-    results = [prepared(i) for i in range(calls_per_round)]
-    jax.block_until_ready(results)
-    times.append((time.perf_counter() - t0) / calls_per_round)
-    del results
+    for i in range(calls):
+      # Only the last call's outputs are held: the runtime frees each
+      # earlier one's buffers once its call has run, as a training loop
+      # does, and one stream runs the calls in order.
+      result = prepared(i)
+    jax.block_until_ready(result)
+    times.append((time.perf_counter() - t0) / calls)
+    del result
   return times
 
 
@@ -127,7 +152,7 @@ def median_ms(times: list[float]) -> float:
 
 
 def time_fn_ms(fn: Callable[..., Any], *args, warmup: int = 2, iters: int = 7,
-               calls_per_round: int = CALLS_PER_ROUND) -> float:
+               calls_per_round: int | None = None) -> float:
   """Median per-call milliseconds of jax.jit(fn)(*args) by the bench's method
   (compiled ahead, `warmup` untimed calls, `iters` rounds of back-to-back
   calls): for the tools that time one kernel outside a sweep."""
