@@ -90,7 +90,10 @@ def mosaic_forward(head_dim: int, *, seq_q: int, causal: bool, segments: bool = 
 
   segments: with segment ids a tile's work depends on the ids, which the
   persistent CTAs' static schedules (built for the band alone) cannot see:
-  one CTA a tile, balanced by the hardware as CTAs finish, instead."""
+  one CTA a tile, balanced by the hardware as CTAs finish, instead (on the
+  H200 at head_dim 128, 16k causal: 8 sequences of ragged lengths 16% faster
+  forward+backward, 8 equal ones unchanged; head_dim 64 and 256 follow
+  unmeasured)."""
   if head_dim <= 64:
     config = MosaicForwardConfig(block_q=128, block_kv=128, stages=4, softmax_overlap=True, persistent=True,
                                  balanced=True)
