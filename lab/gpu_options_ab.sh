@@ -20,8 +20,8 @@ for stage in "$@"; do
               --variants default "persistent=False all" 2>&1 | quiet | tee "$OUT/ragged_sweep.log" ;;
     softcap128) timeout 300 python lab/tools/softcap_ab.py --head-dims 128 2>&1 | quiet | tee "$OUT/softcap_d128.log" ;;
     softcap64) timeout 300 python lab/tools/softcap_ab.py --head-dims 64 2>&1 | quiet | tee "$OUT/softcap_d64.log" ;;
-    segtests) timeout 200 python -m pytest -q -m gpu tests/test_gpu.py -k "segment_ids or varlen" -p no:cacheprovider \
-                2>&1 | quiet | tail -n 15 | tee "$OUT/segment_tests.log" ;;
+    segtests) timeout 500 python -m pytest -q -m gpu tests/test_gpu.py -k "segment_ids or varlen" -p no:cacheprovider \
+                -n 4 -rA --durations=20 2>&1 | quiet | tee "$OUT/segment_tests.log" | tail -n 40 ;;
     segrecord)  # packed and varlen with one CTA a tile under segment ids, plain causal in the same run
       mkdir -p "$OUT/bench"
       timeout 150 python -m jax_flash2.bench --head-dims 128 --seqlens 16k --causal true --segments 1 8 \
