@@ -333,6 +333,12 @@ SEGMENT_CASES = {
     "d128_unsorted_alibi_ragged": ((1, 72, 136, 1, 128), None, dict(alibi="heads"), "unsorted", None, None, True),
     # head_dim 256 (backward_wide), ragged, rows that see no key.
     "d256_cross_causal_ragged": ((1, 100, 72, 1, 256), None, dict(causal=True), "cross", None, None, False),
+    # The d64 defaults under segment ids at a long sequence (three consumers
+    # of 64 rows, one CTA a tile; the two-kernel backward), a window, GQA.
+    "d64_packed_window_long_defaults": (
+        (1, 384, 384, 2, 64), 1, dict(window_size=(100, 50)), "packed",
+        defaults.mosaic_forward(64, seq_q=16384, causal=False, segments=True),
+        defaults.mosaic_backward(64, fused=False, segments=True), False),
 }
 
 
