@@ -32,6 +32,17 @@ if not _cuda_plugin_installed():
   _XLA_FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 os.environ.setdefault("XLA_FLAGS", " ".join(_XLA_FLAGS))
 
+# One OpenBLAS thread for numpy. Mosaic's interpreter does each wgmma as a
+# numpy matmul of one tile (64 x 64 to 64 x 256), from several Python threads
+# at once (one per warpgroup), under two xdist workers on a 2-core machine:
+# OpenBLAS's own threads (one per core, spinning while they wait) then only
+# fight for the cores. Measured on the CI machine: a 64x128 @ 128x64 bf16
+# tile 2.8 ms with OpenBLAS's threads, 0.08 ms with one; tests/
+# test_mosaic_options.py at -n 2 took 131 s beside one busy process and 76 s
+# with one thread (idle machine 58 s and 53 s). Read when numpy loads
+# OpenBLAS, so before numpy is imported (nothing imports it before this file).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import jax
 import jax.numpy as jnp
 import numpy as np
