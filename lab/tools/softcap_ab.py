@@ -11,6 +11,12 @@ Variants (lab equipment, not product switches):
              tanh input to float16 is ~2^-11 relative, tanh.approx.f32's own
              error ~2^-11)
   tanh_bf16  tanh.approx.bf16x2 (speed only: 2^-8 relative is coarse)
+  poly16, poly32
+             the forward's P tiles take exp2 of their last 16 / 32 columns
+             as a cubic on the FP32 units (FlashAttention-4's trick; the
+             `poly_columns` of commit dd6dc3a, which lost on plain attention
+             where the MUFU is not the bound): under a softcap it is, so
+             moving a quarter of the exponentials off it may pay here
 
 Measured 2026-12-04 on the H200 (lab/results/2026-12-04_s24/), d128 16k
 causal, kernel time over no softcap: product +31.5% fwd / +15.3% fwd+bwd,
@@ -33,6 +39,7 @@ import numpy as np
 from jax_flash2 import flash_attention, reference
 from jax_flash2.bench import kernel_trace, timing
 from jax_flash2.mosaic import common
+from jax_flash2.mosaic import forward as mosaic_forward
 
 SOFTCAP = 30.0
 _PRODUCT = common.Scores.log2
@@ -56,16 +63,54 @@ def _log2_in(tanh_dtype):
   return log2
 
 
-VARIANTS = {"product": _PRODUCT, "tanh_f16": _log2_in(jnp.float16), "tanh_bf16": _log2_in(jnp.bfloat16)}
+# 2^f ~ 1 + f (C1 + f (C2 + f C3)) on [-1/2, 1/2], relative error ~1e-4
+# (fitted in session 9, commit dd6dc3a's jax_flash2/mosaic/poly_exp2.py).
+_C1, _C2, _C3 = 0.69328288, 0.24221021, 0.05500862
+_ROUND = 1.5 * 2.0**23 + 127  # x + _ROUND holds j + 127 in its low mantissa bits
+
+
+def poly_exp2(x):
+  """2^x of float32 x <= ~1 on the FP32 units: 2^round(x) from the float
+  addition's rounding shifted into the exponent field, times a cubic of the
+  rest; -inf (clamped to -127) gives +0.0, as ex2 does."""
+  x = jnp.maximum(x, -127.0)
+  t = jax.lax.optimization_barrier(x + _ROUND)  # the interpreter's XLA must not fold (x + R) - R
+  f = x - (t - _ROUND)
+  two_j = jax.lax.bitcast_convert_type(
+      jax.lax.shift_left(jax.lax.bitcast_convert_type(t, jnp.int32), jnp.int32(23)), jnp.float32)
+  return two_j * (1.0 + f * (_C1 + f * (_C2 + f * _C3)))
+
+
+class _SplitExp2:
+  """A stand-in for the forward module's `jnp` whose exp2 of a [rows,
+  columns] tile takes its last `columns` columns on the FP32 units."""
+
+  def __init__(self, columns):
+    self.columns = columns
+
+  def __getattr__(self, name):
+    return getattr(jnp, name)
+
+  def exp2(self, x):
+    if x.ndim != 2 or not self.columns:
+      return jnp.exp2(x)  # alpha, the row vectors
+    split = x.shape[1] - self.columns
+    return jnp.concatenate([jnp.exp2(x[:, :split]), poly_exp2(x[:, split:])], axis=1)
+
+
+VARIANTS = {"product": _PRODUCT, "tanh_f16": _log2_in(jnp.float16), "tanh_bf16": _log2_in(jnp.bfloat16),
+            "poly16": (_PRODUCT, 16), "poly32": (_PRODUCT, 32)}
 
 
 @contextlib.contextmanager
 def variant(name):
-  common.Scores.log2 = VARIANTS[name]
+  log2, columns = VARIANTS[name] if isinstance(VARIANTS[name], tuple) else (VARIANTS[name], 0)
+  common.Scores.log2 = log2
+  mosaic_forward.jnp = _SplitExp2(columns) if columns else jnp
   try:
     yield
   finally:
-    common.Scores.log2 = _PRODUCT
+    common.Scores.log2, mosaic_forward.jnp = _PRODUCT, jnp
 
 
 def _inputs(b, s, h, kvh, d, seed):
