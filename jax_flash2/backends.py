@@ -26,7 +26,7 @@ from jax_flash2.mosaic import backward_fused as mosaic_backward_fused
 from jax_flash2.mosaic import backward_wide as mosaic_backward_wide
 from jax_flash2.mosaic import common as mosaic_common
 from jax_flash2.mosaic import forward as mosaic_forward
-from jax_flash2.problem import DecodeProblem, Operands, Problem
+from jax_flash2.problem import DecodeProblem, Operands, Problem, cache_capacity
 from jax_flash2.triton import backward as triton_backward
 from jax_flash2.triton import decode as triton_decode
 from jax_flash2.triton import forward as triton_forward
@@ -488,7 +488,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, sinks,
   p, plan = call.problem, call.plan
   if plan.backend == XLA.name:
     # The split kernel clips the lengths itself; the reference takes them clipped.
-    lens = jnp.clip(cache_seqlens, 0, triton_decode.capacity(k_cache, block_table))
+    lens = jnp.clip(cache_seqlens, 0, cache_capacity(k_cache, block_table))
     out, lse = reference.decode_attention(
         q, k_cache, v_cache, lens, block_table=block_table, softmax_scale=p.softmax_scale,
         causal=False, window_size=(p.window_left, p.window_right), softcap=p.softcap, alibi_slopes=slopes,

@@ -143,3 +143,11 @@ class DecodeProblem:
   @property
   def head_dim_padded(self) -> int:
     return padded_head_dim(self.head_dim)
+
+
+def cache_capacity(k_cache, block_table) -> int:
+  """Keys a sequence's KV cache holds: max_seq, or max_pages * page_size
+  when paged (block_table [batch, max_pages]). Lengths past it
+  (write_kv_cache counts dropped tokens too) read as it, so that no kernel
+  reads past the cache or the table."""
+  return k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_flash2.config import DecodeConfig
-from jax_flash2.problem import DecodeProblem
+from jax_flash2.problem import DecodeProblem, cache_capacity
 from jax_flash2.triton import common
 from jax_flash2.triton.common import LN_2, LOG2_E
 
@@ -69,13 +69,6 @@ def _group_rows(p: DecodeProblem, kv_head, rows: int):
   r = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), p.seq_q * p.group - 1)
   g = jnp.int32(p.group)
   return lax.div(r, g), kv_head * g + lax.rem(r, g)
-
-
-def capacity(k_cache, block_table) -> int:
-  """Keys a sequence's cache holds: max_seq, or max_pages * page_size when
-  paged. Lengths past it (write_kv_cache counts dropped tokens too) read as
-  it, so that no kernel reads past the cache or the table."""
-  return k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
 
 
 def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, p: DecodeProblem, rows: int, block_k: int, splits: int,
@@ -204,7 +197,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, slopes, p: DecodePro
     in_specs.append(pl.BlockSpec((None, heads), lambda b, h, s: (b if batched else 0, 0)))
     args.append(slopes.astype(jnp.float32))
   kernel = functools.partial(_decode_kernel, p=p, rows=rows, block_k=block_k, splits=num_splits,
-                             capacity=capacity(k_cache, block_table))
+                             capacity=cache_capacity(k_cache, block_table))
   return pl.pallas_call(
       kernel,
       grid=(batch, kv_heads, num_splits),
