@@ -2,7 +2,7 @@
 # Issue 27's speed misses on one H200: the Mosaic tilings one at a time on the
 # window and packed cases (lab/tools/mosaic_options_sweep.py), then what a
 # softcap costs and what cuts it (lab/tools/softcap_ab.py). Logs in $OUT.
-#   bash lab/gpu_options_ab.sh [sweep] [packed] [ragged] [softcap128] [softcappoly] [softcap64] [segtests] [segrecord]
+#   bash lab/gpu_options_ab.sh [sweep] [packed] [ragged] [softcap128] [softcappoly] [earlyrows] [softcap64] [segtests] [segrecord]
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -21,6 +21,8 @@ for stage in "$@"; do
     softcap128) timeout 300 python lab/tools/softcap_ab.py --head-dims 128 2>&1 | quiet | tee "$OUT/softcap_d128.log" ;;
     softcappoly) timeout 300 python lab/tools/softcap_ab.py --head-dims 128 64 --variants product poly16 poly32 2>&1 \
                    | quiet | tee "$OUT/softcap_poly.log" ;;
+    earlyrows) timeout 540 python lab/tools/early_rows_ab.py --cases window packed short 2>&1 | quiet \
+                 | tee "$OUT/early_rows.log" ;;
     softcap64) timeout 300 python lab/tools/softcap_ab.py --head-dims 64 2>&1 | quiet | tee "$OUT/softcap_d64.log" ;;
     segtests) timeout 500 python -m pytest -q -m gpu tests/test_gpu.py -k "segment_ids or varlen" -p no:cacheprovider \
                 -n 4 -rA --durations=20 2>&1 | quiet | tee "$OUT/segment_tests.log" | tail -n 40 ;;
