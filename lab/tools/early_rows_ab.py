@@ -68,7 +68,11 @@ def _early_run_tiles():
 
 @contextlib.contextmanager
 def early_rows(on: bool):
+  """The variant (or the product) patched in, jax's caches cleared on the
+  way in and out: a trace cached under the other would otherwise serve (the
+  kernels sit under a jit whose static argument, the call, is the same)."""
   patched = _early_run_tiles() if on else _PRODUCT
+  jax.clear_caches()
   for module in _MODULES:
     module.run_tiles = patched
   try:
@@ -76,6 +80,7 @@ def early_rows(on: bool):
   finally:
     for module in _MODULES:
       module.run_tiles = _PRODUCT
+    jax.clear_caches()
 
 
 def _case(name, s):
@@ -123,7 +128,7 @@ def main() -> None:
   if args.interpret:
     _interpret_check()
     return
-  from jax_flash2.bench import kernel_trace, timing
+  from ab_timing import cell, wall_and_kernel_ms
 
   for name in args.cases:
     batch, seq, kw, config = _case(name, args.seqlen)
@@ -142,11 +147,7 @@ def main() -> None:
           return (out, *pull(do))
 
         with early_rows(on):
-          fn = jax.jit(f)
-          wall = timing.time_fn_ms(fn, q, k, v, do, warmup=2, iters=9)
-          kern = kernel_trace.device_ms_per_call(lambda i: fn(q, k, v, do), 10)
-        base.setdefault(mode, kern)
-        cells.append(f"{mode} wall {wall:7.3f} kernel {kern:7.3f} ({kern / base[mode] - 1:+.1%})")
+          cells.append(cell(mode, *wall_and_kernel_ms(f, q, k, v, do), base))
       print(f"  {label:15s} " + "   ".join(cells), flush=True)
 
 

@@ -23,8 +23,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ab_timing import cell, wall_and_kernel_ms
 from jax_flash2 import MosaicConfig, defaults, flash_attention
-from jax_flash2.bench import kernel_trace, timing
 
 FORWARD = {
     "block_kv=64": dict(block_kv=64),
@@ -93,14 +93,11 @@ def main() -> None:
       for mode in args.modes:
         f = f_fwd if mode == "fwd" else f_both
         try:
-          fn = jax.jit(f)
-          wall = timing.time_fn_ms(fn, q, k, v, do, warmup=2, iters=9)
-          kern = kernel_trace.device_ms_per_call(lambda i: fn(q, k, v, do), 10)
+          wall, kern = wall_and_kernel_ms(f, q, k, v, do)
         except Exception as e:  # a tiling that does not fit: say so, go on
           cells.append(f"{mode} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
           continue
-        base.setdefault(mode, kern)
-        cells.append(f"{mode} wall {wall:7.3f} kernel {kern:7.3f} ({kern / base[mode] - 1:+.1%})")
+        cells.append(cell(mode, wall, kern, base))
       print(f"  {name:30s} " + "   ".join(cells), flush=True)
 
 

@@ -1,11 +1,12 @@
 """What a softcap costs the Mosaic kernels, and what cuts it: kernel time of
 the forward and forward+backward with and without a softcap, under variants
-of `Scores.log2` patched in at trace time, each in the same run, with each
+of its tanh and the forward's exp2, each in the same run, with each
 variant's error against a float32 reference at a small size.
 
   PYTHONPATH=. python lab/tools/softcap_ab.py [--seqlen 16384] [--head-dims 128 64]
 
-Variants (lab equipment, not product switches):
+Variants (lab equipment, not product switches), patched into the kernel
+modules' `jnp` at trace time:
   product    tanh.approx.f32, the scores taken to base 2 before the row max
   tanh_f16   tanh.approx.f16x2: two scores a MUFU op (the rounding of the
              tanh input to float16 is ~2^-11 relative, tanh.approx.f32's own
@@ -19,11 +20,12 @@ Variants (lab equipment, not product switches):
              moving a quarter of the exponentials off it may pay here
 
 Measured 2026-12-04 on the H200 (lab/results/2026-12-04_s24/), d128 16k
-causal, kernel time over no softcap: product +31.5% fwd / +15.3% fwd+bwd,
-tanh_f16 +33.8 / +14.8, tanh_bf16 +26.6 / +14.9; and folding tanh's
-softcap * log2(e) into the exponential's FFMA with the row max taken on tanh
-(lab/patches/softcap_unit_fold.diff, one FMUL a score fewer; run as this
-script's "fold" then) +35.5 / +17.1: not taken (lab/variants.md).
+causal, kernel time over no softcap: folding tanh's softcap * log2(e) into
+the exponential's FFMA with the row max taken on tanh
+(lab/patches/softcap_unit_fold.diff, then the product) +35.5% fwd / +17.1%
+fwd+bwd: not taken (lab/variants.md). The rows patched in after it that day
+(unfolded, tanh_f16, tanh_bf16) may have run a cached trace of an earlier
+variant: `variant` now clears jax's caches; rerun them.
 """
 
 from __future__ import annotations
@@ -36,32 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ab_timing import cell, wall_and_kernel_ms
 from jax_flash2 import flash_attention, reference
-from jax_flash2.bench import kernel_trace, timing
 from jax_flash2.mosaic import common
 from jax_flash2.mosaic import forward as mosaic_forward
 
 SOFTCAP = 30.0
-_PRODUCT = common.Scores.log2
-
-
-def _log2_in(tanh_dtype):
-  """Scores.log2 with tanh taken in tanh_dtype."""
-
-  def log2(self, s, query, key, slope):
-    dcap = None
-    if self.softcap is not None:
-      t = jnp.tanh((s * (self.softmax_scale / self.softcap)).astype(tanh_dtype)).astype(jnp.float32)
-      s, dcap = t * (self.softcap * common.LOG2_E), 1.0 - t * t
-    else:
-      s = s * (self.softmax_scale * common.LOG2_E)
-    if self.alibi:
-      distance = jnp.abs((query - key + self.offset).astype(jnp.float32))
-      s = s - (slope * common.LOG2_E) * distance
-    return s, dcap
-
-  return log2
-
 
 # 2^f ~ 1 + f (C1 + f (C2 + f C3)) on [-1/2, 1/2], relative error ~1e-4
 # (fitted in session 9, commit dd6dc3a's jax_flash2/mosaic/poly_exp2.py).
@@ -81,36 +63,45 @@ def poly_exp2(x):
   return two_j * (1.0 + f * (_C1 + f * (_C2 + f * _C3)))
 
 
-class _SplitExp2:
-  """A stand-in for the forward module's `jnp` whose exp2 of a [rows,
-  columns] tile takes its last `columns` columns on the FP32 units."""
+class _Jnp:
+  """A stand-in for a kernel module's `jnp`: tanh taken in `tanh_dtype`
+  (None: as it is), and exp2 of a [rows, columns] tile with its last
+  `poly_columns` columns on the FP32 units (`poly_exp2`)."""
 
-  def __init__(self, columns):
-    self.columns = columns
+  def __init__(self, tanh_dtype=None, poly_columns=0):
+    self.tanh_dtype, self.poly_columns = tanh_dtype, poly_columns
 
   def __getattr__(self, name):
     return getattr(jnp, name)
 
+  def tanh(self, x):
+    return jnp.tanh(x) if self.tanh_dtype is None else jnp.tanh(x.astype(self.tanh_dtype)).astype(x.dtype)
+
   def exp2(self, x):
-    if x.ndim != 2 or not self.columns:
+    if x.ndim != 2 or not self.poly_columns:
       return jnp.exp2(x)  # alpha, the row vectors
-    split = x.shape[1] - self.columns
+    split = x.shape[1] - self.poly_columns
     return jnp.concatenate([jnp.exp2(x[:, :split]), poly_exp2(x[:, split:])], axis=1)
 
 
-VARIANTS = {"product": _PRODUCT, "tanh_f16": _log2_in(jnp.float16), "tanh_bf16": _log2_in(jnp.bfloat16),
-            "poly16": (_PRODUCT, 16), "poly32": (_PRODUCT, 32)}
+# name: (tanh's dtype in Scores.log2, the forward's P columns on the FP32 units)
+VARIANTS = {"product": (None, 0), "tanh_f16": (jnp.float16, 0), "tanh_bf16": (jnp.bfloat16, 0),
+            "poly16": (None, 16), "poly32": (None, 32)}
 
 
 @contextlib.contextmanager
 def variant(name):
-  log2, columns = VARIANTS[name] if isinstance(VARIANTS[name], tuple) else (VARIANTS[name], 0)
-  common.Scores.log2 = log2
-  mosaic_forward.jnp = _SplitExp2(columns) if columns else jnp
+  """The variant patched in, jax's caches cleared on the way in and out: a
+  trace cached under another variant would otherwise serve (the kernels sit
+  under a jit whose static argument, the call, is the same for all)."""
+  tanh_dtype, poly_columns = VARIANTS[name]
+  jax.clear_caches()
+  common.jnp, mosaic_forward.jnp = _Jnp(tanh_dtype=tanh_dtype), _Jnp(poly_columns=poly_columns)
   try:
     yield
   finally:
-    common.Scores.log2, mosaic_forward.jnp = _PRODUCT, jnp
+    common.jnp = mosaic_forward.jnp = jnp
+    jax.clear_caches()
 
 
 def _inputs(b, s, h, kvh, d, seed):
@@ -183,11 +174,7 @@ def main() -> None:
       cells = []
       for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
         with variant(name if cap else "product"):
-          jitted = jax.jit(fn)
-          wall = timing.time_fn_ms(fn, q, k, v, do, warmup=2, iters=7)
-          kern = kernel_trace.device_ms_per_call(lambda i: jitted(q, k, v, do), 10)
-        base.setdefault(what, kern)
-        cells.append(f"{what} wall {wall:7.3f} kernel {kern:7.3f} ({kern / base[what] - 1:+6.1%})")
+          cells.append(cell(what, *wall_and_kernel_ms(fn, q, k, v, do, iters=7), base))
       print(f"  {name:11s} " + "   ".join(cells), flush=True)
     for name in args.variants:
       errs = _errors(name, d)
