@@ -211,8 +211,7 @@ def _plan(problem: Problem, backend: Backend, device: Device, block_sizes, mosai
 def check_problem(q, k, v, *, mask=None, bias=None, causal=False, window_size=None, softcap=None, alibi_slopes=None,
              q_segment_ids=None, kv_segment_ids=None, sinks=None, softmax_scale=None, dropout_rate=0.0,
              dropout_rng=None, dropout_broadcast=False) -> Problem:
-  """The static description of a call, every argument checked. (Sinks
-  change nothing static: they join outside the kernels, see vjp.py.)"""
+  """The static description of a call, every argument checked."""
   _check_arrays(q, k, v)
   head_dim = q.shape[-1]
   softmax_scale = check_scale(softmax_scale, head_dim)
@@ -244,6 +243,7 @@ def check_problem(q, k, v, *, mask=None, bias=None, causal=False, window_size=No
       dropout_rate=dropout_rate,
       dropout_broadcast=check_flag("dropout_broadcast", dropout_broadcast) and dropout_rate > 0.0,
       has_bias=bias is not None,
+      has_sinks=sinks is not None,
   )
 
 

@@ -285,8 +285,8 @@ class MosaicKernels(Kernels):
     return defaults.mosaic_forward(problem.head_dim, seq_q=problem.seq_q, causal=problem.causal, segments=segments)
 
   def forward(self, q, k, v, operands, problem, config: MosaicForwardConfig, *, interpret):
-    return mosaic_forward.forward(q, k, v, **_mosaic_options(operands, problem), config=config,
-                                  interpret=interpret)
+    return mosaic_forward.forward(q, k, v, **_mosaic_options(operands, problem), sinks=operands.sinks,
+                                  config=config, interpret=interpret)
 
   def backward(self, q, k, v, out, lse, do, dlse, operands, problem, config: MosaicBackwardConfig, *, interpret):
     # delta = rowsum(dO * O) - dlse comes from the Triton kernels' small delta kernel.

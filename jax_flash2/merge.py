@@ -7,7 +7,8 @@ attentions over each: with lse = log(exp(lse_a) + exp(lse_b)),
 
 An attention sink is such a part that carries no value (out_b = 0,
 lse_b = sink). Ring attention merges one part per ring step this way
-(jax_flash2.ring); vjp.py joins the sinks to the kernels' output with it.
+(jax_flash2.ring), and joins the sinks to the merged output with it (the
+forward kernels join them in their last step, as `join_sinks` does).
 (flash_decode's splits, computed together, are merged in one n-way sum in
 jax_flash2.triton.decode.combine.)
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_flash2.triton.common import LOG2_E
 
 
 def weight(lse: jax.Array, total: jax.Array, *, log2: bool = False) -> jax.Array:
@@ -47,20 +47,35 @@ def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
   return out, total
 
 
-def join_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array, *, log2: bool = False) -> tuple[jax.Array, jax.Array]:
+def join_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(out, lse) with each head's sink in every row's softmax denominator:
   lse' = log(exp(lse) + exp(sink)) and, the sink carrying no value,
   out' = out * exp(lse - lse').
 
-  out: [batch, seq, heads, head_dim]; lse: float32 [batch, heads, seq], in
-  base 2 with log2 (the Triton kernels' base: the lse the backward reads is
-  then rounded once), else natural, as is the lse' returned; sinks: float32
-  [heads], natural. out' keeps out's dtype. A row that sees no key keeps
-  out = 0 and gets lse' = sink."""
-  sink = sinks[None, :, None] * LOG2_E if log2 else sinks[None, :, None]
-  joined = jnp.logaddexp2(lse, sink) if log2 else jnp.logaddexp(lse, sink)
-  kept = out.astype(jnp.float32) * _per_row(weight(lse, joined, log2=log2))
+  out: [batch, seq, heads, head_dim]; lse: float32 [batch, heads, seq],
+  natural log, as is the lse' returned; sinks: float32 [heads], or
+  [batch or 1, heads] (the kernels' form). out' keeps out's dtype. A row
+  that sees no key keeps out = 0 and gets lse' = sink."""
+  sink = sinks[..., None] if sinks.ndim == 2 else sinks[None, :, None]
+  joined = jnp.logaddexp(lse, sink)
+  kept = out.astype(jnp.float32) * _per_row(weight(lse, joined))
   return kept.astype(out.dtype), joined
+
+
+def join_sink_rows(m: jax.Array, l: jax.Array, sink) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`join_sinks` inside a forward kernel, on its running softmax rows:
+  (m', l', scale) with out = acc * scale / l' and lse = m' + log2(l'), in
+  base 2, the sink taken into the denominator.
+
+  m, l: float32 [rows], the row max of the base-2 scores and the sum of
+  their exp2 under it (l = 0 where a row saw no key, whatever m holds);
+  sink: a float32 scalar, base 2. m' is max(m, sink), 0 where both are
+  -inf (a -inf sink on a row that saw no key: l' = 0 then)."""
+  m = jnp.where(l != 0.0, m, -jnp.inf)
+  top = jnp.maximum(m, sink)
+  top = jnp.where(top == -jnp.inf, 0.0, top)
+  scale = jnp.exp2(m - top)
+  return top, l * scale + jnp.exp2(sink - top), scale
 
 
 def sinks_gradient(out: jax.Array, lse: jax.Array, do: jax.Array, dlse: jax.Array, sinks: jax.Array) -> jax.Array:

@@ -41,6 +41,9 @@ class Problem:
       each element draws the mask an unbatched call would (None: as they are).
     has_bias: an additive bias ([batch or 1, heads or 1, seq_q, seq_k]) on
       the scores, after softcap and ALiBi.
+    has_sinks: attention sinks, one logit per query head in every row's
+      softmax denominator: the forward kernels join them to their output and
+      lse (vjp.py).
   """
 
   mask: Mask
@@ -54,6 +57,7 @@ class Problem:
   dropout_broadcast: bool = False
   dropout_batch: int | None = None
   has_bias: bool = False
+  has_sinks: bool = False
 
   @property
   def seq_q(self) -> int:
@@ -98,8 +102,9 @@ class Operands(NamedTuple):
   dropout_seed: int32 [2] (jax_flash2.dropout.seed_words).
   bias: float [batch or 1, heads or 1, seq_q, seq_k], added to the scores.
   sinks: float32 [heads], one logit per query head in every row's softmax
-    denominator. The kernels never read it: vjp.py joins it to their output
-    and lse, so the kernels (and sharding's partitioned calls) get None.
+    denominator; the kernels' calls (vjp.py, sharding.py) take it as
+    [batch or 1, heads], like the ALiBi slopes, and only the forward kernels
+    read it.
   """
 
   mask: jax.Array | None = None

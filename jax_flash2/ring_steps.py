@@ -417,8 +417,9 @@ def _partitioned_ring(call: Call, q, axis, parts: Parts) -> Ring:
       else Backend.TRITON
   device = Device(backends.default_compute_capability(), call.interpret)
   block_sizes = call.plan.forward.config if backend is Backend.TRITON else None
+  # The steps' kernels take no sinks: they join the merged output (sharded_forward).
   return Ring(axis, lax.axis_size(axis), RingLayout.CONTIGUOUS, RingStrategy.RING,
-              dataclasses.replace(call.problem, mask=local), device, backend, parts, local=True,
+              dataclasses.replace(call.problem, mask=local, has_sinks=False), device, backend, parts, local=True,
               block_sizes=block_sizes)
 
 
@@ -428,6 +429,8 @@ def sharded_forward(q, k, v, operands: Operands, call: Call, axis, parts: Parts)
   partitioned forward runs when a call rides_ring."""
   ring = _partitioned_ring(call, q, axis, parts)
   out, lse = forward_ring(q, k, v, operands.q_segment_ids, operands.kv_segment_ids, ring)
+  if operands.sinks is not None:
+    out, lse = merge.join_sinks(out, lse, operands.sinks)
   return out.astype(q.dtype), lse * LOG2_E if call.lse_log2 else lse
 
 

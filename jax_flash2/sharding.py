@@ -57,9 +57,7 @@ def _present(problem: Problem) -> tuple[str, ...]:
   has = {
       "mask": problem.mask.dense, "q_segment_ids": problem.mask.segments, "kv_segment_ids": problem.mask.segments,
       "alibi_slopes": problem.has_alibi, "dropout_seed": problem.has_dropout, "bias": problem.has_bias,
-      # The sinks join the kernels' output outside them (vjp.py), in plain
-      # JAX that the partitioner shards like the lse it combines with.
-      "sinks": False,
+      "sinks": problem.has_sinks,
   }
   return tuple(name for name in _OPERANDS if has[name])
 
@@ -83,8 +81,8 @@ def _factors(q_shape, kv_shape, shapes: dict[str, tuple[int, ...]], ring: bool =
   custom_partitioning cannot hand to the partition callback;
   _shard_plan keeps them consistent instead. mb / mh are a mask's broadcast
   (size 1) batch / heads axes, which can share no factor with the full-size
-  ones; ab the ALiBi slopes' broadcast batch axis; z the dropout seed's two
-  words. The bias (and dS, its gradient) takes the mask's factors. With
+  ones; ab the broadcast batch axis of the ALiBi slopes and the sinks; z the
+  dropout seed's two words. The bias (and dS, its gradient) takes the mask's factors. With
   ring, seq_k shares seq_q's factor: the two are split alike, and the ring
   (rides_ring) runs on the shards.
   """
@@ -101,8 +99,9 @@ def _factors(q_shape, kv_shape, shapes: dict[str, tuple[int, ...]], ring: bool =
     if name in shapes:
       shape = shapes[name]
       names[name] = f"{'b' if shape[0] > 1 else 'mb'} {heads if shape[1] > 1 else 'mh'} i j"
-  if "alibi_slopes" in shapes:
-    names["alibi_slopes"] = f"{'b' if shapes['alibi_slopes'][0] > 1 else 'ab'} {heads}"
+  for name in ("alibi_slopes", "sinks"):  # [batch or 1, heads]
+    if name in shapes:
+      names[name] = f"{'b' if shapes[name][0] > 1 else 'ab'} {heads}"
   return names
 
 
@@ -189,7 +188,7 @@ def _shard_plan(mesh, q, k, operands: dict, ring: bool = False) -> _ShardPlan:
       return None
     if name in ("mask", "bias"):  # [batch or 1, heads or 1, seq_q, seq_k]
       return sharded(batch if x.shape[0] > 1 else None, heads if x.shape[1] > 1 else None, None, None)
-    if name == "alibi_slopes":  # [batch or 1, heads]
+    if name in ("alibi_slopes", "sinks"):  # [batch or 1, heads]
       return sharded(batch if x.shape[0] > 1 else None, heads)
     if name == "dropout_seed":
       return sharded(None)
@@ -400,7 +399,7 @@ def _fold(x: jax.Array, axis_size: int, batched: bool) -> jax.Array:
 
 
 def _fold_mask(mask: jax.Array | None, axis_size: int, batched: bool, batch: int) -> jax.Array | None:
-  """Folds a mask (or the ALiBi slopes: any array with batch on axis 0) like
+  """Folds a mask (or the ALiBi slopes, the sinks: any array with batch on axis 0) like
   _fold, keeping a batch axis that is broadcast over everything at size 1."""
   if mask is None or (not batched and mask.shape[0] == 1):
     return mask
@@ -436,8 +435,8 @@ def _with_vmap(partitioned: Callable, num_arrays: int, call: Call) -> Callable:
     # The batch of one vmapped instance, read off q.
     batch = arrays[0].shape[1] if in_batched[0] else arrays[0].shape[0]
     folded = [_fold(x, axis_size, b) for x, b in zip(arrays, in_batched[:num_arrays])]
-    # mask, segment ids, slopes, bias: batch on axis 0, possibly broadcast;
-    # the seed has no batch axis and is shared.
+    # mask, segment ids, slopes, bias, sinks: batch on axis 0, possibly
+    # broadcast; the seed has no batch axis and is shared.
     optional = [
         x if i == _SEED else _fold_mask(x, axis_size, b, batch)
         for i, (x, b) in enumerate(zip(optional, in_batched[num_arrays:]))

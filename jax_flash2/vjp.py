@@ -11,10 +11,11 @@ as save_only_these_names("flash2_out", "flash2_lse") can keep them and skip
 rerunning the forward kernel in the backward pass.
 
 Attention sinks (one logit per query head in every row's softmax
-denominator, carrying no value) never enter the kernels: the forward joins
-them to the kernels' output and lse, and the backward hands the kernels the
-joined lse and output, from which the probabilities they recompute, and
-delta = rowsum(dO * out), are already those with the sink.
+denominator, carrying no value) join in the forward kernels' last step, to
+the output and lse they write (in one rounding of the output, with no pass
+over it after them); the backward kernels get that lse and output, from
+which the probabilities they recompute, and delta = rowsum(dO * out), are
+already those with the sink, and dsinks follows from them here.
 
 Only first-order reverse mode is defined: the kernels have no derivative
 rules, so differentiating either pass again raises a NotImplementedError that
@@ -61,16 +62,18 @@ def first_order_only(fn, what: str):
   return guarded
 
 
+def _kernel_operands(operands: Operands) -> Operands:
+  """The operands as the kernels' calls take them: the sinks [heads] as
+  [1, heads], batched like the ALiBi slopes (a vmapped axis folds into it)."""
+  return operands if operands.sinks is None else operands._replace(sinks=operands.sinks[None])
+
+
 def _forward(q, k, v, operands: Operands, call: Call):
-  """(out, lse) of the forward kernels, with the sinks joined where the call
-  has them; lse in the base the kernels write it (the residual the backward
-  reads; backends.Call.natural_lse makes it natural)."""
+  """(out, lse) of the forward kernels, sinks joined; lse in the base the
+  kernels write it (the residual the backward reads; backends.Call.natural_lse
+  makes it natural)."""
   guarded = first_order_only(lambda q, k, v, operands: sharding.forward(q, k, v, operands, call), "forward pass")
-  out, lse = guarded(q, k, v, operands._replace(sinks=None))
-  if operands.sinks is not None:
-    # In the kernels' own base: the lse the backward reads is rounded once.
-    out, lse = merge.join_sinks(out, lse, operands.sinks, log2=call.lse_log2)
-  # Named after the join: a policy that saves them saves what the backward reads.
+  out, lse = guarded(q, k, v, _kernel_operands(operands))
   return checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
 
 
@@ -97,7 +100,7 @@ def _flash_bwd(call: Call, residuals, cotangents):
   q, k, v, operands, out, lse = residuals
   do, dlse = cotangents
   sinks = operands.sinks
-  operands = operands._replace(sinks=None)  # never read by the kernels
+  operands = _kernel_operands(operands)  # the backward kernels read no sinks
   # dlse is the natural lse's cotangent: d lse / d s = P in natural units
   # either way, so it folds into delta whatever base the kernels' lse is in.
   # With sinks, out and lse are the joined ones: the kernels' recomputed P is

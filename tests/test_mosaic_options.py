@@ -85,16 +85,16 @@ def test_schedules_follow_the_bands_work():
 
 # The options the Mosaic kernels serve, each with every default tiling: a
 # window's sides alone and together (causal and not), softcap and ALiBi
-# (slopes [heads], the batch broadcast, and [batch, heads]) with them.
+# (slopes [heads], the batch broadcast, and [batch, heads]) and sinks with them.
 LOWER_OPTIONS = {
-    "sliding_causal": dict(causal=True, window_size=(256, 0)),
+    "sliding_causal_sinks": dict(causal=True, window_size=(256, 0), sinks=True),
     "both_sides_softcap": dict(window_size=(128, 192), softcap=30.0),
     "left_only_alibi": dict(window_size=(256, None), alibi="heads"),
-    "right_only_softcap_alibi": dict(window_size=(None, 64), softcap=20.0, alibi="batch"),
+    "right_only_softcap_alibi_sinks": dict(window_size=(None, 64), softcap=20.0, alibi="batch", sinks=True),
 }
 # head_dim 64 takes three consumer warpgroups from seq_q 2048 without a
 # diagonal: the forward of the options without one, at 2048.
-THREE_CONSUMERS = ("both_sides_softcap", "left_only_alibi", "right_only_softcap_alibi")
+THREE_CONSUMERS = ("both_sides_softcap", "left_only_alibi", "right_only_softcap_alibi_sinks")
 
 
 @pytest.mark.parametrize("head_dim, seq, option", [
@@ -119,11 +119,12 @@ def test_default_kernels_lower_for_cuda_with_options(monkeypatch, head_dim, seq,
   kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.bfloat16)
   alibi = options.pop("alibi", None)
   slopes = jax.ShapeDtypeStruct((heads,) if alibi == "heads" else (batch, heads), jnp.float32)
+  sinks = jax.ShapeDtypeStruct((heads,), jnp.float32) if options.pop("sinks", False) else None
 
   three = seq == 2048
 
-  def step(q, k, v, slopes):
-    kwargs = dict(options, alibi_slopes=slopes if alibi else None)
+  def step(q, k, v, slopes, sinks):
+    kwargs = dict(options, alibi_slopes=slopes if alibi else None, sinks=sinks)
     if three:
       return flash_attention(q, k, v, **kwargs)
     (out, lse), vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, return_lse=True, **kwargs), q, k, v)
@@ -132,7 +133,7 @@ def test_default_kernels_lower_for_cuda_with_options(monkeypatch, head_dim, seq,
   got = plan(q, kv, kv, **options, alibi_slopes=slopes if alibi else None, compute_capability=(9, 0))
   assert (got.forward.backend, got.backward.backend) == ("mosaic", "mosaic")
   assert got.forward.config.consumers == (3 if three else 2)
-  text = jax.jit(step).trace(q, kv, kv, slopes).lower(lowering_platforms=("cuda",)).as_text()
+  text = jax.jit(step).trace(q, kv, kv, slopes, sinks).lower(lowering_platforms=("cuda",)).as_text()
   wide = "_wide" if head_dim == 256 else ""
   backward = () if three else (f"flash2_bwd_dkv{wide}_mosaic", f"flash2_bwd_dq{wide}_mosaic")
   for kernel in ("flash2_fwd_mosaic", *backward):

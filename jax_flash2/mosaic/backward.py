@@ -59,7 +59,7 @@ from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands,
     PersistentSchedule, QTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
-    kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_ref, optional_slopes, outer_grid,
+    kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_input, optional_ref, outer_grid,
     recomputed_probs, run_tiles, same_ids, segment_inputs, segment_range, segment_refs, specialized_kernel,
     swizzled, tile_table, triangular,
 )
@@ -193,7 +193,7 @@ def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, co
       groups=k.shape[1] // WGMMA_M, q_outer=False)
   return specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                             interpret_params=interpret_params, name="flash2_bwd_dkv_mosaic")(
-                                q, k, v, do, lse, delta, tile_table(schedule), *optional_slopes(slopes), *ids)
+                                q, k, v, do, lse, delta, tile_table(schedule), *optional_input(slopes), *ids)
 
 
 # ---------------------------------------------------------------- dQ
@@ -418,7 +418,7 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, con
   return specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
                             grid_names=grid_names, interpret_params=interpret_params,
                             name="flash2_bwd_dq_mosaic")(q, k, v, do, lse, delta, tile_table(schedule),
-                                                         *optional_slopes(slopes), *ids)
+                                                         *optional_input(slopes), *ids)
 
 
 # ---------------------------------------------------------------- entry points

@@ -85,7 +85,7 @@ from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, Scores,
     backward_kernels, check_operands, copy_q_block, interpret_params_of, kv_range, kv_ring_producer, load_ids,
-    observe_last_releases, optional_ref, optional_slopes, outer_grid, recomputed_probs, run_tiles, same_ids,
+    observe_last_releases, optional_input, optional_ref, outer_grid, recomputed_probs, run_tiles, same_ids,
     segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled, triangular, zero_padded_keys,
 )
 
@@ -441,7 +441,7 @@ def _dkv_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, co
                                                       q_outer=False)
   return specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                             interpret_params=interpret_params,
-                            name="flash2_bwd_dkv_wide_mosaic")(q, k, v, do, lse, delta, *optional_slopes(slopes),
+                            name="flash2_bwd_dkv_wide_mosaic")(q, k, v, do, lse, delta, *optional_input(slopes),
                                                                *ids)
 
 
@@ -609,7 +609,7 @@ def _dq_call(q, k, v, do, lse, delta, *, mask: Mask, scores: Scores, slopes, con
                                                       rows=ROWS, block=ROWS, groups=num_q_blocks, q_outer=True)
   return specialized_kernel(kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch, grid=grid,
                             grid_names=grid_names, interpret_params=interpret_params,
-                            name="flash2_bwd_dq_wide_mosaic")(q, k, v, do, lse, delta, *optional_slopes(slopes),
+                            name="flash2_bwd_dq_wide_mosaic")(q, k, v, do, lse, delta, *optional_input(slopes),
                                                               *ids)
 
 

@@ -242,9 +242,9 @@ def at_least(x, floor):
   return jnp.maximum(x, floor)
 
 
-def optional_slopes(slopes) -> tuple:
-  """A kernel's trailing optional input: (the ALiBi slopes,) or ()."""
-  return () if slopes is None else (slopes,)
+def optional_input(x) -> tuple:
+  """A kernel's optional input as trailing arguments: (x,), or () for None."""
+  return () if x is None else (x,)
 
 
 def optional_ref(refs, present: bool):

@@ -12,7 +12,8 @@ output acc; per K/V block of the ring
   l_i = l_i * alpha + rowsum(P),  acc = acc * alpha + P V   (P from registers)
 
 and at the end out = acc / l_i and lse = (m_i + log2(l_i)) * ln(2), the
-natural log-sum-exp a backward pass takes. K and V have ready and consumed
+natural log-sum-exp a backward pass takes (attention sinks join l_i and m_i
+first: jax_flash2.merge.join_sink_rows). K and V have ready and consumed
 barriers of their own, so that Q K^T can start while V is still in flight
 and a K slot refills while P V still reads the V slot of the same step.
 
@@ -50,9 +51,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_flash2 import defaults
 from jax_flash2.config import MosaicForwardConfig
 from jax_flash2.mask import Mask
+from jax_flash2.merge import join_sink_rows
 from jax_flash2.mosaic.common import (
     LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, Scores, at_least, band_of, check_operands,
-    check_smem, interpret_params_of, kv_range, kv_ring_producer, load_ids, optional_ref, optional_slopes,
+    check_smem, interpret_params_of, kv_range, kv_ring_producer, load_ids, optional_input, optional_ref,
     outer_grid, pad_seq, q_tile_work, run_tiles, same_ids, scores_of, segment_inputs, segment_range, segment_refs,
     specialized_kernel, swizzled, tile_table, triangular, unpad_seq, with_segment_ids,
 )
@@ -81,14 +83,14 @@ def smem_bytes(config: MosaicForwardConfig, head_dim: int, dtype) -> int:
 def _forward_kernel(
     q_ref, k_ref, v_ref, tiles_ref, *refs,
     mask: Mask, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, scores: Scores,
-    config: MosaicForwardConfig, interpret: bool,
+    has_sinks: bool, config: MosaicForwardConfig, interpret: bool,
 ):
   # q_ref, out_ref: [batch, seq_q', heads, D] in GMEM; k_ref, v_ref: [batch,
   # seq_k', heads // group, D]; lse_ref: [batch, heads, seq_q'] f32; seq_q',
   # seq_k': the real lengths (mask) padded to whole blocks (seq_q on the GPU
   # only to whole consumer tiles; see `forward`); tiles_ref: the persistent
-  # schedule's table (`tile_table`); slopes_ref (ALiBi only): float32 [batch
-  # or 1, heads]; with segment ids, q_ids_ref, kv_ids_ref: int32 [batch,
+  # schedule's table (`tile_table`); slopes_ref (ALiBi only), sinks_ref
+  # (sinks only): float32 [batch or 1, heads]; with segment ids, q_ids_ref, kv_ids_ref: int32 [batch,
   # seq_q'] / [batch, seq_k'] and ranges_ref: int32 [batch, Q row groups, 4],
   # each consumer's K/V block range under them (mask.segment_block_ranges).
   # C = config.consumers. q_smem: [buffers, C, rows, D] (one Q tile per
@@ -101,6 +103,7 @@ def _forward_kernel(
   # schedule: None for one CTA per tile (grid q x heads x batch); else the
   # persistent CTAs' tiles.
   slopes_ref, refs = optional_ref(refs, scores.alibi)
+  sinks_ref, refs = optional_ref(refs, has_sinks)
   segments = mask.segments
   ids, refs = segment_refs(refs, segments)
   ranges_ref = ids.ranges if segments else None
@@ -340,15 +343,22 @@ def _forward_kernel(
     return acc, m_i, l_i
 
   def store_output(tile: QTile, q_tile, acc, m_i, l_i):
-    """Divides acc by l_i and starts the TMA stores of the output and lse,
-    staged in shared memory (q_tile, whose Q every wgmma has read by now)."""
-    # One division per row at the end (a reciprocal, then multiplies).
-    if may_see_nothing:
+    """Divides acc by l_i (the sink joined to it first, with sinks) and
+    starts the TMA stores of the output and lse, staged in shared memory
+    (q_tile, whose Q every wgmma has read by now)."""
+    scale = None
+    if has_sinks:
+      sink = sinks_ref[tile.batch if sinks_ref.shape[0] > 1 else 0, tile.head] * LOG2_E
+      m_i, l_i, scale = join_sink_rows(m_i, l_i, sink)
+    # Only a -inf sink leaves a row that saw no key with l_i = 0.
+    guarded = may_see_nothing or has_sinks
+    if guarded:
       seen = l_i != 0.0  # a row with a NaN has l_i = NaN: its lse stays NaN
-      l_i = jnp.where(seen, l_i, 1.0)  # rows that saw no key: zeros, lse = -inf
-    out = acc * lax.broadcast_in_dim(1.0 / l_i, acc.shape, [0])
+      l_i = jnp.where(seen, l_i, 1.0)  # rows that saw no key: zeros, lse = -inf (the sink)
+    # One division per row at the end (a reciprocal, then multiplies).
+    out = acc * lax.broadcast_in_dim(1.0 / l_i if scale is None else scale / l_i, acc.shape, [0])
     lse = (m_i + jnp.log2(l_i)) * LN_2
-    if may_see_nothing:
+    if guarded:
       lse = jnp.where(seen, lse, -jnp.inf)
     q_start = tile.q_start + wg * rows
     q_tile[...] = out.astype(dtype)
@@ -388,6 +398,7 @@ def forward(
     alibi_slopes: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    sinks: jax.Array | None = None,
     softmax_scale: float | None = None,
     config: MosaicForwardConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -408,6 +419,9 @@ def forward(
       seq_q - j| to the scores (after the softcap); None for none.
     q_segment_ids, kv_segment_ids: int32 [batch, seq_q] / [batch, seq_k],
       both or neither: query i sees key j only if their ids are equal.
+    sinks: float32 [batch or 1, heads]: one logit per query head in every
+      row's softmax denominator, carrying no value (jax_flash2.merge.
+      join_sinks); None for none.
     softmax_scale: multiplies the scores; defaults to head_dim ** -0.5.
     config: tiling; defaults to `defaults.mosaic_forward(head_dim,
       seq_q=..., causal=...)`.
@@ -417,7 +431,7 @@ def forward(
   Returns:
     out: like q. lse: float32 [batch, heads, seq_q], natural log. Rows that
       see no key (a band's right edge with seq_q > seq_k + right: causal
-      with seq_q > seq_k) get zeros and lse = -inf.
+      with seq_q > seq_k) get zeros and lse = -inf (the sink, with sinks).
 
   Raises:
     NotImplementedError: head_dim not in (64, 128, 256), dtypes other than
@@ -432,6 +446,9 @@ def forward(
   mask = with_segment_ids(mask, q_segment_ids, kv_segment_ids, batch)
   segments = mask.segments
   scores = scores_of(q, mask, softmax_scale, softcap, alibi_slopes)
+  if sinks is not None and (sinks.dtype != jnp.float32 or sinks.shape not in ((1, heads), (batch, heads))):
+    raise ValueError(f"sinks must be float32 [batch or 1, heads] = [{batch} or 1, {heads}], got "
+                     f"{sinks.dtype} {sinks.shape}")
   if config is None:
     config = defaults.mosaic_forward(head_dim, seq_q=seq_q, causal=causal, segments=segments)
   check_smem(config, {"the forward": smem_bytes(config, head_dim, q.dtype)}, head_dim)
@@ -482,11 +499,11 @@ def forward(
                                           causal=triangular(mask), interpret=interpret, work=work)
   kernel = functools.partial(
       _forward_kernel, mask=mask, group=heads // kv_heads, num_q_blocks=num_q_blocks, schedule=schedule,
-      scores=scores, config=config, interpret=interpret,
+      scores=scores, has_sinks=sinks is not None, config=config, interpret=interpret,
   )
   out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32))
   out, lse = specialized_kernel(kernel, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                                 interpret_params=interpret_params, name="flash2_fwd_mosaic",
-                                consumers=consumers)(q, k, v, tile_table(schedule), *optional_slopes(alibi_slopes),
-                                                     *id_inputs)
+                                consumers=consumers)(q, k, v, tile_table(schedule), *optional_input(alibi_slopes),
+                                                     *optional_input(sinks), *id_inputs)
   return unpad_seq(out, seq_q), unpad_seq(lse, seq_q, axis=2)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jax_flash2 import merge
 from jax_flash2.config import KernelConfig
 from jax_flash2.problem import Operands, Problem
 from jax_flash2.triton import common
@@ -33,8 +34,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   # opt (common.OptionalRefs): the dense mask [seq_q, seq_k], the tile flags
   # [Q blocks, K blocks], the segment bounds [Q blocks, 4], segment ids
   # [seq_q] and [seq_k], this head's ALiBi slope [], the dropout seed [2],
-  # the bias [seq_q, seq_k], each where the problem has it.
-  opt, o_ref, lse_ref = common.split_refs(refs, problem)
+  # the bias [seq_q, seq_k], each where the problem has it; then this head's
+  # sink [] with sinks.
+  opt, *refs = common.split_refs(refs, problem)
+  sink_ref, o_ref, lse_ref = refs if problem.has_sinks else (None, *refs)
   seq_q, seq_k = problem.seq_q, problem.seq_k
   q_block = common.q_block_of_program(pl.program_id(0), seq_q, block_q)
   q_start = q_block * block_q
@@ -99,15 +102,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, problem: Problem, block_q: int, 
   l_i = jnp.zeros((block_q,), jnp.float32)
   acc, m_i, l_i = common.split_loop(step, (acc, m_i, l_i), lo, full_lo, full_hi, hi)
 
+  # The sink joins the denominator here, in base 2 (merge.join_sink_rows).
   # Rows that saw no key (outside the band, e.g. causal with seq_q > seq_k,
   # or under a dense mask) have l_i = 0: they get zeros and lse = -inf
-  # rather than 0/0. A row with a NaN (or an infinite score) has l_i = NaN:
-  # its output and lse are NaN.
+  # rather than 0/0 (with a sink, zeros and lse = the sink). A row with a
+  # NaN (or an infinite score) has l_i = NaN: its output and lse are NaN.
+  m_i = log2_domain(m_i)
+  if sink_ref is not None:
+    m_i, l_i, scale = merge.join_sink_rows(m_i, l_i, sink_ref[...] * LOG2_E)
   seen = l_i != 0.0
   l_safe = jnp.where(seen, l_i, 1.0)
-  out = acc / l_safe[:, None]
+  out = acc / l_safe[:, None] if sink_ref is None else acc * (scale / l_safe)[:, None]
   common.store_tile(o_ref, out.astype(o_ref.dtype), q_rows, cols)
-  lse = jnp.where(seen, log2_domain(m_i) + jnp.log2(l_safe), -jnp.inf)  # base 2, as the backward reads it
+  lse = jnp.where(seen, m_i + jnp.log2(l_safe), -jnp.inf)  # base 2, as the backward reads it
   common.store(lse_ref, lse, q_rows)
 
 
@@ -125,7 +132,8 @@ def forward(
 
   Args:
     q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, heads // group, head_dim].
-    operands: the mask, segment ids, ALiBi slopes and dropout seed the
+    operands: the mask, segment ids, ALiBi slopes, dropout seed, bias and
+      sinks ([batch or 1, heads], joined to every row's denominator) the
       problem has (see Operands).
 
   Returns:
@@ -144,6 +152,9 @@ def forward(
   in_specs, args = common.with_optional_inputs(
       [common.rows_spec(bq, d, seq_q), kv_spec, kv_spec], [q, k, v], operands, bq, bk
   )
+  if problem.has_sinks:  # [batch or 1, heads], one a program like the ALiBi slopes
+    in_specs.append(common.alibi_spec(operands.sinks))
+    args.append(operands.sinks)
   return pl.pallas_call(
       kernel,
       grid=grid,
