@@ -238,27 +238,40 @@ def varlen_reference_with_grads(q, k, v, dout, dlse, lens_q, lens_k, *, sinks=No
   """(out, lse, dq, dk, dv[, dsinks]) of flash_attention_varlen's inputs
   ([total, heads, head_dim]), each sequence through the plain reference on
   its own in `dtype`; rows of no sequence, and sequences with no key, see
-  nothing."""
+  nothing.
+
+  One reference call for all the sequences (one compile, not one per
+  length): sequence s is batch row s, its queries and keys right-aligned in
+  rows of the longest lengths, which keeps its band's bottom-right
+  alignment and its ALiBi distances; kv segment ids hide the keys before it
+  (its padded queries, whose cotangents are zero, may see them)."""
   heads = q.shape[1]
+  max_q, max_k = max(max(lens_q), 1), max(max(lens_k), 1)
+  cq, ck = np.asarray(cu_seqlens(lens_q)), np.asarray(cu_seqlens(lens_k))
+
+  def slots(lens, starts, longest):
+    """[n, longest] source rows of the padded layout and where they are real."""
+    at = np.arange(longest)[None, :] - (longest - np.asarray(lens))[:, None]
+    real = at >= 0
+    return np.where(real, starts[:-1, None] + at, 0), real
+
+  rows, real_q = slots(lens_q, cq, max_q)
+  keys, real_k = slots(lens_k, ck, max_k)
+  padded = lambda x, at, real: jnp.where(real[..., None, None], jnp.asarray(x)[at], 0)
+  ids = (jnp.asarray(real_q, jnp.int32), jnp.asarray(real_k, jnp.int32))
+  dlse_padded = jnp.where(real_q[:, None, :], jnp.asarray(dlse)[:, rows].transpose(1, 0, 2), 0)
+  got = reference_with_grads(padded(q, rows, real_q), padded(k, keys, real_k), padded(v, keys, real_k),
+                             padded(dout, rows, real_q), dlse_padded, segment_ids=ids, sinks=sinks,
+                             alibi_slopes=alibi_slopes, dtype=dtype, **options)
+  got = [np.asarray(x) for x in got]
   out, lse = np.zeros(q.shape), np.full((heads, q.shape[0]), -np.inf)
   dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-  dsinks = np.zeros(heads)
   if sinks is not None:
-    lse[:] = np.asarray(sinks, np.float64)[:, None]
-  cq, ck = np.asarray(cu_seqlens(lens_q)), np.asarray(cu_seqlens(lens_k))
-  for s, (lq, lk) in enumerate(zip(lens_q, lens_k)):
-    rq, rk = slice(cq[s], cq[s] + lq), slice(ck[s], ck[s] + lk)
-    if lq == 0:
-      continue
-    if lk == 0:  # lse = sink: d lse / d sink = 1, and nothing else moves
-      dsinks += np.asarray(dlse[:, rq], np.float64).sum(axis=1) if sinks is not None else 0.0
-      continue
-    got = reference_with_grads(q[None, rq], k[None, rk], v[None, rk], dout[None, rq], dlse[None, :, rq],
-                               sinks=sinks, alibi_slopes=alibi_slopes, dtype=dtype, **options)
-    out[rq], lse[:, rq], dq[rq], dk[rk], dv[rk] = (np.asarray(x[0]) for x in got[:5])
-    if sinks is not None:
-      dsinks += np.asarray(got[5])
-  return (out, lse, dq, dk, dv) + ((dsinks,) if sinks is not None else ())
+    lse[:] = np.asarray(sinks, np.float64)[:, None]  # rows of no sequence
+  out[rows[real_q]], dq[rows[real_q]] = got[0][real_q], got[2][real_q]
+  lse[:, rows[real_q]] = got[1].transpose(1, 0, 2)[:, real_q]
+  dk[keys[real_k]], dv[keys[real_k]] = got[3][real_k], got[4][real_k]
+  return (out, lse, dq, dk, dv) + ((got[5],) if sinks is not None else ())
 
 
 def flash_with_grads(q, k, v, dout, dlse=None, *, wrt=(), **kwargs):
