@@ -181,21 +181,34 @@ def test_without_custom_partitioning_an_all_gather_appears(monkeypatch):
   assert "all-gather" in hlo
 
 
-def test_sharded_sequence_rides_the_ring():
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_sharded_sequence_rides_the_ring(sinks):
   """A sequence split over a mesh axis stays split: the kernels run ring
   attention round that axis (jax_flash2.ring, contiguous layout), forward
   and backward, with collective-permutes and no all-gather, and give the
   unsharded answer; batch stays split over the other axis. (A ring of 2:
-  test_ring.py has rings of 4 under shard_map.)"""
+  test_ring.py has rings of 4 under shard_map.) With sinks the ring joins
+  them to its merged output, and dsinks is summed over the shards (an
+  all-reduce)."""
   mesh = _mesh((4, 2))
   q, k, v, dout = _inputs()
+  sink = jax.random.normal(jax.random.PRNGKey(5), (4,), jnp.float32) + 1.0 if sinks else None
+
+  def out_and_grads(kernel):
+    def f(q, k, v, dout, sink):
+      attend = lambda q, k, v, *sink: flash_attention(q, k, v, causal=True, sinks=sink[0] if sink else None, **kernel)
+      out, vjp = jax.vjp(attend, q, k, v, *(() if sink is None else (sink,)))
+      return (out, *vjp(dout))
+
+    return f
+
   seq = NamedSharding(mesh, P("data", "model"))
-  f = _out_and_grads(dict(interpret=True, block_sizes=SMALL))
-  got, hlo = _compile(lambda q, k, v, dout: f(q, k, v, dout, None), (q, k, v, dout), (seq,) * 4)
+  got, hlo = _compile(lambda q, k, v, dout, sink: out_and_grads(dict(interpret=True, block_sizes=SMALL))(
+      q, k, v, dout, sink), (q, k, v, dout, sink), (seq,) * 4 + (None if sink is None else NamedSharding(mesh, P()),))
   assert "collective-permute" in hlo
-  assert set(COLLECTIVES.findall(hlo)) == {"collective-permute"}
-  want = _out_and_grads(dict(backend="xla"))(q, k, v, dout, None)
-  for name, x, w in zip(("out", "dq", "dk", "dv"), got, want):
+  assert set(COLLECTIVES.findall(hlo)) == ({"collective-permute", "all-reduce"} if sinks else {"collective-permute"})
+  want = out_and_grads(dict(backend="xla"))(q, k, v, dout, sink)
+  for name, x, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
     assert rel_err(x, w) < 1e-5, name
 
 
@@ -355,9 +368,9 @@ def test_bias_and_its_gradient_shard_with_batch_and_heads(bias_shape, kernel):
 
 @pytest.mark.parametrize("kernel", MODES)
 def test_sinks_shard_with_the_heads(kernel):
-  """The sinks join the kernels' output outside their partitioned call, in
-  plain JAX that the partitioner splits like the heads: no all-gather, and
-  dsinks is summed over the batch shards (an all-reduce over "data")."""
+  """The sinks enter the forward kernels' partitioned call split like the
+  heads: no all-gather, and dsinks is summed over the batch shards (an
+  all-reduce over "data")."""
   mesh = _mesh((2, 4))
   q, k, v, dout = _inputs()
   sinks = jax.random.normal(jax.random.PRNGKey(5), (4,), jnp.float32) + 2.0
