@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 def weight(lse: jax.Array, total: jax.Array, *, log2: bool = False) -> jax.Array:
   """exp(lse - total) (exp2 with log2), the share of a part with this lse
   in a merged row of this total; 0 where the part saw no key (lse = -inf,

@@ -82,9 +82,9 @@ def _factors(q_shape, kv_shape, shapes: dict[str, tuple[int, ...]], ring: bool =
   _shard_plan keeps them consistent instead. mb / mh are a mask's broadcast
   (size 1) batch / heads axes, which can share no factor with the full-size
   ones; ab the broadcast batch axis of the ALiBi slopes and the sinks; z the
-  dropout seed's two words. The bias (and dS, its gradient) takes the mask's factors. With
-  ring, seq_k shares seq_q's factor: the two are split alike, and the ring
-  (rides_ring) runs on the shards.
+  dropout seed's two words. The bias (and dS, its gradient) takes the mask's
+  factors. With ring, seq_k shares seq_q's factor: the two are split alike,
+  and the ring (rides_ring) runs on the shards.
   """
   if q_shape[2] == kv_shape[2]:
     heads = kv_heads = "h"
@@ -399,8 +399,9 @@ def _fold(x: jax.Array, axis_size: int, batched: bool) -> jax.Array:
 
 
 def _fold_mask(mask: jax.Array | None, axis_size: int, batched: bool, batch: int) -> jax.Array | None:
-  """Folds a mask (or the ALiBi slopes, the sinks: any array with batch on axis 0) like
-  _fold, keeping a batch axis that is broadcast over everything at size 1."""
+  """Folds a mask (or the ALiBi slopes, the sinks: any array with batch on
+  axis 0) like _fold, keeping a batch axis that is broadcast over everything
+  at size 1."""
   if mask is None or (not batched and mask.shape[0] == 1):
     return mask
   if not batched:
