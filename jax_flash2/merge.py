@@ -22,12 +22,11 @@ import jax
 import jax.numpy as jnp
 
 
-def weight(lse: jax.Array, total: jax.Array, *, log2: bool = False) -> jax.Array:
-  """exp(lse - total) (exp2 with log2), the share of a part with this lse
-  in a merged row of this total; 0 where the part saw no key (lse = -inf,
-  where a -inf total would give exp(NaN))."""
-  exp = jnp.exp2 if log2 else jnp.exp
-  return jnp.where(lse == -jnp.inf, 0.0, exp(lse - total))
+def weight(lse: jax.Array, total: jax.Array) -> jax.Array:
+  """exp(lse - total), the share of a part with this lse in a merged row of
+  this total; 0 where the part saw no key (lse = -inf, where a -inf total
+  would give exp(NaN))."""
+  return jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - total))
 
 
 def _per_row(w: jax.Array) -> jax.Array:
