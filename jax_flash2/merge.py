@@ -51,11 +51,10 @@ def join_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> tuple[jax.Ar
   out' = out * exp(lse - lse').
 
   out: [batch, seq, heads, head_dim]; lse: float32 [batch, heads, seq],
-  natural log, as is the lse' returned; sinks: float32 [heads], or
-  [batch or 1, heads] (the kernels' form). out' keeps out's dtype. A row
-  that sees no key keeps out = 0 and gets lse' = sink."""
-  sink = sinks[..., None] if sinks.ndim == 2 else sinks[None, :, None]
-  joined = jnp.logaddexp(lse, sink)
+  natural log, as is the lse' returned; sinks: float32 [batch or 1, heads].
+  out' keeps out's dtype. A row that sees no key keeps out = 0 and gets
+  lse' = sink."""
+  joined = jnp.logaddexp(lse, sinks[..., None])
   kept = out.astype(jnp.float32) * _per_row(weight(lse, joined))
   return kept.astype(out.dtype), joined
 

@@ -11,7 +11,6 @@ run sharding's partitioned kernels.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import warnings
@@ -155,7 +154,7 @@ def _ring(q, k, v, q_ids, kv_ids, sinks, ring: Ring):
 def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, ring: Ring):
   out, lse = forward_ring(q, k, v, q_ids, kv_ids, ring)
   if sinks is not None:
-    out, lse = merge.join_sinks(out, lse, sinks)
+    out, lse = merge.join_sinks(out, lse, sinks[None])
   out = checkpoint_name(out.astype(q.dtype), vjp.OUT_NAME)
   lse = checkpoint_name(lse, vjp.LSE_NAME)
   return (out, lse), (q, k, v, q_ids, kv_ids, sinks, out, lse)
@@ -190,8 +189,6 @@ def _check(q, k, v, *, axis_name, causal, layout, strategy, window_size, softcap
   strategy = _check_option(RingStrategy, "strategy", strategy)
   problem = check_problem(q, k, v, causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale)
-  # The steps' kernels take no sinks: they join the merged output (_ring_fwd).
-  problem = dataclasses.replace(problem, has_sinks=False)
   if q.shape[1] != k.shape[1]:
     raise ValueError(f"ring_attention attends one sequence split over the ring: q's and k/v's local lengths "
                      f"(axis 1) must be equal, got q {tuple(q.shape)}, k {tuple(k.shape)}")

@@ -216,7 +216,8 @@ def schedule(ring: Ring) -> tuple[_Step, ...]:
 
   def call_of(m: Mask) -> Call:
     if m not in calls:
-      problem = dataclasses.replace(ring.problem, mask=m)
+      # The steps' kernels take no sinks: a ring joins them to its merged output.
+      problem = dataclasses.replace(ring.problem, mask=m, has_sinks=False)
       calls[m] = Call(problem, backends.choose(problem, ring.device, ring.backend, block_sizes=ring.block_sizes))
     return calls[m]
 
@@ -417,9 +418,8 @@ def _partitioned_ring(call: Call, q, axis, parts: Parts) -> Ring:
       else Backend.TRITON
   device = Device(backends.default_compute_capability(), call.interpret)
   block_sizes = call.plan.forward.config if backend is Backend.TRITON else None
-  # The steps' kernels take no sinks: they join the merged output (sharded_forward).
   return Ring(axis, lax.axis_size(axis), RingLayout.CONTIGUOUS, RingStrategy.RING,
-              dataclasses.replace(call.problem, mask=local, has_sinks=False), device, backend, parts, local=True,
+              dataclasses.replace(call.problem, mask=local), device, backend, parts, local=True,
               block_sizes=block_sizes)
 
 

@@ -122,6 +122,12 @@ def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
   return float(head_dim ** -0.5 if softmax_scale is None else softmax_scale)
 
 
+def per_head(ref, batch, head):
+  """This (batch, head)'s float32 scalar of a [batch or 1, heads] input in
+  global memory (the ALiBi slopes, the sinks)."""
+  return ref[batch if ref.shape[0] > 1 else 0, head]
+
+
 @dataclasses.dataclass(frozen=True)
 class Scores:
   """What turns a tile of Q K^T into the softmax's scores, as
@@ -149,7 +155,7 @@ class Scores:
     memory (slopes_ref: [batch or 1, heads]), or None without ALiBi."""
     if not self.alibi:
       return None
-    return slopes_ref[batch if slopes_ref.shape[0] > 1 else 0, head]
+    return per_head(slopes_ref, batch, head)
 
   def log2(self, s, query, key, slope):
     """(the scores of the tile s = Q K^T in base 2, the softcap's derivative
@@ -427,16 +433,23 @@ def band_of(seq_q: int, seq_k: int, causal: bool, window_size) -> Mask:
   return Mask(seq_q, seq_k, causal=bool(causal), window_left=left, window_right=right)
 
 
+def check_per_head(name: str, x, q) -> None:
+  """Raises ValueError unless x is None or float32 [batch or 1, heads] for
+  q [batch, seq, heads, D] (the ALiBi slopes, the sinks)."""
+  if x is None:
+    return
+  batch, heads = q.shape[0], q.shape[2]
+  if x.dtype != jnp.float32 or x.shape not in ((1, heads), (batch, heads)):
+    raise ValueError(f"{name} must be float32 [batch or 1, heads] = [{batch} or 1, {heads}], got "
+                     f"{x.dtype} {x.shape}")
+
+
 def scores_of(q, mask: Mask, softmax_scale: float | None, softcap: float | None, alibi_slopes) -> Scores:
   """The Scores of an entry point's arguments, checked: softcap > 0 or
   None; alibi_slopes float32 [batch or 1, heads] or None."""
   if softcap is not None and not softcap > 0:
     raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
-  if alibi_slopes is not None:
-    batch, heads = q.shape[0], q.shape[2]
-    if alibi_slopes.dtype != jnp.float32 or alibi_slopes.shape not in ((1, heads), (batch, heads)):
-      raise ValueError(f"alibi_slopes must be float32 [batch or 1, heads] = [{batch} or 1, {heads}], got "
-                       f"{alibi_slopes.dtype} {alibi_slopes.shape}")
+  check_per_head("alibi_slopes", alibi_slopes, q)
   return Scores(softmax_scale_of(softmax_scale, q.shape[-1]), None if softcap is None else float(softcap),
                 alibi_slopes is not None, mask.offset)
 

@@ -54,9 +54,9 @@ from jax_flash2.mask import Mask
 from jax_flash2.merge import join_sink_rows
 from jax_flash2.mosaic.common import (
     LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, Scores, at_least, band_of, check_operands,
-    check_smem, interpret_params_of, kv_range, kv_ring_producer, load_ids, optional_input, optional_ref,
-    outer_grid, pad_seq, q_tile_work, run_tiles, same_ids, scores_of, segment_inputs, segment_range, segment_refs,
-    specialized_kernel, swizzled, tile_table, triangular, unpad_seq, with_segment_ids,
+    check_per_head, check_smem, interpret_params_of, kv_range, kv_ring_producer, load_ids, optional_input,
+    optional_ref, outer_grid, pad_seq, per_head, q_tile_work, run_tiles, same_ids, scores_of, segment_inputs,
+    segment_range, segment_refs, specialized_kernel, swizzled, tile_table, triangular, unpad_seq, with_segment_ids,
 )
 
 # Shared memory Mosaic reserves for itself beside the forward's buffers
@@ -90,9 +90,10 @@ def _forward_kernel(
   # seq_k': the real lengths (mask) padded to whole blocks (seq_q on the GPU
   # only to whole consumer tiles; see `forward`); tiles_ref: the persistent
   # schedule's table (`tile_table`); slopes_ref (ALiBi only), sinks_ref
-  # (sinks only): float32 [batch or 1, heads]; with segment ids, q_ids_ref, kv_ids_ref: int32 [batch,
-  # seq_q'] / [batch, seq_k'] and ranges_ref: int32 [batch, Q row groups, 4],
-  # each consumer's K/V block range under them (mask.segment_block_ranges).
+  # (sinks only): float32 [batch or 1, heads]; with segment ids, q_ids_ref,
+  # kv_ids_ref: int32 [batch, seq_q'] / [batch, seq_k'] and ranges_ref: int32
+  # [batch, Q row groups, 4], each consumer's K/V block range under them
+  # (mask.segment_block_ranges).
   # C = config.consumers. q_smem: [buffers, C, rows, D] (one Q tile per
   # consumer, reused for its output; `q_buffers`); k_smem, v_smem: [stages,
   # block_kv, D] (the ring); lse_smem: [C, rows] f32.
@@ -348,7 +349,7 @@ def _forward_kernel(
     (q_tile, whose Q every wgmma has read by now)."""
     scale = None
     if has_sinks:
-      sink = sinks_ref[tile.batch if sinks_ref.shape[0] > 1 else 0, tile.head] * LOG2_E
+      sink = per_head(sinks_ref, tile.batch, tile.head) * LOG2_E
       m_i, l_i, scale = join_sink_rows(m_i, l_i, sink)
     # Only a -inf sink leaves a row that saw no key with l_i = 0.
     guarded = may_see_nothing or has_sinks
@@ -446,9 +447,7 @@ def forward(
   mask = with_segment_ids(mask, q_segment_ids, kv_segment_ids, batch)
   segments = mask.segments
   scores = scores_of(q, mask, softmax_scale, softcap, alibi_slopes)
-  if sinks is not None and (sinks.dtype != jnp.float32 or sinks.shape not in ((1, heads), (batch, heads))):
-    raise ValueError(f"sinks must be float32 [batch or 1, heads] = [{batch} or 1, {heads}], got "
-                     f"{sinks.dtype} {sinks.shape}")
+  check_per_head("sinks", sinks, q)
   if config is None:
     config = defaults.mosaic_forward(head_dim, seq_q=seq_q, causal=causal, segments=segments)
   check_smem(config, {"the forward": smem_bytes(config, head_dim, q.dtype)}, head_dim)
