@@ -3,6 +3,7 @@
 # window and packed cases (lab/tools/mosaic_options_sweep.py), then what a
 # softcap costs and what cuts it (lab/tools/softcap_ab.py). Logs in $OUT.
 #   bash lab/gpu_options_ab.sh [sweep] [packed] [ragged] [softcap128] [softcappoly] [earlyrows] [softcap64] [segtests] [segrecord]
+#     [deltafold]
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -36,6 +37,18 @@ for stage in "$@"; do
         --varlen 1024,3072,512,4096,2560,1536,2048,1536 --modes fwd fwd+bwd --impls flash2 flash2-segids \
         --iters 10 --warmup 2 --no-progress --no-plot --out "$OUT/bench/mosaic-varlen-onecta" 2>&1 | quiet | tail -n 12
       tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -r "$OUT/bench" ;;
+    deltafold)  # lab/patches/dq_delta_fold.diff in a patched copy of the tree: A/B, then its GPU tests
+      fold=$(mktemp -d)
+      tar --exclude=./.git --exclude="./$OUT" -cf - . | tar -xf - -C "$fold"
+      if (cd "$fold" && { patch -p1 -s < lab/patches/dq_delta_fold.diff || git apply lab/patches/dq_delta_fold.diff; }); then
+        (cd "$fold" && timeout 420 python lab/tools/delta_fold_ab.py 2>&1 | quiet | tee "$OUT/delta_fold.log"
+         timeout 300 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -n 0 -rA \
+           -k "(mosaic_options_match and not 256 and bf16) or (mosaic_segment_ids and 128 and bf16)" 2>&1 | quiet \
+           | tail -n 25 | tee "$OUT/delta_fold_tests.log")
+      else
+        echo "deltafold: the patch does not apply" | tee "$OUT/delta_fold.log"
+      fi
+      rm -rf "$fold" ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done
