@@ -41,7 +41,7 @@ for stage in "$@"; do
       fold=$(mktemp -d)
       tar --exclude=./.git --exclude="./$OUT" -cf - . | tar -xf - -C "$fold"
       if (cd "$fold" && { patch -p1 -s < lab/patches/dq_delta_fold.diff || git apply lab/patches/dq_delta_fold.diff; }); then
-        (cd "$fold" && timeout 420 python lab/tools/delta_fold_ab.py 2>&1 | quiet | tee "$OUT/delta_fold.log"
+        (cd "$fold" && timeout 480 python lab/tools/delta_fold_ab.py 2>&1 | quiet | tee "$OUT/delta_fold.log"
          timeout 300 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -n 0 -rA \
            -k "(mosaic_options_match and not 256 and bf16) or (mosaic_segment_ids and 128 and bf16)" 2>&1 | quiet \
            | tail -n 25 | tee "$OUT/delta_fold_tests.log")
