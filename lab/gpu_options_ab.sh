@@ -38,15 +38,15 @@ for stage in "$@"; do
         --iters 10 --warmup 2 --no-progress --no-plot --out "$OUT/bench/mosaic-varlen-onecta" 2>&1 | quiet | tail -n 12
       tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -r "$OUT/bench" ;;
     deltafold)  # lab/patches/dq_delta_fold.diff in a patched copy of the tree: A/B, then its GPU tests
-      fold=$(mktemp -d)
+      fold=$(mktemp -d) out=$(cd "$OUT" && pwd)
       tar --exclude=./.git --exclude="./$OUT" -cf - . | tar -xf - -C "$fold"
       if (cd "$fold" && { patch -p1 -s < lab/patches/dq_delta_fold.diff || git apply lab/patches/dq_delta_fold.diff; }); then
-        (cd "$fold" && timeout 480 python lab/tools/delta_fold_ab.py 2>&1 | quiet | tee "$OUT/delta_fold.log"
-         timeout 300 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -n 0 -rA \
+        (cd "$fold" && timeout 330 python lab/tools/delta_fold_ab.py 2>&1 | quiet | tee "$out/delta_fold.log"
+         timeout 240 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -n 0 -rA \
            -k "(mosaic_options_match and not 256 and bf16) or (mosaic_segment_ids and 128 and bf16)" 2>&1 | quiet \
-           | tail -n 25 | tee "$OUT/delta_fold_tests.log")
+           | tail -n 25 | tee "$out/delta_fold_tests.log")
       else
-        echo "deltafold: the patch does not apply" | tee "$OUT/delta_fold.log"
+        echo "deltafold: the patch does not apply" | tee "$out/delta_fold.log"
       fi
       rm -rf "$fold" ;;
     *) echo "unknown stage $stage" >&2 ;;
