@@ -3,9 +3,14 @@
 # window and packed cases (lab/tools/mosaic_options_sweep.py), then what a
 # softcap costs and what cuts it (lab/tools/softcap_ab.py). Logs in $OUT.
 #   bash lab/gpu_options_ab.sh [sweep] [packed] [ragged] [softcap128] [softcappoly] [earlyrows] [softcap64] [segtests] [segrecord]
-#     [deltafold]
+#     [patchab] [patchtests]
+# patchab and patchtests take PATCH (default lab/patches/dq_delta_fold.diff)
+# and PATCH_TESTS (a pytest -k expression; default the bf16 option and
+# segment-id tests of the Mosaic kernels at head_dim 64 and 128).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
+PATCH=${PATCH:-lab/patches/dq_delta_fold.diff}
+PATCH_TESTS=${PATCH_TESTS:-(mosaic_options_match and not 256 and bf16) or (mosaic_segment_ids and 128 and bf16)}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
 quiet() { grep -v "^WARNING\|^I0000\|^E0000\|^W0000"; }
@@ -37,18 +42,18 @@ for stage in "$@"; do
         --varlen 1024,3072,512,4096,2560,1536,2048,1536 --modes fwd fwd+bwd --impls flash2 flash2-segids \
         --iters 10 --warmup 2 --no-progress --no-plot --out "$OUT/bench/mosaic-varlen-onecta" 2>&1 | quiet | tail -n 12
       tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -r "$OUT/bench" ;;
-    deltafold)  # lab/patches/dq_delta_fold.diff in a patched copy of the tree: A/B, then its GPU tests
-      fold=$(mktemp -d) out=$(cd "$OUT" && pwd)
-      tar --exclude=./.git --exclude="./$OUT" -cf - . | tar -xf - -C "$fold"
-      if (cd "$fold" && { patch -p1 -s < lab/patches/dq_delta_fold.diff || git apply lab/patches/dq_delta_fold.diff; }); then
-        (cd "$fold" && timeout 330 python lab/tools/delta_fold_ab.py 2>&1 | quiet | tee "$out/delta_fold.log"
-         timeout 240 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -n 0 -rA \
-           -k "(mosaic_options_match and not 256 and bf16) or (mosaic_segment_ids and 128 and bf16)" 2>&1 | quiet \
-           | tail -n 25 | tee "$out/delta_fold_tests.log")
+    patchab)  # $PATCH against the product in one process, alternating (lab/tools/patch_ab.py)
+      timeout 330 python lab/tools/patch_ab.py "$PATCH" 2>&1 | quiet | tee "$OUT/patch_ab.log" ;;
+    patchtests)  # the GPU tests of the kernels $PATCH touches, on a patched copy of the tree
+      copy=$(mktemp -d) out=$(cd "$OUT" && pwd) patch_file=$(realpath "$PATCH")
+      tar --exclude=./.git --exclude="./$OUT" -cf - . | tar -xf - -C "$copy"
+      if (cd "$copy" && git apply "$patch_file"); then
+        (cd "$copy" && timeout 240 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -n 0 -rA \
+           -k "$PATCH_TESTS" 2>&1 | quiet | tail -n 25 | tee "$out/patch_tests.log")
       else
-        echo "deltafold: the patch does not apply" | tee "$out/delta_fold.log"
+        echo "patchtests: $PATCH does not apply" | tee "$out/patch_tests.log"
       fi
-      rm -rf "$fold" ;;
+      rm -rf "$copy" ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done
