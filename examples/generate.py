@@ -1,7 +1,8 @@
 """Greedy generation with the example GPT over a KV cache: prefill with
 jax_flash2.flash_attention, then one token per step with flash_decode, checked
-against full recomputation. Needs jax_flash2 importable (PYTHONPATH=. from the
-repository root, or `pip install -e .`).
+against full recomputation. Needs jax_flash2 and Flax importable
+(`pip install -e '.[flax]'`, or Flax installed and PYTHONPATH=. from the
+repository root).
 
     python examples/generate.py                     # contiguous cache
     python examples/generate.py --paged 16          # paged cache, 16 tokens a page

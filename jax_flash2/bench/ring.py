@@ -12,8 +12,8 @@ ring device attends, with no collective and no merge. Their FLOPs are
 equal, so efficiency = single ms / ring ms is also the ring's per-device
 TFLOP/s over the single device's.
 
-The layout fixes the mask, as issue 32 has them: ZIGZAG is causal (the
-layout that balances causal work), CONTIGUOUS non-causal. With n =
+The layout fixes the mask: ZIGZAG is causal (the layout that balances
+causal work), CONTIGUOUS non-causal. With n =
 tokens_per_device and c = n / 2 (one zigzag chunk), a device attends
 
 - contiguous non-causal: its n queries to all S keys, n x S pairs; alone:
