@@ -3,6 +3,7 @@
   PYTHONPATH=. python lab/tools/mosaic_profile.py --seq 2048 --head-dim 128 [--causal] \\
       [--variants default fused_dq=1+dkv_persistent=0+stages=2] [--batch 1 --heads 8] [--keep DIR]
   PYTHONPATH=. python lab/tools/mosaic_profile.py --kernel forward --head-dim 64 --seq 8192 --heads 4
+  PYTHONPATH=. python lab/tools/mosaic_profile.py --seq 16384 --heads 16 --causal --window 1024 0   # or --segments 8
 
 Runs flash_attention(..., backend="mosaic", mosaic_config=...) once per
 variant (a MosaicBackwardConfig for --kernel backward, which runs jax.vjp:
@@ -114,6 +115,9 @@ def main() -> int:
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=8)
   parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--window", nargs=2, type=int, default=None, metavar=("LEFT", "RIGHT"),
+                      help="window_size (with --causal, RIGHT is capped at 0)")
+  parser.add_argument("--segments", type=int, default=None, help="equal packed sequences as segment ids")
   parser.add_argument("--variants", nargs="*", default=["default"],
                       help="configs: 'default', or fields set on it as NAME=VALUE joined by '+'")
   parser.add_argument("--events", type=int, default=512, help="profiler events per warpgroup")
@@ -130,22 +134,31 @@ def main() -> int:
   import cli_ab  # lab/tools/: the variant syntax
 
   shape = (args.batch, args.seq, args.heads, args.head_dim)
+  options = dict(causal=args.causal)
+  if args.window is not None:
+    options["window_size"] = tuple(args.window)
+  if args.segments is not None:
+    ids = jnp.repeat(jnp.arange(args.segments, dtype=jnp.int32), args.seq // args.segments)
+    options["q_segment_ids"] = options["kv_segment_ids"] = jnp.broadcast_to(ids, (args.batch, args.seq))
+  plain, segments = len(options) == 1, args.segments is not None
   q, k, v, do = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.PRNGKey(0), 4))
   print(jax.devices()[0].device_kind, f"batch {args.batch}, seq {args.seq}, heads {args.heads}, "
-        f"head_dim {args.head_dim}, {'causal' if args.causal else 'non-causal'}")
+        f"head_dim {args.head_dim}, {'causal' if args.causal else 'non-causal'}, window {args.window}, "
+        f"segments {args.segments}")
   for spec in args.variants:
     directory = pathlib.Path(args.keep or tempfile.mkdtemp(prefix="mosaic_profile_")) / spec.replace("=", "-")
     directory.mkdir(parents=True, exist_ok=True)
     if args.kernel == "forward":
       config = MosaicConfig(forward=cli_ab._variant(
-          defaults.mosaic_forward(args.head_dim, seq_q=args.seq, causal=args.causal), spec))
-      step = lambda q, k, v, do: flash_attention(q, k, v, causal=args.causal, return_lse=True, backend="mosaic",
+          defaults.mosaic_forward(args.head_dim, seq_q=args.seq, causal=args.causal, segments=segments), spec))
+      step = lambda q, k, v, do: flash_attention(q, k, v, **options, return_lse=True, backend="mosaic",
                                                  mosaic_config=config)
     else:
-      config = MosaicConfig(backward=cli_ab._variant(defaults.mosaic_backward(args.head_dim), spec))
+      config = MosaicConfig(backward=cli_ab._variant(
+          defaults.mosaic_backward(args.head_dim, fused=plain, segments=segments), spec))
 
       def step(q, k, v, do, config=config):
-        attn = lambda q, k, v: flash_attention(q, k, v, causal=args.causal, backend="mosaic", mosaic_config=config)
+        attn = lambda q, k, v: flash_attention(q, k, v, **options, backend="mosaic", mosaic_config=config)
         _, vjp = jax.vjp(attn, q, k, v)
         return vjp(do)
 
