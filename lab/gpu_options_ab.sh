@@ -3,7 +3,7 @@
 # window and packed cases (lab/tools/mosaic_options_sweep.py), then what a
 # softcap costs and what cuts it (lab/tools/softcap_ab.py). Logs in $OUT.
 #   bash lab/gpu_options_ab.sh [sweep] [packed] [ragged] [softcap128] [softcappoly] [earlyrows] [softcap64] [segtests] [segrecord]
-#     [patchab] [patchtests]
+#     [profile] [patchab] [patchtests]
 # patchab and patchtests take PATCH (default lab/patches/dq_delta_fold.diff)
 # and PATCH_TESTS (a pytest -k expression; default the bf16 option and
 # segment-id tests of the Mosaic kernels at head_dim 64 and 128).
@@ -42,6 +42,13 @@ for stage in "$@"; do
         --varlen 1024,3072,512,4096,2560,1536,2048,1536 --modes fwd fwd+bwd --impls flash2 flash2-segids \
         --iters 10 --warmup 2 --no-progress --no-plot --out "$OUT/bench/mosaic-varlen-onecta" 2>&1 | quiet | tail -n 12
       tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -r "$OUT/bench" ;;
+    profile)  # where the window's short loops lose time: Mosaic's profiler, causal against window (1024, 0)
+      for kernel in forward backward; do
+        for band in "" "--window 1024 0"; do
+          timeout 150 python lab/tools/mosaic_profile.py --kernel $kernel --seq 16384 --heads 16 --causal $band 2>&1 \
+            | quiet | tee -a "$OUT/profile.log" | tail -n 30
+        done
+      done ;;
     patchab)  # $PATCH against the product in one process, alternating (lab/tools/patch_ab.py)
       timeout 330 python lab/tools/patch_ab.py "$PATCH" 2>&1 | quiet | tee "$OUT/patch_ab.log" ;;
     patchtests)  # the GPU tests of the kernels $PATCH touches, on a patched copy of the tree
