@@ -157,7 +157,7 @@ def mosaic_pays_for_padding(seq_q: int, seq_k: int) -> bool:
 # Swept on the H200 (lab/tools/decode_sweep.py, 2026-12-02; bf16, head_dim
 # 128, GQA 8:1): block_k 64, 4 warps, 3 stages and two waves of programs
 # read batch-8 caches of 8k-32k at 71-89% of a copy, batch 1 at 128k 84%,
-# 64-token pages 93%; one wave with 2 stages reads 56-69%, too few loads
+# 64-token pages 93%; one wave with 2 stages reads 55-68%, too few loads
 # in flight. Larger blocks, 8 warps and more waves measured no better.
 
 # K/V rows per block of the split-KV decode kernel; a paged cache takes the
