@@ -32,7 +32,7 @@ from jax_flash2 import defaults, reference
 from jax_flash2.config import MosaicBackwardConfig, MosaicForwardConfig
 from jax_flash2.mask import NUMPY, Mask
 from jax_flash2.mosaic import backward as mosaic_bwd
-from jax_flash2.mosaic import backward_fused, common
+from jax_flash2.mosaic import backward_fused, backward_wide, common
 from jax_flash2.mosaic import forward as mosaic
 
 
@@ -643,6 +643,58 @@ def _bwd_structs(batch, seq_q, seq_k, heads, head_dim, dtype=jnp.bfloat16, kv_he
   q, k, v = _structs(batch, seq_q, seq_k, heads, head_dim, dtype, kv_heads)
   vec = jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32)
   return q, k, v, q, vec, vec
+
+
+def _mosaic_smem_counts(fn, *structs) -> list[int]:
+  """The shared memory Mosaic GPU counts for each kernel `fn` lowers for
+  CUDA (the sum it refuses a kernel over 227 KiB by), in order."""
+  from jax.experimental.mosaic.gpu import core
+
+  counts, count = [], core._smem_tree_size
+
+  def recorded(buffers):
+    counts.append(count(buffers))
+    return counts[-1]
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(core, "_smem_tree_size", recorded)
+    jax.jit(fn).trace(*structs).lower(lowering_platforms=("cuda",))
+  return counts
+
+
+def _smem_cases(head_dim):
+  """(kernel, fn of the backward's operands, its estimate) at the default
+  tilings, persistent and one CTA a tile."""
+  forward = _forward_default(head_dim, seq_q=4096, causal=True)
+  yield "forward", lambda q, k, v, *_: mosaic.forward(q, k, v, causal=True, config=forward), \
+      mosaic.smem_bytes(forward, head_dim, jnp.bfloat16)
+  if head_dim in common.WIDE_HEAD_DIMS:
+    config = defaults.mosaic_backward(head_dim)
+    for name in ("dkv", "dq"):
+      yield f"wide {name}", lambda *a, name=name: getattr(backward_wide, name)(*a, causal=True, config=config), \
+          getattr(backward_wide, f"{name}_smem_bytes")(config, head_dim, jnp.bfloat16)
+    return
+  two = defaults.mosaic_backward(head_dim, fused=False)
+  for config in (two, defaults.mosaic_backward(head_dim, fused=False, segments=True)):
+    for name in ("dkv", "dq"):
+      yield name, lambda *a, name=name, config=config: getattr(mosaic_bwd, name)(*a, causal=True, config=config), \
+          getattr(mosaic_bwd, f"{name}_smem_bytes")(config, head_dim, jnp.bfloat16)
+  if head_dim in FUSED:
+    config = FUSED[head_dim]
+    yield "fused", lambda *a: backward_fused.backward(*a, causal=True, config=config), \
+        backward_fused.smem_bytes(config, head_dim, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim", common.SUPPORTED_HEAD_DIMS)
+def test_smem_estimates_hold_mosaics_count(head_dim):
+  """Each kernel's shared-memory estimate (what check_smem refuses a tiling
+  by) is at least what Mosaic GPU counts when it lowers the kernel, so that
+  no tiling passes our check to meet Mosaic's refusal, and within 4 KiB of
+  it, so that the check refuses no tiling that fits by much."""
+  structs = _bwd_structs(1, 1024, 1024, 2, head_dim)
+  for kernel, fn, estimate in _smem_cases(head_dim):
+    [count] = _mosaic_smem_counts(fn, *structs)
+    assert count <= estimate <= count + 4096, (kernel, count, estimate)
 
 
 def test_bwd_smem_bytes():
