@@ -316,7 +316,8 @@ def _forward_kernel(
       # Every warpgroup sees at least its block lo here (hi > lo). That first
       # block takes the masked path wherever any block may need it: exact
       # either way. The other blocks after it: [lo + 1, hi), in the stretches.
-      carry = first_overlapped_step(lo, (acc, m_i, l_i), masked=any_masked)
+      with jax.named_scope("first_block"):  # the tile's phases outside `step`, for the profiler
+        carry = first_overlapped_step(lo, (acc, m_i, l_i), masked=any_masked)
       after_first = 1 if isinstance(lo, int) else lo + 1
       if mask.left is not None:
         carry = lax.fori_loop(after_first, jnp.maximum(full_lo, after_first),
@@ -328,8 +329,9 @@ def _forward_kernel(
                               carry)
       acc, m_i, l_i, p = carry
       last = slot_of(hi - 1)
-      plgpu.barrier_wait(v_ready.at[last])
-      acc = add_pv(acc, p, last)
+      with jax.named_scope("last_pv"):
+        plgpu.barrier_wait(v_ready.at[last])
+        acc = add_pv(acc, p, last)
       plgpu.barrier_arrive(v_consumed.at[last])
     else:
       carry = (acc, m_i, l_i)
@@ -376,11 +378,13 @@ def _forward_kernel(
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile.batch, tile.head, pl.ds(q_start, rows)])
 
   def compute(tile: QTile, buffer, ring_base):
-    plgpu.barrier_wait(q_ready.at[buffer * consumers + wg])
+    with jax.named_scope("wait_q"):
+      plgpu.barrier_wait(q_ready.at[buffer * consumers + wg])
     return attend(tile, q_smem.at[buffer, wg], ring_base)
 
   def store(tile: QTile, buffer, result):
-    store_output(tile, q_smem.at[buffer, wg], *result)
+    with jax.named_scope("epilogue"):
+      store_output(tile, q_smem.at[buffer, wg], *result)
 
   produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                       group=group, block_kv=block_kv, stages=stages)
