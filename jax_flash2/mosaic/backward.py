@@ -247,7 +247,8 @@ def _dq_kernel(
     ring's steps ring_base, ring_base + 1, ...; its rows are in `buffer`."""
     q_start = tile.q_start + wg * rows
     q_tile, do_tile = q_smem.at[buffer, wg], do_smem.at[buffer, wg]
-    plgpu.barrier_wait(q_ready.at[buffer * NUM_CONSUMERS + wg])
+    with jax.named_scope("wait_rows"):
+      plgpu.barrier_wait(q_ready.at[buffer * NUM_CONSUMERS + wg])
     # The A operands of S and dP: Q and dO, loaded once per tile into
     # registers (the interpreter reads them from shared memory).
     q_a, do_a = q_tile, do_tile

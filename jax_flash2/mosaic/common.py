@@ -591,7 +591,9 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
     def _consumer():
       plgpu.set_max_registers(consumer_registers, action="increase")
       load(tile, 0)
-      store(tile, 0, compute(tile, 0, jnp.int32(0)))
+      result = compute(tile, 0, jnp.int32(0))
+      with jax.named_scope("epilogue"):  # a tile's stores, for the profiler
+        store(tile, 0, result)
       epilogue(tile.num_steps)
       # Shared memory must outlive the stores' reads of it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -644,7 +646,8 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
       tile, next_tile = tile_of(number), tile_of(next_number)
       if buffers == 1:
         result = compute(tile, 0, ring_base)
-        store(tile, 0, result)
+        with jax.named_scope("epilogue"):
+          store(tile, 0, result)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the rows' buffer
 
         @pl.when(i + 1 < num_tiles)
@@ -659,7 +662,8 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
       # have read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       pl.when(i + 1 < num_tiles)(lambda: load(next_tile, 1 - buffer))
-      store(tile, buffer, result)
+      with jax.named_scope("epilogue"):
+        store(tile, buffer, result)
       return ring_base + tile.num_steps, next_number
 
     end_step, _ = lax.fori_loop(0, num_tiles, consume, (jnp.int32(0), first))
@@ -1169,7 +1173,8 @@ class KVOuter:
     once loaded into `buffer`."""
     k_start = tile.k_start + self.wg * WGMMA_M
     k_tile, v_tile = self.smem.k.at[buffer, self.wg], self.smem.v.at[buffer, self.wg]
-    plgpu.barrier_wait(self.smem.kv_ready.at[buffer * NUM_CONSUMERS + self.wg])
+    with jax.named_scope("wait_rows"):
+      plgpu.barrier_wait(self.smem.kv_ready.at[buffer * NUM_CONSUMERS + self.wg])
     return k_start, k_tile, v_tile
 
   def q_blocks(self, k_start):

@@ -378,13 +378,12 @@ def _forward_kernel(
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile.batch, tile.head, pl.ds(q_start, rows)])
 
   def compute(tile: QTile, buffer, ring_base):
-    with jax.named_scope("wait_q"):
+    with jax.named_scope("wait_rows"):
       plgpu.barrier_wait(q_ready.at[buffer * consumers + wg])
     return attend(tile, q_smem.at[buffer, wg], ring_base)
 
   def store(tile: QTile, buffer, result):
-    with jax.named_scope("epilogue"):
-      store_output(tile, q_smem.at[buffer, wg], *result)
+    store_output(tile, q_smem.at[buffer, wg], *result)
 
   produce, observe = kv_ring_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_consumed,
                                       group=group, block_kv=block_kv, stages=stages)
