@@ -674,10 +674,11 @@ def _smem_cases(head_dim):
       yield f"wide {name}", lambda *a, name=name: getattr(backward_wide, name)(*a, causal=True, config=config), \
           getattr(backward_wide, f"{name}_smem_bytes")(config, head_dim, jnp.bfloat16)
     return
-  two = defaults.mosaic_backward(head_dim, fused=False)
-  for config in (two, defaults.mosaic_backward(head_dim, fused=False, segments=True)):
+  for tiles, segments in (("persistent", False), ("one CTA a tile", True)):
+    config = defaults.mosaic_backward(head_dim, fused=False, segments=segments)
     for name in ("dkv", "dq"):
-      yield name, lambda *a, name=name, config=config: getattr(mosaic_bwd, name)(*a, causal=True, config=config), \
+      yield f"{name} {tiles}", \
+          lambda *a, name=name, config=config: getattr(mosaic_bwd, name)(*a, causal=True, config=config), \
           getattr(mosaic_bwd, f"{name}_smem_bytes")(config, head_dim, jnp.bfloat16)
   if head_dim in FUSED:
     config = FUSED[head_dim]
