@@ -576,6 +576,11 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
   warpgroup index; warpgroups [0, consumers) consume, warpgroup `consumers`
   produces."""
   producer, consumer_registers = consumers, CONSUMER_REGISTERS[consumers]
+
+  def scoped_store(tile, buffer, result):
+    with jax.named_scope("epilogue"):  # a tile's stores, for the profiler
+      store(tile, buffer, result)
+
   if schedule is None and produce_aside:
     raise NotImplementedError("run_tiles: produce_aside needs a schedule (persistent CTAs)")
   if schedule is None:
@@ -591,9 +596,7 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
     def _consumer():
       plgpu.set_max_registers(consumer_registers, action="increase")
       load(tile, 0)
-      result = compute(tile, 0, jnp.int32(0))
-      with jax.named_scope("epilogue"):  # a tile's stores, for the profiler
-        store(tile, 0, result)
+      scoped_store(tile, 0, compute(tile, 0, jnp.int32(0)))
       epilogue(tile.num_steps)
       # Shared memory must outlive the stores' reads of it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -645,9 +648,7 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
       next_number = number_of(i + 1)
       tile, next_tile = tile_of(number), tile_of(next_number)
       if buffers == 1:
-        result = compute(tile, 0, ring_base)
-        with jax.named_scope("epilogue"):
-          store(tile, 0, result)
+        scoped_store(tile, 0, compute(tile, 0, ring_base))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the rows' buffer
 
         @pl.when(i + 1 < num_tiles)
@@ -662,8 +663,7 @@ def run_tiles(schedule: PersistentSchedule | None, tile_at, *, wg, axis: str, pr
       # have read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       pl.when(i + 1 < num_tiles)(lambda: load(next_tile, 1 - buffer))
-      with jax.named_scope("epilogue"):
-        store(tile, buffer, result)
+      scoped_store(tile, buffer, result)
       return ring_base + tile.num_steps, next_number
 
     end_step, _ = lax.fori_loop(0, num_tiles, consume, (jnp.int32(0), first))

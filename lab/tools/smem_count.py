@@ -28,7 +28,7 @@ def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--head-dims", type=int, nargs="*", default=list(common.SUPPORTED_HEAD_DIMS))
   args = ap.parse_args()
-  print(f"{"kernel":24s} {"Mosaic":>8s} {'estimate':>9s} {'estimate - Mosaic':>18s}  (limit {common.SMEM_LIMIT})")
+  print(f"{'kernel':24s} {'Mosaic':>8s} {'estimate':>9s} {'estimate - Mosaic':>18s}  (limit {common.SMEM_LIMIT})")
   for head_dim in args.head_dims:
     structs = _bwd_structs(1, 1024, 1024, 2, head_dim)
     for kernel, fn, estimate in _smem_cases(head_dim):
