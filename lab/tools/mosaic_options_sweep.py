@@ -29,6 +29,7 @@ from jax_flash2 import MosaicConfig, defaults, flash_attention
 FORWARD = {
     "block_kv=64": dict(block_kv=64),
     "stages=3": dict(stages=3),
+    "block_kv=64 stages=4": dict(block_kv=64, stages=4),
     "balanced=False": dict(balanced=False),
     "persistent=False": dict(persistent=False, balanced=False),
     "softmax_overlap=False": dict(softmax_overlap=False),
