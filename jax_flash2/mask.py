@@ -145,6 +145,24 @@ class Mask:
       visible &= part
     return visible
 
+  def key_span(self, q_idx, *, check_keys: bool = True):
+    """(first, last): query q_idx sees the keys first <= j <= last under
+    the band (and, with check_keys, the end of the keys); None for a side
+    nothing bounds. The same pairs as `visible` without check_queries."""
+    first = None if self.left is None else q_idx + (self.offset - self.left)
+    last = None if self.right is None else q_idx + (self.offset + self.right)
+    if check_keys:
+      last = self.seq_k - 1 if last is None else jnp.minimum(last, self.seq_k - 1)
+    return first, last
+
+  def query_span(self, k_idx):
+    """(first, last): key k_idx is seen by the queries first <= i <= last
+    under the band; None for an unbounded side. The same pairs as
+    `visible` without check_queries and check_keys."""
+    first = None if self.right is None else k_idx - (self.offset + self.right)
+    last = None if self.left is None else k_idx - (self.offset - self.left)
+    return first, last
+
   # ------------------------------------------------------------ per-block ranges
   #
   # A block range is (lo, full_lo, full_hi, hi): blocks outside [lo, hi) hold

@@ -58,7 +58,7 @@ from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands,
-    PersistentSchedule, QTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
+    PersistentSchedule, QTile, ScoreTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
     kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_input, optional_ref, outer_grid,
     recomputed_probs, run_tiles, same_ids, segment_inputs, segment_range, segment_refs, specialized_kernel,
     swizzled, tile_table, triangular,
@@ -272,17 +272,13 @@ def _dq_kernel(
     def probs(s, kb, *, masked: bool):
       """(P, the softcap's derivative or None) of K/V block kb's scores s."""
 
-      def positions():
-        row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-        col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        return row, col
-
       def same_segment():
         kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
                           layout=plgpu.Layout.WGMMA.reduce(0))
         return same_ids(q_ids, kv_ids, s.shape)
 
-      return recomputed_probs(s, lse, scores=scores, mask=mask, positions=positions, slope=slope, masked=masked,
+      return recomputed_probs(s, lse, scores=scores, mask=mask, tile=ScoreTile(s.shape, q_start, kb * block_kv),
+                              slope=slope, masked=masked,
                               lse_axis=0, same_segment=None if segments is None else same_segment)
 
     def issue_scores(s_ref, dp_ref, k_tile, v_tile):

@@ -83,7 +83,7 @@ from jax_flash2 import defaults
 from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
-    BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, Scores,
+    BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, ScoreTile, Scores,
     backward_kernels, check_operands, copy_q_block, interpret_params_of, kv_range, kv_ring_producer, load_ids,
     observe_last_releases, optional_input, optional_ref, outer_grid, recomputed_probs, run_tiles, same_ids,
     segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled, triangular, zero_padded_keys,
@@ -338,17 +338,13 @@ def _dkv_kernel(
       with jax.named_scope("softmax"):
         lse = plgpu.load(lse_smem.at[slot, queries], layout=vec_layout) * LOG2_E
 
-        def positions():
-          key = tile.k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
-          query = qb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
-          return query, key
-
         def same_segment():
           kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(tile.k_start, ROWS)], layout=plgpu.Layout.WGMMA.reduce(1))
           q_ids = load_ids(segments.q.at[tile.batch, pl.ds(qb * ROWS + wg * COLS, COLS)], layout=vec_layout)
           return same_ids(kv_ids, q_ids, s_t.shape)
 
-        p_t, dcap_t = recomputed_probs(s_t, lse, scores=scores, mask=mask, positions=positions, slope=slope,
+        p_t, dcap_t = recomputed_probs(s_t, lse, scores=scores, mask=mask, slope=slope,
+                                       tile=ScoreTile(s_t.shape, tile.k_start, qb * ROWS + wg * COLS, transposed=True),
                                        masked=masked, lse_axis=1,
                                        same_segment=None if segments is None else same_segment)
         delta = plgpu.load(delta_smem.at[slot, queries], layout=vec_layout)
@@ -526,17 +522,13 @@ def _dq_kernel(
       plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
       with jax.named_scope("softmax"):
 
-        def positions():
-          query = tile.q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-          key = kb * ROWS + wg * COLS + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-          return query, key
-
         def same_segment():
           kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(kb * ROWS + wg * COLS, COLS)],
                             layout=plgpu.Layout.WGMMA.reduce(0))
           return same_ids(q_ids, kv_ids, s.shape)
 
-        p, dcap = recomputed_probs(s, lse, scores=scores, mask=mask, positions=positions, slope=slope, masked=masked,
+        p, dcap = recomputed_probs(s, lse, scores=scores, mask=mask, tile=ScoreTile(s.shape, tile.q_start, kb * ROWS + wg * COLS),
+                                   slope=slope, masked=masked,
                                    lse_axis=0, same_segment=None if segments is None else same_segment)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         if dcap is not None:

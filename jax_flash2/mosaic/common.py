@@ -178,26 +178,91 @@ class Scores:
     return s, dcap
 
 
-def recomputed_probs(s, lse_log2, *, scores: Scores, mask: Mask, positions, slope, masked: bool, lse_axis: int,
+# Past every position: the first of an empty span.
+_PAST_ALL = 2**30
+
+
+def in_span(index, first, last):
+  """first <= index <= last (bool [rows, cols]) for positions index [rows,
+  cols] and per-row bounds first, last [rows] (None: unbounded; one of them
+  is not). Where both bound a row: one unsigned compare a position,
+  index - first <= last - first, rows with an empty span taking first past
+  every position and width 0."""
+  broadcast = lambda x: lax.broadcast_in_dim(x, index.shape, [0])
+  if last is None:
+    return index >= broadcast(first)
+  if first is None:
+    return index <= broadcast(last)
+  empty = last < first
+  first = jnp.where(empty, _PAST_ALL, first)
+  width = jnp.where(empty, 0, last - first)
+  return (index - broadcast(first)).astype(jnp.uint32) <= broadcast(width).astype(jnp.uint32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreTile:
+  """Where a [rows, cols] tile of scores (the WGMMA layout) lies in the
+  attention matrix: rows from position row_start, columns from col_start;
+  rows are queries and columns keys, or the reverse (`transposed`: the S^T
+  of the dK/dV kernels)."""
+
+  shape: tuple[int, int]
+  row_start: Any
+  col_start: Any
+  transposed: bool = False
+
+  def positions(self):
+    """(query, key): the int32 positions [rows, cols] of the tile's scores."""
+    row = self.row_start + plgpu.broadcasted_iota(jnp.int32, self.shape, 0, layout=plgpu.Layout.WGMMA)
+    col = self.col_start + plgpu.broadcasted_iota(jnp.int32, self.shape, 1, layout=plgpu.Layout.WGMMA)
+    return (col, row) if self.transposed else (row, col)
+
+  def visible(self, mask: Mask, *, check_keys: bool):
+    """bool [rows, cols]: mask.visible of the tile's scores without
+    check_queries, computed from each row's span of visible columns
+    (mask.key_span, mask.query_span): one compare a score, where the
+    element-wise form takes one a side."""
+    if not mask.has_band:  # the end of the keys alone: one compare already
+      return mask.visible(*self.positions(), check_queries=False, check_keys=check_keys)
+    rows = self.row_start + plgpu.broadcasted_iota(jnp.int32, self.shape[:1], 0,
+                                                   layout=plgpu.Layout.WGMMA.reduce(1))
+    if self.transposed:
+      first, last = mask.query_span(rows)
+      if check_keys:  # a key row past seq_k sees nothing
+        past = rows >= mask.seq_k
+        first = jnp.where(past, _PAST_ALL, 0 if first is None else first)
+    else:
+      first, last = mask.key_span(rows, check_keys=check_keys)
+    def relative(bound):
+      # Per-row bounds relative to the tile's first column, whose local
+      # positions are the iota itself; the end of the keys alone is one
+      # bound for all rows.
+      if bound is None:
+        return None
+      if jnp.ndim(bound) == 0:
+        bound = plgpu.layout_cast(jnp.full(self.shape[:1], bound, jnp.int32), plgpu.Layout.WGMMA.reduce(1))
+      return bound - self.col_start
+    return in_span(plgpu.broadcasted_iota(jnp.int32, self.shape, 1, layout=plgpu.Layout.WGMMA),
+                   relative(first), relative(last))
+
+
+def recomputed_probs(s, lse_log2, *, scores: Scores, mask: Mask, tile: ScoreTile, slope, masked: bool, lse_axis: int,
                      same_segment=None):
   """(P, the softcap's derivative or None) that a backward kernel recomputes
   for a tile s = Q K^T (or its transpose) from the forward's lse, taken to
   base 2 (lse_log2; broadcast along the tile's axis lse_axis): P =
   exp2(scores in base 2 - lse_log2), with the element mask where `masked`,
   after the exponential, so that rows that see no key (lse = -inf) give 0
-  and not NaN. positions(): the tile's (query, key) positions, computed only
-  where ALiBi or the mask reads them, once. same_segment(): with segment ids,
+  and not NaN. tile: where s lies. same_segment(): with segment ids,
   whether each pair's ids are equal (read only where `masked`)."""
-  at, dcap = None, None
+  dcap = None
   if scores.modified:
-    at = query, key = positions()
-    s, dcap = scores.log2(s, query, key, slope)
+    s, dcap = scores.log2(s, *tile.positions(), slope)
     p = jnp.exp2(s - lax.broadcast_in_dim(lse_log2, s.shape, [lse_axis]))
   else:
     p = jnp.exp2(s * (scores.softmax_scale * LOG2_E) - lax.broadcast_in_dim(lse_log2, s.shape, [lse_axis]))
   if masked:
-    query, key = at if at is not None else positions()
-    visible = mask.visible(query, key, check_queries=False, check_keys=mask.segments or not mask.causal)
+    visible = tile.visible(mask, check_keys=mask.segments or not mask.causal)
     if same_segment is not None:
       visible &= same_segment()
     p = jnp.where(visible, p, 0.0)
@@ -1222,12 +1287,8 @@ class KVOuter:
         q_ids = load_ids(ids.q.at[batch, pl.ds(qb * self.block_q, self.block_q)], layout=plgpu.Layout.WGMMA.reduce(0))
         return same_ids(kv_ids, q_ids, s_t.shape)
 
-    def positions():
-      key = k_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=plgpu.Layout.WGMMA)
-      query = qb * self.block_q + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1, layout=plgpu.Layout.WGMMA)
-      return query, key
-
-    return recomputed_probs(s_t, lse, scores=self.scores, mask=self.mask, positions=positions, slope=slope,
+    tile = ScoreTile(s_t.shape, k_start, qb * self.block_q, transposed=True)
+    return recomputed_probs(s_t, lse, scores=self.scores, mask=self.mask, tile=tile, slope=slope,
                             masked=masked, lse_axis=1, same_segment=same_segment)
 
   def grad_scores_t(self, p_t, dp_t, slot, *, delta=None, dcap_t=None):

@@ -53,7 +53,7 @@ from jax_flash2.config import MosaicForwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.merge import join_sink_rows
 from jax_flash2.mosaic.common import (
-    LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, Scores, at_least, band_of, check_operands,
+    LN_2, LOG2_E, SUPPORTED_HEAD_DIMS, PersistentSchedule, QTile, ScoreTile, Scores, at_least, band_of, check_operands,
     check_per_head, check_smem, interpret_params_of, kv_range, kv_ring_producer, load_ids, optional_input,
     optional_ref, outer_grid, pad_seq, per_head, q_tile_work, run_tiles, same_ids, scores_of, segment_inputs,
     segment_range, segment_refs, specialized_kernel, swizzled, tile_table, triangular, unpad_seq, with_segment_ids,
@@ -184,18 +184,12 @@ def _forward_kernel(
       block_kv]: (p, m_new, l_new, alpha), alpha rescaling what was
       accumulated under the old max m_i."""
 
-      def positions():
-        row = q_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-        col = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        return row, col
-
-      at = positions() if scores.alibi else None
+      score_tile = ScoreTile(s.shape, q_start, kb * block_kv)
       if scores.modified:
         # Softcap and ALiBi need the scaled scores: base 2 from here on.
-        s = scores.log2(s, *(at or (None, None)), slope)[0]
+        s = scores.log2(s, *(score_tile.positions() if scores.alibi else (None, None)), slope)[0]
       if masked:
-        row, col = at if at is not None else positions()
-        visible = mask.visible(row, col, check_queries=False, check_keys=check_keys)
+        visible = score_tile.visible(mask, check_keys=check_keys)
         if segments:
           kv_ids = load_ids(ids.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)], layout=plgpu.Layout.WGMMA.reduce(0))
           visible &= same_ids(q_ids, kv_ids, s.shape)
