@@ -278,8 +278,8 @@ def _dq_kernel(
         return same_ids(q_ids, kv_ids, s.shape)
 
       return recomputed_probs(s, lse, scores=scores, mask=mask, tile=ScoreTile(s.shape, q_start, kb * block_kv),
-                              slope=slope, masked=masked,
-                              lse_axis=0, same_segment=None if segments is None else same_segment)
+                              slope=slope, masked=masked, lse_axis=0,
+                              same_segment=None if segments is None else same_segment)
 
     def issue_scores(s_ref, dp_ref, k_tile, v_tile):
       # S = Q K^T and dP = dO V^T: two groups.

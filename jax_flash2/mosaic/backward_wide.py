@@ -527,9 +527,9 @@ def _dq_kernel(
                             layout=plgpu.Layout.WGMMA.reduce(0))
           return same_ids(q_ids, kv_ids, s.shape)
 
-        p, dcap = recomputed_probs(s, lse, scores=scores, mask=mask, tile=ScoreTile(s.shape, tile.q_start, kb * ROWS + wg * COLS),
-                                   slope=slope, masked=masked,
-                                   lse_axis=0, same_segment=None if segments is None else same_segment)
+        p, dcap = recomputed_probs(s, lse, scores=scores, mask=mask, slope=slope,
+                                   tile=ScoreTile(s.shape, tile.q_start, kb * ROWS + wg * COLS),
+                                   masked=masked, lse_axis=0, same_segment=None if segments is None else same_segment)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         if dcap is not None:
           ds = ds * dcap  # d(softcap * tanh) / d(scaled score)

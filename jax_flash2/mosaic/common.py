@@ -233,6 +233,7 @@ class ScoreTile:
         first = jnp.where(past, _PAST_ALL, 0 if first is None else first)
     else:
       first, last = mask.key_span(rows, check_keys=check_keys)
+
     def relative(bound):
       # Per-row bounds relative to the tile's first column, whose local
       # positions are the iota itself; the end of the keys alone is one
