@@ -14,6 +14,7 @@ from conftest import assert_matches_reference, flash_with_grads, random_inputs, 
 from jax_flash2 import BlockSizes, KernelConfig, flash_attention
 from jax_flash2.reference import band_visible
 from jax_flash2.mask import Mask
+from jax_flash2.mosaic.common import in_span
 from jax_flash2.problem import Problem
 from jax_flash2.triton import common
 
@@ -106,3 +107,31 @@ def test_block_ranges_are_tight(seqs, left, right):
       assert (lo, hi) == (seen[0], seen[-1] + 1), kb
     assert all(all_seen[qb, kb] for qb in range(full_lo, full_hi)), kb
     assert full_hi - full_lo == all_seen[:, kb].sum(), kb
+
+
+@pytest.mark.parametrize("seqs", [(40, 40), (25, 60), (60, 25)], ids=str)
+@pytest.mark.parametrize("causal, left, right", [
+    (False, 5, 0), (False, 0, 7), (False, None, 3), (False, 9, None), (True, None, None), (True, 12, 4),
+    (False, 30, 45),
+], ids=str)
+@pytest.mark.parametrize("check_keys", [False, True], ids=["band", "band_and_keys"])
+def test_spans_see_what_visible_sees(seqs, causal, left, right, check_keys):
+  """The Mosaic kernels' element mask (one compare a score against each
+  row's span: Mask.key_span, Mask.query_span and in_span) hides exactly
+  what Mask.visible does, on positions past both ends too, rows with an
+  empty span included."""
+  seq_q, seq_k = seqs
+  mask = Mask(seq_q, seq_k, causal=causal, window_left=left, window_right=right)
+  queries, keys = jnp.arange(seq_q + 17, dtype=jnp.int32), jnp.arange(seq_k + 19, dtype=jnp.int32)
+  want = np.asarray(mask.visible(queries[:, None], keys[None, :], check_queries=False, check_keys=check_keys))
+  # The end of the keys alone is one bound for every row, as the kernels broadcast it.
+  first, last = (None if b is None else jnp.broadcast_to(b, queries.shape)
+                 for b in mask.key_span(queries, check_keys=check_keys))
+  columns = jnp.broadcast_to(keys, want.shape)
+  np.testing.assert_array_equal(np.asarray(in_span(columns, first, last)), want)
+  # Transposed (the dK/dV kernels' S^T): a row a key, the queries that see it.
+  want_t = np.asarray(mask.visible(queries[None, :], keys[:, None], check_queries=False, check_keys=False))
+  first, last = mask.query_span(keys)
+  columns = jnp.broadcast_to(queries, want_t.shape)
+  np.testing.assert_array_equal(np.asarray(in_span(columns, first, last)), want_t)
+  assert want.any() and not want.all()
