@@ -315,6 +315,7 @@ def _dq_kernel(
       # packed in registers across them. A softcap's tanh would bring -inf back
       # to a finite score: there P is masked.
       mask_in_scores = masked and not scores.softcap
+      mask_probs = masked and not mask_in_scores
       zeros = plgpu.layout_cast(jnp.zeros((rows, block_kv), jnp.float32), plgpu.Layout.WGMMA)
       s_start = zeros
       if mask_in_scores:
@@ -334,12 +335,12 @@ def _dq_kernel(
           if interpret and mask_in_scores:  # its S accumulator started from 0
             s = s + s_start
           if config.dq_softmax_overlap:
-            p, dcap = probs(s, kb, masked=masked and not mask_in_scores)
+            p, dcap = probs(s, kb, masked=mask_probs)
           dp = dp_ref[...]
         plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
         if not config.dq_softmax_overlap:
           with jax.named_scope("softmax"):
-            p, dcap = probs(s, kb, masked=masked and not mask_in_scores)
+            p, dcap = probs(s, kb, masked=mask_probs)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         return ds if dcap is None else ds * dcap  # d(softcap * tanh) / d(scaled score)
 
