@@ -5,7 +5,8 @@
 #   bash lab/gpu_options_ab.sh [sweep] [packed] [ragged] [softcap128] [softcappoly] [earlyrows] [softcap64] [segtests] [segrecord]
 #     [profile] [patchab] [patchtests]
 # patchab and patchtests take PATCH (default lab/patches/dq_delta_fold.diff)
-# and PATCH_TESTS (a pytest -k expression; default the bf16 option and
+# (patchab: CASES, patch_ab.py's --cases, default its own) and PATCH_TESTS
+# (a pytest -k expression; default the bf16 option and
 # segment-id tests of the Mosaic kernels at head_dim 64 and 128).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -50,7 +51,7 @@ for stage in "$@"; do
         done
       done ;;
     patchab)  # $PATCH against the product in one process, alternating (lab/tools/patch_ab.py)
-      timeout 330 python lab/tools/patch_ab.py "$PATCH" 2>&1 | quiet | tee "$OUT/patch_ab.log" ;;
+      timeout 330 python lab/tools/patch_ab.py "$PATCH" ${CASES:+--cases $CASES} 2>&1 | quiet | tee "$OUT/patch_ab.log" ;;
     patchtests)  # the GPU tests of the kernels $PATCH touches, on a patched copy of the tree
       copy=$(mktemp -d) out=$(cd "$OUT" && pwd) patch_file=$(realpath "$PATCH")
       tar --exclude=./.git --exclude="./$OUT" -cf - . | tar -xf - -C "$copy"
