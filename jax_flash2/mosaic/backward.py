@@ -57,10 +57,10 @@ from jax_flash2 import defaults
 from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
-    BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands,
-    PersistentSchedule, QTile, ScoreTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
+    BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands, PersistentSchedule,
+    QTile, ScoreTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
     kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_input, optional_ref, outer_grid,
-    recomputed_probs, run_tiles, same_ids, segment_inputs, segment_range, segment_refs, specialized_kernel,
+    recomputed_probs, run_tiles, same_ids, score_bias, segment_inputs, segment_range, segment_refs, specialized_kernel,
     swizzled, tile_table, triangular,
 )
 
@@ -255,7 +255,10 @@ def _dq_kernel(
     if not interpret:
       q_a, do_a = (plgpu.load(t, layout=plgpu.Layout.WGMMA) for t in (q_tile, do_tile))
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
+    # A row that sees no key has lse -inf (no unmasked block holds one): 0
+    # in its place keeps a hidden score's exp2(-inf - lse) at 0, not NaN.
     lse = plgpu.load(lse_smem.at[buffer, wg], layout=row_layout) * LOG2_E
+    lse = jnp.where(lse == -jnp.inf, 0.0, lse)
     delta = plgpu.load(delta_smem.at[buffer, wg], layout=row_layout)
     # As in the forward: [lo, full_lo) and [full_hi, hi) take the element
     # mask; lo = full_lo = 0 without a left edge.
@@ -269,76 +272,91 @@ def _dq_kernel(
     def slot_of(kb):
       return lax.rem(ring_base + tile.step_of(kb), jnp.int32(stages))
 
+    def same_segment(kb):
+      """bool [rows, block_kv]: where this consumer's rows share K/V block kb's segment ids."""
+      kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
+                        layout=plgpu.Layout.WGMMA.reduce(0))
+      return same_ids(q_ids, kv_ids, (rows, block_kv))
+
+    def score_tile(kb):
+      return ScoreTile((rows, block_kv), q_start, kb * block_kv)
+
     def probs(s, kb, *, masked: bool):
       """(P, the softcap's derivative or None) of K/V block kb's scores s."""
-
-      def same_segment():
-        kv_ids = load_ids(segments.kv.at[tile.batch, pl.ds(kb * block_kv, block_kv)],
-                          layout=plgpu.Layout.WGMMA.reduce(0))
-        return same_ids(q_ids, kv_ids, s.shape)
-
-      return recomputed_probs(s, lse, scores=scores, mask=mask, tile=ScoreTile(s.shape, q_start, kb * block_kv),
-                              slope=slope, masked=masked, lse_axis=0,
-                              same_segment=None if segments is None else same_segment)
-
-    def issue_scores(s_ref, dp_ref, k_tile, v_tile):
-      # S = Q K^T and dP = dO V^T: two groups.
-      plgpu.wgmma(s_ref, q_a, k_tile.transpose((1, 0)))
-      plgpu.wgmma(dp_ref, do_a, v_tile.transpose((1, 0)))
+      ids = None if segments is None else functools.partial(same_segment, kb)
+      return recomputed_probs(s, lse, scores=scores, mask=mask, tile=score_tile(kb), slope=slope, masked=masked,
+                              lse_axis=0, same_segment=ids)
 
     def add_dq(dq, ds, k_tile):
-      """dQ + dS K, waited for."""
-      if interpret:
-        ds_stage = staging.at[wg]
-        ds_stage[...] = ds.astype(dtype)
-        plgpu.commit_smem()
+      """dQ + dS K in the interpreter, waited for: it reads wgmma's A operand
+      from shared memory and lowers no wgmma inside run_state."""
+      ds_stage = staging.at[wg]
+      ds_stage[...] = ds.astype(dtype)
+      plgpu.commit_smem()
 
-        def dq_fresh(acc_ref):
-          plgpu.wgmma(acc_ref, ds_stage, k_tile)
-          return acc_ref[...]
+      def dq_fresh(acc_ref):
+        plgpu.wgmma(acc_ref, ds_stage, k_tile)
+        return acc_ref[...]
 
-        return dq + pl.run_scoped(dq_fresh, plgpu.ACC(dq.shape, jnp.float32))
-
-      def dq_step(dq_ref):
-        plgpu.wgmma(dq_ref, ds.astype(dtype), k_tile)
-
-      return pl.run_state(dq_step)(plgpu.ACC.init(dq))
+      return dq + pl.run_scoped(dq_fresh, plgpu.ACC(dq.shape, jnp.float32))
 
     def step(kb, dq, *, masked: bool):
       slot = slot_of(kb)
       k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
-      # Two wgmma groups per block, one wait each: (S, dP), then dQ with dS
-      # from registers. (Named scopes: the regions of Mosaic GPU's profiler.)
+      # S and dP, then dQ += dS K with dS from registers. (Named scopes: the
+      # regions of Mosaic GPU's profiler.)
       with jax.named_scope("wait_kv"):
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[slot])
+      # A masked block's S accumulator starts from the mask, 0 for a visible
+      # pair and -inf for a hidden one, so each compare feeds its select before
+      # the products issue. Masking P instead, ptxas computed the compares while
+      # the products ran and kept their predicates (64 a thread at head_dim 64)
+      # packed in registers across them. A softcap's tanh would bring -inf back
+      # to a finite score: there P is masked.
+      mask_in_scores = masked and not scores.softcap
+      mask_probs = masked and not mask_in_scores
+      zeros = plgpu.layout_cast(jnp.zeros((rows, block_kv), jnp.float32), plgpu.Layout.WGMMA)
+      s_start = zeros
+      if mask_in_scores:
+        ids = None if segments is None else functools.partial(same_segment, kb)
+        s_start = score_bias(score_tile(kb), mask, same_segment=ids)
 
-      def score_products(s_ref, dp_ref):
-        issue_scores(s_ref, dp_ref, k_tile, v_tile)
-        return s_ref[...], dp_ref[...]  # waits for both
-
-      def probs_under_dp(s_ref, dp_ref):
-        issue_scores(s_ref, dp_ref, k_tile, v_tile)
-        # Groups retire in order: wait for S alone, compute P while dP runs.
-        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-        return probs(s, kb, masked=masked), dp_ref[...]
-
-      tile_acc = plgpu.ACC((rows, block_kv), jnp.float32)
-      if config.dq_softmax_overlap:
+      def score_gradient(s_ref, dp_ref):
+        """dS of the block, from S and dP issued into s_ref and dp_ref."""
         with jax.named_scope("scores"):
-          (p, dcap), dp = pl.run_scoped(probs_under_dp, tile_acc, tile_acc)
+          plgpu.wgmma(s_ref, q_a, k_tile.transpose((1, 0)))
+          plgpu.wgmma(dp_ref, do_a, v_tile.transpose((1, 0)))
+          if config.dq_softmax_overlap:
+            # Groups retire in order: wait for S alone, compute P while dP runs.
+            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+          else:
+            s = s_ref[...]
+          if interpret and mask_in_scores:  # its S accumulator started from 0
+            s = s + s_start
+          if config.dq_softmax_overlap:
+            p, dcap = probs(s, kb, masked=mask_probs)
+          dp = dp_ref[...]
         plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
-      else:
-        with jax.named_scope("scores"):
-          s, dp = pl.run_scoped(score_products, tile_acc, tile_acc)
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        with jax.named_scope("softmax"):
-          p, dcap = probs(s, kb, masked=masked)
-      with jax.named_scope("dq"):
+        if not config.dq_softmax_overlap:
+          with jax.named_scope("softmax"):
+            p, dcap = probs(s, kb, masked=mask_probs)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-        if dcap is not None:
-          ds = ds * dcap  # d(softcap * tanh) / d(scaled score)
-        dq = add_dq(dq, ds, k_tile)
+        return ds if dcap is None else ds * dcap  # d(softcap * tanh) / d(scaled score)
+
+      if interpret:
+        ds = pl.run_scoped(score_gradient, plgpu.ACC((rows, block_kv)), plgpu.ACC((rows, block_kv)))
+        with jax.named_scope("dq"):
+          dq = add_dq(dq, ds, k_tile)
+      else:
+
+        def products(refs):
+          s_ref, dp_ref, dq_ref = refs
+          ds = score_gradient(s_ref, dp_ref)
+          with jax.named_scope("dq"):
+            plgpu.wgmma(dq_ref, ds.astype(dtype), k_tile)
+
+        _, _, dq = pl.run_state(products)((plgpu.ACC.init(s_start), plgpu.ACC.init(zeros), plgpu.ACC.init(dq)))
       plgpu.barrier_arrive(k_consumed.at[slot])  # K is no longer read
       return dq
 

@@ -247,6 +247,19 @@ class ScoreTile:
                    relative(first), relative(last))
 
 
+def _visible(tile: ScoreTile, mask: Mask, same_segment):
+  visible = tile.visible(mask, check_keys=mask.segments or not mask.causal)
+  return visible if same_segment is None else visible & same_segment()
+
+
+def score_bias(tile: ScoreTile, mask: Mask, *, same_segment=None) -> jax.Array:
+  """float32 [rows, cols] in the WGMMA layout: 0 where the tile's pair is
+  visible, -inf where the mask hides it: a starting value for S's
+  accumulator that masks the scores as the product adds them.
+  same_segment() as in `recomputed_probs`."""
+  return jnp.where(_visible(tile, mask, same_segment), jnp.float32(0), jnp.float32(-jnp.inf))
+
+
 def recomputed_probs(s, lse_log2, *, scores: Scores, mask: Mask, tile: ScoreTile, slope, masked: bool, lse_axis: int,
                      same_segment=None):
   """(P, the softcap's derivative or None) that a backward kernel recomputes
@@ -263,10 +276,7 @@ def recomputed_probs(s, lse_log2, *, scores: Scores, mask: Mask, tile: ScoreTile
   else:
     p = jnp.exp2(s * (scores.softmax_scale * LOG2_E) - lax.broadcast_in_dim(lse_log2, s.shape, [lse_axis]))
   if masked:
-    visible = tile.visible(mask, check_keys=mask.segments or not mask.causal)
-    if same_segment is not None:
-      visible &= same_segment()
-    p = jnp.where(visible, p, 0.0)
+    p = jnp.where(_visible(tile, mask, same_segment), p, 0.0)
   return p, dcap
 
 
