@@ -278,15 +278,6 @@ def _dq_kernel(
                         layout=plgpu.Layout.WGMMA.reduce(0))
       return same_ids(q_ids, kv_ids, (rows, block_kv))
 
-    def score_tile(kb):
-      return ScoreTile((rows, block_kv), q_start, kb * block_kv)
-
-    def probs(s, kb, *, masked: bool):
-      """(P, the softcap's derivative or None) of K/V block kb's scores s."""
-      ids = None if segments is None else functools.partial(same_segment, kb)
-      return recomputed_probs(s, lse, scores=scores, mask=mask, tile=score_tile(kb), slope=slope, masked=masked,
-                              lse_axis=0, same_segment=ids)
-
     def add_dq(dq, ds, k_tile):
       """dQ + dS K in the interpreter, waited for: it reads wgmma's A operand
       from shared memory and lowers no wgmma inside run_state."""
@@ -315,12 +306,15 @@ def _dq_kernel(
       # packed in registers across them. A softcap's tanh would bring -inf back
       # to a finite score: there P is masked.
       mask_in_scores = masked and not scores.softcap
-      mask_probs = masked and not mask_in_scores
+      score_tile = ScoreTile((rows, block_kv), q_start, kb * block_kv)
+      ids = None if segments is None else functools.partial(same_segment, kb)
       zeros = plgpu.layout_cast(jnp.zeros((rows, block_kv), jnp.float32), plgpu.Layout.WGMMA)
-      s_start = zeros
-      if mask_in_scores:
-        ids = None if segments is None else functools.partial(same_segment, kb)
-        s_start = score_bias(score_tile(kb), mask, same_segment=ids)
+      s_start = score_bias(score_tile, mask, same_segment=ids) if mask_in_scores else zeros
+
+      def probs(s):
+        """(P, the softcap's derivative or None) of the block's scores s."""
+        return recomputed_probs(s, lse, scores=scores, mask=mask, tile=score_tile, slope=slope,
+                                masked=masked and not mask_in_scores, lse_axis=0, same_segment=ids)
 
       def score_gradient(s_ref, dp_ref):
         """dS of the block, from S and dP issued into s_ref and dp_ref."""
@@ -335,12 +329,12 @@ def _dq_kernel(
           if interpret and mask_in_scores:  # its S accumulator started from 0
             s = s + s_start
           if config.dq_softmax_overlap:
-            p, dcap = probs(s, kb, masked=mask_probs)
+            p, dcap = probs(s)
           dp = dp_ref[...]
         plgpu.barrier_arrive(v_consumed.at[slot])  # V is no longer read
         if not config.dq_softmax_overlap:
           with jax.named_scope("softmax"):
-            p, dcap = probs(s, kb, masked=mask_probs)
+            p, dcap = probs(s)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         return ds if dcap is None else ds * dcap  # d(softcap * tanh) / d(scaled score)
 

@@ -248,6 +248,7 @@ class ScoreTile:
 
 
 def _visible(tile: ScoreTile, mask: Mask, same_segment):
+  """bool [rows, cols]: the tile's pairs that the mask and the segment ids show."""
   visible = tile.visible(mask, check_keys=mask.segments or not mask.causal)
   return visible if same_segment is None else visible & same_segment()
 
