@@ -7,7 +7,7 @@ an HGMMA and no EXIT (a K/V or Q step), it prints the loop's instruction
 count and its most frequent opcodes. A change to a kernel's step shows here
 as instructions a step before any GPU times it (session 29: the span mask).
 
-  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/sass_loops.py OUT_DIR window causal gptoss
+  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/sass_loops.py OUT_DIR window causal gptoss packed
   JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/sass_loops.py --sass FILE.sass_ctrl
 """
 
@@ -24,6 +24,8 @@ CASES = {
     "window": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True, window_size=(1024, 0))),
     "causal": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True)),
     "gptoss": dict(head_dim=64, heads=8, kv_heads=1, seq=4096, options=dict(causal=True, window_size=(128, 0))),
+    # Eight packed causal sequences (segment ids).
+    "packed": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True), segments=8),
 }
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*$")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
@@ -79,7 +81,11 @@ def main(argv: list[str]) -> int:
     q = jax.ShapeDtypeStruct((1, case["seq"], case["heads"], case["head_dim"]), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, case["seq"], case["kv_heads"], case["head_dim"]), jnp.bfloat16)
 
-    def loss(q, k, v, options=case["options"]):
+    def loss(q, k, v, case=case):
+      options = dict(case["options"])
+      if segments := case.get("segments"):
+        ids = jnp.repeat(jnp.arange(segments, dtype=jnp.int32), case["seq"] // segments)[None]
+        options.update(q_segment_ids=ids, kv_segment_ids=ids)
       return flash_attention(q, k, v, backend="mosaic", **options).astype(jnp.float32).sum()
 
     mosaic_cpu_compile.compile_kernels(compile_fn, jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv), out / name, name)
