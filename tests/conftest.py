@@ -7,6 +7,7 @@ import gc
 import importlib.util
 import os
 import pkgutil
+import zlib
 
 
 def _cuda_plugin_installed() -> bool:
@@ -114,6 +115,12 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+def seed_of(name: str) -> int:
+  """A test case's input seed from its name, the same in every process
+  (Python's hash of a str is salted per process)."""
+  return zlib.crc32(name.encode())
 
 
 def random_inputs(seed: int, batch, seq_q, seq_k, heads, head_dim, dtype=jnp.float32):
