@@ -7,7 +7,7 @@ an HGMMA and no EXIT (a K/V or Q step), it prints the loop's instruction
 count and its most frequent opcodes. A change to a kernel's step shows here
 as instructions a step before any GPU times it (session 29: the span mask).
 
-  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/sass_loops.py OUT_DIR window causal gptoss packed
+  JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/sass_loops.py OUT_DIR window causal gptoss packed softcap
   JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/sass_loops.py --sass FILE.sass_ctrl
 """
 
@@ -24,6 +24,7 @@ CASES = {
     "window": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True, window_size=(1024, 0))),
     "causal": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True)),
     "gptoss": dict(head_dim=64, heads=8, kv_heads=1, seq=4096, options=dict(causal=True, window_size=(128, 0))),
+    "softcap": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True, softcap=50.0)),
     # Eight packed causal sequences (segment ids).
     "packed": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True), segments=8),
 }
