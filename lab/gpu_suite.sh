@@ -5,7 +5,8 @@
 #
 #   bash lab/gpu_suite.sh [PYTEST-SELECTION...]     (default: tests)
 #
-# SHARDS (default 6) processes share the GPU (memory on demand). SHARD_LIMIT
+# SHARDS (default 6, 4 under 100 GB of GPU memory) processes share the GPU
+# (memory on demand). SHARD_LIMIT
 # (default 420 s) bounds each; TEST_LIMIT (default 240 s) each test, with a
 # traceback of where a hung one stood. XLA's GEMM autotuning is off: the
 # tests' plain-jnp references are compiled, not timed, and autotuning their
@@ -17,7 +18,10 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
-n=${SHARDS:-6}
+# Six shards fit an H200's 141 GB; on an H100's 80 GB eight ran five tests
+# out of memory (2026-12-06), so four there.
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+n=${SHARDS:-$((mem_mib > 100000 ? 6 : 4))}
 (($#)) || set -- tests
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c "import jax, jaxlib; from jax._src.lib import cuda_versions as c; \
