@@ -39,14 +39,11 @@ def _kernel_grads(q, k, v, dout, *, compiled: bool, **kwargs):
   return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["interpret", "gpu"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_float32_within_flash_attentions_rule(case, compiled):
-  if compiled and not has_supported_gpu():
-    pytest.skip("needs an NVIDIA GPU of compute capability 8.0 or newer")
+def problem(case: str, seed: int):
+  """(q, k, v, dout, the kernel's keywords, the reference's keywords) of
+  CASES[case], drawn from `seed`."""
   (batch, seq_q, seq_k, heads, kv_heads, head_dim), options = CASES[case]
-  options = dict(options)
-  q, k, v, dout = random_inputs(seed_of(case), batch, seq_q, seq_k, heads, head_dim, jnp.float32)
+  q, k, v, dout = random_inputs(seed, batch, seq_q, seq_k, heads, head_dim, jnp.float32)
   k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
   kernel, ref = {}, {}
   for name in ("causal", "softcap"):
@@ -59,6 +56,15 @@ def test_float32_within_flash_attentions_rule(case, compiled):
     ref["dropout"] = (options["dropout_rate"], dropout.seed_words(RNG), False)
   if options.get("alibi"):
     kernel["alibi_slopes"] = ref["alibi_slopes"] = 2.0 ** -jnp.arange(1, heads + 1, dtype=jnp.float32)
+  return q, k, v, dout, kernel, ref
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["interpret", "gpu"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_float32_within_flash_attentions_rule(case, compiled):
+  if compiled and not has_supported_gpu():
+    pytest.skip("needs an NVIDIA GPU of compute capability 8.0 or newer")
+  q, k, v, dout, kernel, ref = problem(case, seed_of(case))
   got = _kernel_grads(q, k, v, dout, compiled=compiled, **kernel)
   want = reference_with_grads(q, k, v, dout, **ref)
   plain = reference_with_grads(q, k, v, dout, dtype=jnp.float32, **ref)
