@@ -68,4 +68,7 @@ def test_float32_within_flash_attentions_rule(case, compiled):
   got = _kernel_grads(q, k, v, dout, compiled=compiled, **kernel)
   want = reference_with_grads(q, k, v, dout, **ref)
   plain = reference_with_grads(q, k, v, dout, dtype=jnp.float32, **ref)
-  assert_within_plain_error(got, want, plain, jnp.float32, limit=None)
+  # The README's limit: compiled at head_dim 256, float32 errs up to 3x plain
+  # float32 attention, its output too (2.2-2.9x measured on the H200).
+  wide = compiled and q.shape[-1] == 256
+  assert_within_plain_error(got, want, plain, jnp.float32, limit=None, out_factor=3.0 if wide else 2.0)
