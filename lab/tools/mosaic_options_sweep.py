@@ -33,6 +33,12 @@ FORWARD = {
     "balanced=False": dict(balanced=False),
     "persistent=False": dict(persistent=False, balanced=False),
     "softmax_overlap=False": dict(softmax_overlap=False),
+    # 192-row tiles: a tile's start and end shared by a third more rows. Only
+    # 64-row K/V blocks keep three consumers at d128 free of spills (sm_90a,
+    # session 31: 128-row blocks spill 760 B), and one CTA a tile, since two
+    # 192-row Q buffers and the ring do not fit.
+    "consumers=3 block_kv=64 stages=4": dict(consumers=3, block_q=192, block_kv=64, stages=4, persistent=False,
+                                             balanced=False),
 }
 BACKWARD = {
     "bwd block_kv=128": dict(block_kv=128),
