@@ -3,7 +3,7 @@
 # window and packed cases (lab/tools/mosaic_options_sweep.py), then what a
 # softcap costs and what cuts it (lab/tools/softcap_ab.py). Logs in $OUT.
 #   bash lab/gpu_options_ab.sh [sweep] [packed] [ragged] [softcap128] [softcappoly] [earlyrows] [softcap64] [segtests] [segrecord]
-#     [profile] [patchab] [patchtests]
+#     [profile] [patchab] [patchtests] [consumers3] [f32seeds]
 # patchab and patchtests take PATCH (default lab/patches/dq_delta_fold.diff)
 # (patchab: CASES, patch_ab.py's --cases, default its own) and PATCH_TESTS
 # (a pytest -k expression; default the bf16 option and
@@ -25,6 +25,12 @@ for stage in "$@"; do
               "persistent=False all" 2>&1 | quiet | tee "$OUT/packed_sweep.log" ;;
     ragged) timeout 150 python lab/tools/mosaic_options_sweep.py --cases ragged causal --modes fwd fwd+bwd \
               --variants default "persistent=False all" 2>&1 | quiet | tee "$OUT/ragged_sweep.log" ;;
+    consumers3)  # 192-row forward tiles at d128 (three consumers, 64-row K/V blocks) against the defaults
+      timeout 300 python lab/tools/mosaic_options_sweep.py --cases window packed --modes fwd fwd+bwd --variants \
+        default "consumers=3 block_kv=64 stages=4" 2>&1 | quiet | tee "$OUT/consumers3_sweep.log" ;;
+    f32seeds)  # test_float32's cases over 10 input seeds, compiled: each array's error ratio to plain float32
+      PYTHONPATH=.:tests timeout 240 python lab/tools/float32_rule_seeds.py --seeds 10 2>&1 | quiet \
+        | tee "$OUT/float32_seeds.log" ;;
     softcap128) timeout 300 python lab/tools/softcap_ab.py --head-dims 128 2>&1 | quiet | tee "$OUT/softcap_d128.log" ;;
     softcappoly) timeout 300 python lab/tools/softcap_ab.py --head-dims 128 64 --variants product poly16 poly32 2>&1 \
                    | quiet | tee "$OUT/softcap_poly.log" ;;
