@@ -8,6 +8,7 @@ count and its most frequent opcodes. A change to a kernel's step shows here
 as instructions a step before any GPU times it (session 29: the span mask).
 
   JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/sass_loops.py OUT_DIR window causal gptoss packed softcap
+      [--forward consumers=3 block_q=192 block_kv=64 stages=4 persistent=false balanced=false]
   JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python lab/tools/sass_loops.py --sass FILE.sass_ctrl
 """
 
@@ -64,29 +65,60 @@ def report(sass: str) -> str:
   return "\n".join(lines)
 
 
+def _forward_config(case: dict, fields: list[str]):
+  """The case's default Mosaic forward config with FIELD=VALUE overrides
+  (ints, or true/false), or None without any."""
+  if not fields:
+    return None
+  import dataclasses
+
+  from jax_flash2 import defaults
+
+  config = defaults.mosaic_forward(case["head_dim"], seq_q=case["seq"], causal=bool(case["options"].get("causal")),
+                                   segments=bool(case.get("segments")))
+  values = {}
+  for field in fields:
+    name, value = field.split("=")
+    values[name] = value.lower() == "true" if value.lower() in ("true", "false") else int(value)
+  return dataclasses.replace(config, **values)
+
+
 def main(argv: list[str]) -> int:
   if argv[:1] == ["--sass"]:
     print(report(pathlib.Path(argv[1]).read_text()))
     return 0
+  import argparse
+
   import jax
   import jax.numpy as jnp
 
   import mosaic_cpu_compile
-  from jax_flash2 import flash_attention
+  from jax_flash2 import MosaicConfig, flash_attention
 
+  ap = argparse.ArgumentParser()
+  ap.add_argument("out")
+  ap.add_argument("cases", nargs="+", choices=list(CASES))
+  ap.add_argument("--forward", nargs="*", default=[], metavar="FIELD=VALUE",
+                  help="MosaicForwardConfig fields over the case's default (e.g. consumers=3 block_q=192)")
+  args = ap.parse_args(argv)
   compile_fn = mosaic_cpu_compile.setup_compiler()
   mosaic_cpu_compile.on_hopper()
-  out = pathlib.Path(argv[0])
-  for name in argv[1:]:
+  out = pathlib.Path(args.out)
+  for name in args.cases:
     case = CASES[name]
     q = jax.ShapeDtypeStruct((1, case["seq"], case["heads"], case["head_dim"]), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, case["seq"], case["kv_heads"], case["head_dim"]), jnp.bfloat16)
+    forward = _forward_config(case, args.forward)
+    if forward is not None:
+      print(f"== {name} forward {forward}")
 
-    def loss(q, k, v, case=case):
+    def loss(q, k, v, case=case, forward=forward):
       options = dict(case["options"])
       if segments := case.get("segments"):
         ids = jnp.repeat(jnp.arange(segments, dtype=jnp.int32), case["seq"] // segments)[None]
         options.update(q_segment_ids=ids, kv_segment_ids=ids)
+      if forward is not None:
+        options.update(mosaic_config=MosaicConfig(forward=forward))
       return flash_attention(q, k, v, backend="mosaic", **options).astype(jnp.float32).sum()
 
     mosaic_cpu_compile.compile_kernels(compile_fn, jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv), out / name, name)
