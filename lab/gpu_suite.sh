@@ -28,9 +28,10 @@ python -c "import jax, jaxlib; from jax._src.lib import cuda_versions as c; \
 print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'cudnn', c.cudnn_get_version() if c else None)" \
   | tee -a "$OUT/gpu.txt"
 # Mosaic and API-level tests first: they exercise the most code per second.
+# REVERSE=1 takes the list from its end, for the tests a limited call did not reach.
 python -m pytest -m gpu --collect-only -q -p no:cacheprovider "$@" | grep "::" \
   | awk '{ key = ($0 ~ /test_gpu.py::test_mosaic|test_mosaic/) ? 0 : 1; print key "\t" $0 }' \
-  | sort -s -k1,1 | cut -f2 >"$OUT/ids.txt"
+  | sort -s -k1,1 | cut -f2 | { if ((${REVERSE:-0})); then tac; else cat; fi; } >"$OUT/ids.txt"
 echo "$(wc -l <"$OUT/ids.txt") tests in $n shards"
 for ((i = 0; i < n; i++)); do
   mapfile -t ids < <(awk -v n="$n" -v i="$i" 'NR % n == i' "$OUT/ids.txt")
