@@ -58,7 +58,7 @@ from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands, PersistentSchedule,
-    QTile, ScoreTile, Scores, backward_kernels, check_operands, interpret_params_of, kv_outer_scratch,
+    QTile, ScoreTile, Scores, backward_kernels, check_operands, grad_scores, interpret_params_of, kv_outer_scratch,
     kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_input, optional_ref, outer_grid,
     recomputed_probs, run_tiles, same_ids, score_bias, segment_inputs, segment_range, segment_refs, specialized_kernel,
     swizzled, tile_table, triangular,
@@ -335,8 +335,7 @@ def _dq_kernel(
         if not config.dq_softmax_overlap:
           with jax.named_scope("softmax"):
             p, dcap = probs(s)
-        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-        return ds if dcap is None else ds * dcap  # d(softcap * tanh) / d(scaled score)
+        return grad_scores(p, dp, delta, dcap, delta_axis=0)
 
       if interpret:
         ds = pl.run_scoped(score_gradient, plgpu.ACC((rows, block_kv)), plgpu.ACC((rows, block_kv)))

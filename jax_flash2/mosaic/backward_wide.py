@@ -85,7 +85,7 @@ from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, ScoreTile, Scores,
     backward_kernels, check_operands, copy_q_block, interpret_params_of, kv_range, kv_ring_producer, load_ids,
-    observe_last_releases, optional_input, optional_ref, outer_grid, recomputed_probs, run_tiles, same_ids,
+    grad_scores, observe_last_releases, optional_input, optional_ref, outer_grid, recomputed_probs, run_tiles, same_ids,
     segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled, triangular, zero_padded_keys,
 )
 
@@ -348,9 +348,7 @@ def _dkv_kernel(
                                        masked=masked, lse_axis=1,
                                        same_segment=None if segments is None else same_segment)
         delta = plgpu.load(delta_smem.at[slot, queries], layout=vec_layout)
-        ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-        if dcap_t is not None:
-          ds_t = ds_t * dcap_t  # d(softcap * tanh) / d(scaled score)
+        ds_t = grad_scores(p_t, dp_t, delta, dcap_t, delta_axis=1)
       with jax.named_scope("stage"):
         shared.write(ring_base + step, ((p_smem, p_t.astype(dtype)), (ds_smem, ds_t.astype(dtype))))
 
@@ -530,9 +528,7 @@ def _dq_kernel(
         p, dcap = recomputed_probs(s, lse, scores=scores, mask=mask, slope=slope,
                                    tile=ScoreTile(s.shape, tile.q_start, kb * ROWS + wg * COLS),
                                    masked=masked, lse_axis=0, same_segment=None if segments is None else same_segment)
-        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-        if dcap is not None:
-          ds = ds * dcap  # d(softcap * tanh) / d(scaled score)
+        ds = grad_scores(p, dp, delta, dcap, delta_axis=0)
       with jax.named_scope("stage"):
         shared.write(ring_base + tile.step_of(kb), ((ds_smem, ds.astype(dtype)),))
 

@@ -281,6 +281,15 @@ def recomputed_probs(s, lse_log2, *, scores: Scores, mask: Mask, tile: ScoreTile
   return p, dcap
 
 
+
+def grad_scores(p, dp, delta, dcap, *, delta_axis: int):
+  """dS = P * (dP - delta) for a tile (or its transpose), delta broadcast
+  along the tile's axis delta_axis, times the softcap's derivative dcap
+  (d(softcap * tanh) / d(scaled score), from `recomputed_probs`) where
+  there is one."""
+  ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [delta_axis]))
+  return ds if dcap is None else ds * dcap
+
 def triangular(mask: Mask) -> bool:
   """Whether a Q block's work grows with its index and a K/V block's
   shrinks with its own: a band with a right edge and no left one (causal
@@ -1307,8 +1316,7 @@ class KVOuter:
     """dS^T = P^T * (dP^T - delta), delta of the Q block in `slot` (loaded
     here unless given), times the softcap's derivative where there is one."""
     delta = self.load_delta(slot) if delta is None else delta
-    ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-    return ds_t if dcap_t is None else ds_t * dcap_t
+    return grad_scores(p_t, dp_t, delta, dcap_t, delta_axis=1)
 
   def p_and_ds_t(self, k_a, v_a, k_start, qb, slot, *, masked: bool, slope=None, batch=None):
     """(P^T, dS^T in the inputs' dtype, Q tile, dO tile) of Q block qb in
