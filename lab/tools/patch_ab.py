@@ -16,6 +16,7 @@ The cases, all causal, bf16, backend="mosaic":
   packed   d128, 16 heads, 8 equal sequences as segment ids
   causal   d128, 16 heads
   gptoss   d64, 64 query heads over 8, window (128, 0), sinks
+  softcap  d128, 16 heads, softcap 50
 Alternating rounds let drift hit both sides alike; a side's spread is the
 noise a difference has to beat (session 25 saw repeats of one variant 4%
 apart). Lab equipment: not part of the product.
@@ -67,6 +68,8 @@ def _case(name: str, s: int, interpret: bool):
   elif name == "gptoss":
     d, h, kvh = 64, 64, 8
     kw["window_size"] = (128, 0)
+  elif name == "softcap":
+    kw["softcap"] = 50.0
   if interpret:
     h, kvh = h // 8, kvh // 8
   if name == "gptoss":
@@ -94,7 +97,7 @@ def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("patch", type=pathlib.Path)
   ap.add_argument("--cases", nargs="*", default=["window", "packed", "causal"],
-                  choices=["window", "packed", "causal", "gptoss"])
+                  choices=["window", "packed", "causal", "gptoss", "softcap"])
   ap.add_argument("--modes", nargs="*", default=["fwd+bwd"], choices=["fwd", "fwd+bwd"])
   ap.add_argument("--seqlen", type=int, default=16384)
   ap.add_argument("--rounds", type=int, default=3)
