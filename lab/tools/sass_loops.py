@@ -26,6 +26,8 @@ CASES = {
     "causal": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True)),
     "gptoss": dict(head_dim=64, heads=8, kv_heads=1, seq=4096, options=dict(causal=True, window_size=(128, 0))),
     "softcap": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True, softcap=50.0)),
+    "softcap64": dict(head_dim=64, heads=4, kv_heads=4, seq=4096, options=dict(causal=True, softcap=50.0)),
+    "softcap256": dict(head_dim=256, heads=4, kv_heads=4, seq=4096, options=dict(causal=True, softcap=50.0)),
     # Eight packed causal sequences (segment ids).
     "packed": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True), segments=8),
 }
