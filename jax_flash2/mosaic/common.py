@@ -88,8 +88,12 @@ _HOPPER_SMS = 132
 
 
 def compiler_params() -> plgpu.CompilerParams:
-  """The kernels' compiler parameters: approximate exp2 and reciprocal."""
-  return plgpu.CompilerParams(approx_math=True)
+  """The kernels' compiler parameters: approximate exp2 and reciprocal, and
+  no shared memory set aside for reductions across warps (Pallas reserves
+  2 KiB for them wherever a kernel reduces): every reduction here runs
+  along a row of the WGMMA layout, within a warp, and one that needed
+  the scratch would fail to lower."""
+  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 
 
 def specialized_kernel(body, *, out_type, scratch, grid, grid_names, interpret_params, name: str,
