@@ -94,9 +94,10 @@ def flash_attention(
       to max) do not meet are skipped: ids that never decrease along the
       sequence (packed sequences) skip the tiles between sequences; unsorted
       ids give the same result but skip fewer tiles.
-    sinks: float [heads]: attention sinks (gpt-oss), one learned logit per
-      query head that joins each row's softmax denominator and carries no
-      value: p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij)). lse then
+    sinks: float [heads] (any float dtype: used as float32, dsinks in its
+      own dtype): attention sinks (gpt-oss), one learned logit per query
+      head that joins each row's softmax denominator and carries no value:
+      p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij)). lse then
       includes it, and a row that sees no key returns zeros and lse = sink_h.
       Differentiable (dsinks sums over batch and rows). The forward kernels
       join it to each row's running max and sum in their last step (a ring

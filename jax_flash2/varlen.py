@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash2.api import check_flag, flash_attention
+from jax_flash2.api import check_backend, check_flag, check_problem, flash_attention
 from jax_flash2.backends import Backend
 
 # jnp.searchsorted's default method is a while loop, each of whose steps is a
@@ -56,11 +56,14 @@ def flash_attention_varlen(
   Args:
     q: [total_q, heads, head_dim], the sequences' queries one after another.
     k, v: [total_k, kv_heads, head_dim] (heads a multiple of kv_heads).
-    cu_seqlens_q, cu_seqlens_k: int32 [num_seqs + 1], starting at 0 and
-      non-decreasing: sequence s is rows cu_seqlens[s]:cu_seqlens[s + 1].
+    cu_seqlens_q, cu_seqlens_k: int32 [num_seqs + 1] (other integer dtypes
+      are cast), starting at 0, non-decreasing and ending at most at the
+      rows given: sequence s is rows cu_seqlens[s]:cu_seqlens[s + 1].
       Empty sequences are allowed. Rows past cu_seqlens[-1] see no key.
       Passing the same array for both (self-attention) keeps the rows in
       place; otherwise they are gathered into per-sequence slots and back.
+      Their values are checked when concrete; traced (under jit) only their
+      shapes and dtypes are, and bad values give wrong results silently.
     max_seqlen_q, max_seqlen_k: optional bounds on the lengths; given, they
       can shrink the slot layout (a longer sequence would lose rows: it is
       an error when the lengths are concrete).
@@ -74,25 +77,33 @@ def flash_attention_varlen(
     out like q; with return_lse, (out, lse) with lse float32 [heads,
     total_q] (a row that sees no key: -inf, or its head's sink).
   """
-  if not all(hasattr(x, "ndim") for x in (q, k, v)) or not q.ndim == k.ndim == v.ndim == 3:
+  if (not all(hasattr(x, "ndim") for x in (q, k, v)) or not q.ndim == k.ndim == v.ndim == 3 or k.shape != v.shape
+      or q.shape[2] != k.shape[2] or k.shape[1] < 1 or q.shape[1] % k.shape[1]):
     raise ValueError(
-        "flash_attention_varlen takes q [total_q, heads, head_dim] and k, v [total_k, kv_heads, head_dim], "
-        f"got {[getattr(x, 'shape', type(x).__name__) for x in (q, k, v)]}")
+        "flash_attention_varlen takes q [total_q, heads, head_dim] and k, v [total_k, kv_heads, head_dim] (heads a "
+        f"multiple of kv_heads), got {[getattr(x, 'shape', type(x).__name__) for x in (q, k, v)]}")
+  if alibi_slopes is not None and jnp.shape(alibi_slopes) != (q.shape[1],):
+    raise ValueError(f"alibi_slopes must have shape [heads] = ({q.shape[1]},), got {jnp.shape(alibi_slopes)}")
+  # Every option checked before any work, also where no sequence calls flash_attention (rows may be 0).
+  batch_of_one = [jax.ShapeDtypeStruct((1, max(x.shape[0], 1), *x.shape[1:]), x.dtype) for x in (q, k, v)]
+  check_problem(*batch_of_one, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                sinks=sinks, softmax_scale=softmax_scale)
+  check_backend(backend)
+  check_flag("interpret", interpret)
   return_lse = check_flag("return_lse", return_lse)
   same = cu_seqlens_q is cu_seqlens_k
   cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-  cu_k = cu_q if same else _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+  # The same array still bounds k's rows where k has fewer.
+  cu_k = cu_q if same and k.shape[0] >= q.shape[0] else _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
   if cu_q.shape != cu_k.shape:
     raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got shapes "
                      f"{cu_q.shape} and {cu_k.shape}")
   max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_q)
   max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_k)
-  if alibi_slopes is not None and jnp.shape(alibi_slopes) != (q.shape[1],):
-    raise ValueError(f"alibi_slopes must have shape [heads] = ({q.shape[1]},), got {jnp.shape(alibi_slopes)}")
   options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                  softmax_scale=softmax_scale, return_lse=True, backend=backend, interpret=interpret)
 
-  if cu_q.shape[0] == 1:  # no sequence: every row sees nothing
+  if cu_q.shape[0] == 1 or q.shape[0] == 0 or k.shape[0] == 0:  # no sequence, query or key: every row sees nothing
     out = jnp.zeros_like(q)
     lse = jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
     if sinks is not None:
@@ -186,8 +197,10 @@ def _check_cu_seqlens(name: str, cu, total: int) -> jax.Array:
 def _check_max_seqlen(name: str, value, cu) -> int | None:
   if value is None:
     return None
-  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
     raise TypeError(f"{name} must be a non-negative int or None, got {value!r}")
+  if value < 0:
+    raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
   values = _concrete(cu)
   if values is not None and values.shape[0] > 1:
     longest = int(np.max(np.diff(values)))

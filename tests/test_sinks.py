@@ -199,3 +199,11 @@ def test_bad_sinks(sinks, error, match):
   q, k, v, _ = random_inputs(0, 2, 8, 8, 4, 8)
   with pytest.raises(error, match=match):
     flash_attention(q, k[:, :, :2], v[:, :, :2], sinks=sinks, backend="xla")
+
+
+def test_bfloat16_sinks_are_used_as_float32_with_gradients_in_bfloat16():
+  q, k, v, _ = random_inputs(0, 1, 8, 8, 4, 8)
+  sinks = _sinks(4).astype(jnp.bfloat16)
+  f = lambda s: flash_attention(q, k, v, sinks=s, return_lse=True, backend="xla")[1].sum()
+  assert f(sinks) == f(sinks.astype(jnp.float32))
+  assert jax.grad(f)(sinks).dtype == jnp.bfloat16

@@ -156,12 +156,42 @@ def test_no_sequences():
         (dict(max_seqlen_k=True), TypeError, "max_seqlen_k must be a non-negative int"),
         (dict(alibi_slopes=jnp.ones((2, 4))), ValueError, r"alibi_slopes must have shape \[heads\]"),
         (dict(return_lse="no"), TypeError, "return_lse must be a bool"),
+        (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be a non-negative int or None, got -1"),
+        (dict(v_shape=(7, 2, 16)), ValueError, r"k, v \[total_k, kv_heads, head_dim\].*\(7, 2, 16\)"),  # silent before
+        (dict(k_shape=(9, 3, 16), v_shape=(9, 3, 16)), ValueError, r"heads a multiple of kv_heads.*\(9, 3, 16\)"),
+        (dict(k_shape=(5, 2, 16), v_shape=(5, 2, 16), cu_k="same"), ValueError, "cu_seqlens_k .* end at most at 5"),
+        # With no sequence nothing reaches flash_attention: the options are checked all the same.
+        (dict(cu_q=[0], cu_k=[0], sinks=jnp.zeros((2,))), ValueError, r"sinks must have shape \[heads\] = \(4,\)"),
+        (dict(cu_q=[0], cu_k=[0], window_size=(-1, 0)), ValueError, "window_size sides must be ints >= 0"),
+        (dict(cu_q=[0], cu_k=[0], softcap=0.0), ValueError, "softcap must be a finite positive number"),
+        (dict(cu_q=[0], cu_k=[0], backend="gpu"), ValueError, "backend must be one of"),
     ],
 )
 def test_bad_inputs_name_the_argument(change, error, match):
   q = jnp.ones(change.pop("q_shape", (9, 4, 16)), jnp.float32)
-  k = v = jnp.ones((9, 2, 16), jnp.float32)
+  k = jnp.ones(change.pop("k_shape", (9, 2, 16)), jnp.float32)
+  v = jnp.ones(change.pop("v_shape", k.shape), jnp.float32)
   cu_q = jnp.asarray(change.pop("cu_q", [0, 4, 9]))
-  cu_k = jnp.asarray(change.pop("cu_k", [0, 3, 9]))
+  cu_k = change.pop("cu_k", [0, 3, 9])
+  cu_k = cu_q if cu_k == "same" else jnp.asarray(cu_k)
+  change.setdefault("backend", "xla")
   with pytest.raises(error, match=match):
-    flash_attention_varlen(q, k, v, cu_q, cu_k, backend="xla", **change)
+    flash_attention_varlen(q, k, v, cu_q, cu_k, **change)
+
+
+def test_no_keys_at_all():
+  q, *_, sinks = _inputs(3, (3, 2), (0, 0), 2)
+  k = v = jnp.zeros((0, 2, HEAD_DIM), jnp.float32)
+  out, lse = flash_attention_varlen(q, k, v, _cu((3, 2)), _cu((0, 0)), sinks=sinks, return_lse=True, backend="xla")
+  assert np.all(np.asarray(out) == 0) and rel_err(lse, jnp.broadcast_to(sinks[:, None], lse.shape)) == 0
+
+
+def test_traced_cu_seqlens_check_shapes_and_dtypes():
+  q = jnp.ones((9, 4, 16), jnp.float32)
+  k = v = jnp.ones((9, 2, 16), jnp.float32)
+  f = jax.jit(lambda cu_q, cu_k: flash_attention_varlen(q, k, v, cu_q, cu_k, backend="xla"))
+  assert f(jnp.asarray([0, 4, 9], jnp.int64), jnp.asarray([0, 3, 9], jnp.int32)).shape == q.shape
+  with pytest.raises(TypeError, match="cu_seqlens_k must hold integers, got float32"):
+    f(jnp.asarray([0, 4, 9]), jnp.asarray([0.0, 3.0, 9.0], jnp.float32))
+  with pytest.raises(ValueError, match="as many sequences"):
+    f(jnp.asarray([0, 4, 9]), jnp.asarray([0, 9]))
