@@ -4,7 +4,7 @@ sequences at 16k, head_dim 128): forward+backward kernel time (profiler)
 and wall clock per call, each variant against the defaults in the same run.
 
   PYTHONPATH=. python lab/tools/mosaic_options_sweep.py [--cases window packed ragged] [--seqlen 16384]
-      [--variants default persistent=False ...] [--modes fwd fwd+bwd]
+      [--variants default persistent=False ...] [--modes fwd fwd+bwd] [--check]
 
 (ragged: 8 causal sequences of the varlen bench's lengths 1024, 3072, 512, 4096,
 2560, 1536, 2048, 1536 as segment ids.)
@@ -22,6 +22,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ab_timing import cell, wall_and_kernel_ms
 from jax_flash2 import MosaicConfig, defaults, flash_attention
@@ -60,6 +61,7 @@ def main() -> None:
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--variants", nargs="*", default=None, help="names to run (default: all)")
   ap.add_argument("--modes", nargs="*", default=["fwd+bwd"], choices=["fwd", "fwd+bwd"])
+  ap.add_argument("--check", action="store_true", help="compare each variant's out and gradients to the default's")
   args = ap.parse_args()
   s, h, d = args.seqlen, args.heads, 128
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -96,6 +98,7 @@ def main() -> None:
       kw["q_segment_ids"] = kw["kv_segment_ids"] = ids
     print(f"== {case}: s{s} h{h} d{d} causal {kw.get('window_size', '')}", flush=True)
     base = {}
+    reference = {}
     for name, fwd, bwd in variants_of("q_segment_ids" in kw):
       config = MosaicConfig(forward=fwd, backward=bwd)
 
@@ -115,6 +118,10 @@ def main() -> None:
           cells.append(f"{mode} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
           continue
         cells.append(cell(mode, wall, kern, base))
+      if args.check:  # a tiling changes no result: each variant's against the default's, bitwise
+        got = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(f_both)(q, k, v, do)]
+        first = reference.setdefault(case, got)
+        cells.append("max |diff| out/dq/dk/dv " + " ".join(f"{np.abs(a - b).max():.1e}" for a, b in zip(got, first)))
       print(f"  {name:30s} " + "   ".join(cells), flush=True)
 
 
