@@ -3,7 +3,7 @@
 # window and packed cases (lab/tools/mosaic_options_sweep.py), then what a
 # softcap costs and what cuts it (lab/tools/softcap_ab.py). Logs in $OUT.
 #   bash lab/gpu_options_ab.sh [sweep] [packed] [ragged] [softcap128] [softcappoly] [earlyrows] [softcap64] [segtests] [segrecord]
-#     [profile] [patchab] [patchtests] [consumers3] [f32seeds]
+#     [profile] [patchab] [patchtests] [consumers3] [f32seeds] [stages3]
 # patchab and patchtests take PATCH (default lab/patches/dq_delta_fold.diff)
 # (patchab: CASES, patch_ab.py's --cases, default its own) and PATCH_TESTS
 # (a pytest -k expression; default the bf16 option and
@@ -28,6 +28,9 @@ for stage in "$@"; do
     consumers3)  # 192-row forward tiles at d128 (three consumers, 64-row K/V blocks) against the defaults
       timeout 300 python lab/tools/mosaic_options_sweep.py --cases window packed --modes fwd fwd+bwd --variants \
         default "consumers=3 block_kv=64 stages=4" 2>&1 | quiet | tee "$OUT/consumers3_sweep.log" ;;
+    stages3)  # d128 forward: one Q set and three K/V slots (fits since reduction_scratch_bytes=0), outputs checked
+      timeout 420 python lab/tools/mosaic_options_sweep.py --cases window packed causal --modes fwd fwd+bwd --check \
+        --variants default "persistent=False stages=3" 2>&1 | quiet | tee "$OUT/stages3_sweep.log" ;;
     f32seeds)  # test_float32's cases over 10 input seeds, compiled: each array's error ratio to plain float32
       PYTHONPATH=.:tests timeout 240 python lab/tools/float32_rule_seeds.py --seeds 10 2>&1 | quiet \
         | tee "$OUT/float32_seeds.log" ;;
