@@ -7,6 +7,7 @@ optional arrays; backends.choose then decides which backend runs each pass.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 
@@ -205,6 +206,10 @@ def plan(
   elif not (isinstance(compute_capability, tuple) and len(compute_capability) == 2
             and all(isinstance(x, int) and not isinstance(x, bool) for x in compute_capability)):
     raise TypeError(f"compute_capability must be a (major, minor) pair of ints or None, got {compute_capability!r}")
+  unknown = sorted(set(options) - _PROBLEM_OPTIONS)
+  if unknown:
+    raise TypeError(f"plan() got unexpected keyword arguments {unknown}; beside its own it takes flash_attention's "
+                    f"options: {', '.join(sorted(_PROBLEM_OPTIONS))}")
   problem = check_problem(q, k, v, **options)
   device = Device(compute_capability, check_flag("interpret", interpret))
   return _plan(problem, check_backend(backend), device, block_sizes, mosaic_config)
@@ -255,6 +260,10 @@ def check_problem(q, k, v, *, mask=None, bias=None, causal=False, window_size=No
       has_bias=bias is not None,
       has_sinks=sinks is not None,
   )
+
+
+# The options of flash_attention that describe the problem (plan() takes them by name).
+_PROBLEM_OPTIONS = frozenset(inspect.signature(check_problem).parameters) - {"q", "k", "v"}
 
 
 def _operands(q, k, *, mask, bias, alibi_slopes, q_segment_ids, kv_segment_ids, sinks, dropout_rng) -> Operands:

@@ -282,6 +282,8 @@ def test_plan_takes_arrays_and_checks_like_flash_attention():
     plan(q, k, v, compute_capability="9.0")
   with pytest.raises(ValueError, match=r"sinks must have shape \[heads\] = \(2,\)"):
     plan(q, k, v, sinks=jnp.zeros((3,)))
+  with pytest.raises(TypeError, match=r"plan\(\) got unexpected keyword arguments \['dropout_seed'\].*dropout_rng"):
+    plan(q, k, v, dropout_rate=0.1, dropout_seed=1)
 
 
 def test_layers_share_one_kernel_lowering(monkeypatch):
