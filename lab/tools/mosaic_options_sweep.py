@@ -33,8 +33,9 @@ FORWARD = {
     "block_kv=64 stages=4": dict(block_kv=64, stages=4),
     "balanced=False": dict(balanced=False),
     "persistent=False": dict(persistent=False, balanced=False),
-    # One Q buffer leaves room for a third K/V slot at d128 (229.9 of 227 KiB
-    # with two; session 28: the window's first block waits for its K block).
+    # One Q set leaves room for a third K/V slot at d128 (230,512 of 232,448
+    # bytes by Mosaic's count, with no reduction scratch; session 28: the
+    # window's first block waits for its K block).
     "persistent=False stages=3": dict(persistent=False, balanced=False, stages=3),
     "softmax_overlap=False": dict(softmax_overlap=False),
     # 192-row tiles: a tile's start and end shared by a third more rows. Only
@@ -66,7 +67,6 @@ def main() -> None:
   s, h, d = args.seqlen, args.heads, 128
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
   q, k, v, do = (jax.random.normal(kk, (1, s, h, d), jnp.float32).astype(jnp.bfloat16) for kk in keys)
-
 
   def variants_of(segments: bool) -> list:
     """(name, forward, backward) from the product's defaults for the case:
