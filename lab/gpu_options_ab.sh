@@ -3,7 +3,7 @@
 # window and packed cases (lab/tools/mosaic_options_sweep.py), then what a
 # softcap costs and what cuts it (lab/tools/softcap_ab.py). Logs in $OUT.
 #   bash lab/gpu_options_ab.sh [sweep] [packed] [ragged] [softcap128] [softcappoly] [earlyrows] [softcap64] [segtests] [segrecord]
-#     [profile] [patchab] [patchtests] [consumers3] [f32seeds] [stages3]
+#     [profile] [patchab] [patchtests] [consumers3] [f32seeds] [stages3] [stagger]
 # patchab and patchtests take PATCH (default lab/patches/dq_delta_fold.diff)
 # (patchab: CASES, patch_ab.py's --cases, default its own) and PATCH_TESTS
 # (a pytest -k expression; default the bf16 option and
@@ -31,6 +31,9 @@ for stage in "$@"; do
     stages3)  # d128 forward: one Q set and three K/V slots (fits since reduction_scratch_bytes=0), outputs checked
       timeout 420 python lab/tools/mosaic_options_sweep.py --cases window packed causal --modes fwd fwd+bwd --check \
         --variants default "persistent=False stages=3" 2>&1 | quiet | tee "$OUT/stages3_sweep.log" ;;
+    stagger)  # the d128 forward's consumers half a step apart (lab/patches/forward_stagger.diff), alternating
+      timeout 290 python lab/tools/patch_ab.py lab/patches/forward_stagger.diff --cases window causal packed \
+        --modes fwd fwd+bwd --rounds 3 2>&1 | quiet | tee "$OUT/stagger_ab.log" ;;
     f32seeds)  # test_float32's cases over 10 input seeds, compiled: each array's error ratio to plain float32
       PYTHONPATH=.:tests timeout 240 python lab/tools/float32_rule_seeds.py --seeds 10 2>&1 | quiet \
         | tee "$OUT/float32_seeds.log" ;;
