@@ -31,7 +31,7 @@ for stage in "$@"; do
     stages3)  # d128 forward: one Q set and three K/V slots (fits since reduction_scratch_bytes=0), outputs checked
       timeout 420 python lab/tools/mosaic_options_sweep.py --cases window packed causal --modes fwd fwd+bwd --check \
         --variants default "persistent=False stages=3" 2>&1 | quiet | tee "$OUT/stages3_sweep.log" ;;
-    stagger)  # the forward and dQ consumers half a step apart (lab/patches/consumers_stagger.diff), alternating
+    stagger)  # the consumers of the forward, dQ and dK/dV kernels half a step apart (lab/patches/consumers_stagger.diff), alternating
       timeout 290 python lab/tools/patch_ab.py lab/patches/consumers_stagger.diff --cases window causal packed \
         --modes fwd fwd+bwd --rounds 3 2>&1 | quiet | tee "$OUT/stagger_ab.log" ;;
     f32seeds)  # test_float32's cases over 10 input seeds, compiled: each array's error ratio to plain float32
