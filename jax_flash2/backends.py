@@ -277,12 +277,19 @@ class MosaicKernels(Kernels):
     if given is not None and backward and given.fused_dq and not problem.is_plain:
       raise ValueError(f"{given}: the fused Mosaic backward (fused_dq) serves full and causal attention only, not "
                        f"{_options(problem)}; pass fused_dq=False")
-    if given is not None:
-      return given
-    segments = problem.mask.segments
-    if backward:
-      return defaults.mosaic_backward(problem.head_dim, fused=problem.is_plain, segments=segments)
-    return defaults.mosaic_forward(problem.head_dim, seq_q=problem.seq_q, causal=problem.causal, segments=segments)
+    config = given
+    if config is None:
+      segments = problem.mask.segments
+      if backward:
+        config = defaults.mosaic_backward(problem.head_dim, fused=problem.is_plain, segments=segments)
+      else:
+        config = defaults.mosaic_forward(problem.head_dim, seq_q=problem.seq_q, causal=problem.causal,
+                                         segments=segments)
+    # The kernels' own checks (shared memory, the wide kernels' tiles), here
+    # so that plan() refuses what the call would.
+    kernels = _mosaic_backward_kernels(problem, config) if backward else mosaic_forward
+    kernels.check_config(config, problem.head_dim, problem.dtype)
+    return config
 
   def forward(self, q, k, v, operands, problem, config: MosaicForwardConfig, *, interpret):
     return mosaic_forward.forward(q, k, v, **_mosaic_options(operands, problem), sinks=operands.sinks,
@@ -291,13 +298,10 @@ class MosaicKernels(Kernels):
   def backward(self, q, k, v, out, lse, do, dlse, operands, problem, config: MosaicBackwardConfig, *, interpret):
     # delta = rowsum(dO * O) - dlse comes from the Triton kernels' small delta kernel.
     delta = triton_backward.backward_delta(out, do, dlse, problem, interpret=interpret)
-    if problem.head_dim in mosaic_common.WIDE_HEAD_DIMS:
-      kernels = mosaic_backward_wide
-    elif config.fused_dq:  # full or causal attention only (see `config`)
-      return mosaic_backward_fused.backward(q, k, v, do, lse, delta, causal=problem.causal,
-                                            softmax_scale=problem.softmax_scale, config=config, interpret=interpret)
-    else:
-      kernels = mosaic_backward
+    kernels = _mosaic_backward_kernels(problem, config)
+    if kernels is mosaic_backward_fused:  # full or causal attention only (see `config`)
+      return kernels.backward(q, k, v, do, lse, delta, causal=problem.causal, softmax_scale=problem.softmax_scale,
+                              config=config, interpret=interpret)
     return kernels.backward(q, k, v, do, lse, delta, **_mosaic_options(operands, problem), config=config,
                             interpret=interpret)
 
@@ -348,6 +352,14 @@ class XlaAttention(Implementation):
     rows = jnp.swapaxes(jnp.sum(do * (part_out.astype(jnp.float32) - out.astype(jnp.float32)), axis=-1), 1, 2)
     d_out = do * jnp.swapaxes(w, 1, 2)[..., None]
     return pullback((d_out.astype(part_out.dtype), (w * (dlse + rows)).astype(part_lse.dtype)))
+
+
+def _mosaic_backward_kernels(problem: Problem, config: MosaicBackwardConfig):
+  """The module of the Mosaic backward kernels that run `config`: the wide
+  ones at head_dim 256, else the fused kernel or the dK/dV and dQ pair."""
+  if problem.head_dim in mosaic_common.WIDE_HEAD_DIMS:
+    return mosaic_backward_wide
+  return mosaic_backward_fused if config.fused_dq else mosaic_backward
 
 
 def _mosaic_options(operands: Operands, problem: Problem) -> dict:

@@ -155,6 +155,29 @@ def test_fused_backward_config_refused_for_options():
   assert plan(q, k, v, softcap=5.0, mosaic_config=two, compute_capability=HOPPER).backward.backend == "mosaic"
 
 
+@pytest.mark.parametrize("head_dim, config, match", [
+    (64, MosaicConfig(forward=MosaicForwardConfig(block_kv=256, stages=4)), "for the forward at head_dim 64"),
+    (128, MosaicConfig(backward=MosaicBackwardConfig(block_q=64, block_kv=128, stages=4)),
+     "shared memory for the dQ kernel at head_dim 128"),
+    (64, MosaicConfig(backward=MosaicBackwardConfig(block_q=64, block_kv=128, stages=8, fused_dq=True)),
+     "shared memory for the fused kernel at head_dim 64"),
+    (256, MosaicConfig(backward=MosaicBackwardConfig(block_q=128, block_kv=128)),
+     r"head_dim 256 takes block_q = block_kv = 64"),
+    (256, MosaicConfig(backward=MosaicBackwardConfig(block_q=64, block_kv=64, stages=3)),
+     "shared memory for the dK/dV kernel at head_dim 256"),
+])
+def test_plan_refuses_configs_the_kernels_refuse(head_dim, config, match):
+  """A Mosaic config that the kernels would refuse (buffers past shared
+  memory, the wide kernels' tiles) is refused by plan() already, with the
+  kernels' own message: plan() says what the call runs."""
+  q, k, v = _structs(head_dim=head_dim)
+  with pytest.raises(ValueError, match=match):
+    plan(q, k, v, causal=True, mosaic_config=config, compute_capability=HOPPER)
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, causal=True, backend="mosaic", mosaic_config=config,
+                                                   interpret=True), q, k, v)
+
+
 @pytest.mark.parametrize("dtype, backend", [(jnp.bfloat16, "mosaic"), (jnp.float16, "mosaic"), (jnp.float32, "triton")])
 def test_auto_on_hopper_by_dtype(dtype, backend):
   got = plan(*_structs(dtype=dtype), compute_capability=HOPPER)

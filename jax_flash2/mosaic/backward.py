@@ -58,10 +58,10 @@ from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands, PersistentSchedule,
-    QTile, ScoreTile, Scores, backward_kernels, check_operands, grad_scores, interpret_params_of, kv_outer_scratch,
-    kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_input, optional_ref, outer_grid,
-    recomputed_probs, run_tiles, same_ids, score_bias, segment_inputs, segment_range, segment_refs, specialized_kernel,
-    swizzled, tile_table, triangular,
+    QTile, ScoreTile, Scores, backward_kernels, check_operands, check_smem, grad_scores, interpret_params_of,
+    kv_outer_scratch, kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_input, optional_ref,
+    outer_grid, recomputed_probs, run_tiles, same_ids, score_bias, segment_inputs, segment_range, segment_refs,
+    specialized_kernel, swizzled, tile_table, triangular,
 )
 
 HEAD_DIMS = (64, 128)
@@ -490,6 +490,16 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.A
                     kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale)
 
 
+def check_config(config: MosaicBackwardConfig, head_dim: int, dtype, *, kernels=("dkv", "dq")) -> None:
+  """Raises ValueError if `kernels` ("dkv", "dq") cannot run `config` at
+  head_dim and dtype: fused_dq (backward_fused's kernel), or buffers past a
+  Hopper CTA's shared memory."""
+  if config.fused_dq:
+    raise ValueError(f"{config}: fused_dq is backward_fused's kernel; the two kernels here need fused_dq=False")
+  smem = {"dkv": ("the dK/dV kernel", dkv_smem_bytes), "dq": ("the dQ kernel", dq_smem_bytes)}
+  check_smem(config, {smem[name][0]: smem[name][1](config, head_dim, dtype) for name in kernels}, head_dim)
+
+
 def _gradients(names, q, k, v, do, lse, delta, config, interpret, **band_and_scores):
   """The gradients of the kernels `names` ("dkv", "dq") on the checked
   operands; config None takes the measured default tiling, with dQ in a
@@ -499,8 +509,7 @@ def _gradients(names, q, k, v, do, lse, delta, config, interpret, **band_and_sco
   if config is None:
     config = defaults.mosaic_backward(q.shape[-1], fused=False,
                                       segments=band_and_scores.get("q_segment_ids") is not None)
-  if config.fused_dq:
-    raise ValueError(f"{config}: fused_dq is backward_fused's kernel; the two kernels here need fused_dq=False")
-  kernels = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}
+  check_config(config, q.shape[-1], q.dtype, kernels=names)
+  kernels = {"dkv": _dkv_call, "dq": _dq_call}
   return backward_kernels({name: kernels[name] for name in names}, q, k, v, do, lse, delta, config=config,
                           interpret=interpret, **band_and_scores)

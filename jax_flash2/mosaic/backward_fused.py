@@ -87,6 +87,15 @@ def smem_bytes(config: MosaicBackwardConfig, head_dim: int, dtype) -> int:
                              buffers=_buffers(config)) + dq
 
 
+def check_config(config: MosaicBackwardConfig, head_dim: int, dtype) -> None:
+  """Raises ValueError if the fused kernel cannot run `config` at head_dim
+  and dtype: it needs fused_dq, and buffers within a Hopper CTA's shared
+  memory."""
+  if not config.fused_dq:
+    raise ValueError(f"{config}: the fused kernel needs fused_dq=True (the two kernels are backward.py's)")
+  check_smem(config, {"the fused kernel": smem_bytes(config, head_dim, dtype)}, head_dim)
+
+
 # ---------------------------------------------------------------- the order of additions
 
 
@@ -543,9 +552,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.A
   head_dim = q.shape[-1]
   if config is None:
     config = defaults.mosaic_backward(head_dim)
-  if not config.fused_dq:
-    raise ValueError(f"{config}: the fused kernel needs fused_dq=True (the two kernels are backward.py's)")
-  check_smem(config, {"the fused kernel": smem_bytes(config, head_dim, q.dtype)}, head_dim)
+  check_config(config, head_dim, q.dtype)
   softmax_scale = softmax_scale_of(softmax_scale, head_dim)
   mask = Mask(q.shape[1], k.shape[1], causal=causal)
   dk, dv, dq = _fused_call(*pad_backward(q, k, v, do, lse, delta), mask=mask, softmax_scale=softmax_scale,

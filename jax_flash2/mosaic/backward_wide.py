@@ -84,9 +84,10 @@ from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, ScoreTile, Scores,
-    backward_kernels, check_operands, copy_q_block, interpret_params_of, kv_range, kv_ring_producer, load_ids,
-    grad_scores, observe_last_releases, optional_input, optional_ref, outer_grid, recomputed_probs, run_tiles, same_ids,
-    segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled, triangular, zero_padded_keys,
+    backward_kernels, check_operands, check_smem, copy_q_block, interpret_params_of, kv_range, kv_ring_producer,
+    load_ids, grad_scores, observe_last_releases, optional_input, optional_ref, outer_grid, recomputed_probs,
+    run_tiles, same_ids, segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled, triangular,
+    zero_padded_keys,
 )
 
 # Outer rows per CTA and rows per streamed block: one wgmma M.
@@ -96,16 +97,6 @@ COLS = ROWS // NUM_CONSUMERS
 
 
 HEAD_DIMS = WIDE_HEAD_DIMS
-
-
-def _check_config(config: MosaicBackwardConfig) -> None:
-  """The wide kernels take 64-row blocks and none of the options of the
-  kernels at head_dim 64 and 128."""
-  if (config.block_q, config.block_kv) != (ROWS, ROWS):
-    raise ValueError(f"head_dim {HEAD_DIMS} takes block_q = block_kv = {ROWS}, got {config}")
-  options = ("dq_softmax_overlap", "fused_dq", "early_vectors")
-  if any(getattr(config, name) for name in options):
-    raise ValueError(f"head_dim {HEAD_DIMS} takes none of {options}, got {config}")
 
 
 def dkv_smem_bytes(config: MosaicBackwardConfig, head_dim: int, dtype) -> int:
@@ -124,6 +115,20 @@ def dq_smem_bytes(config: MosaicBackwardConfig, head_dim: int, dtype) -> int:
   outer = 2 * ROWS * head_dim * item + 2 * ROWS * 4
   ring = config.stages * 2 * ROWS * head_dim * item
   return outer + ring + ROWS * ROWS * item + BWD_SMEM_RESERVE
+
+
+def check_config(config: MosaicBackwardConfig, head_dim: int, dtype, *, kernels=("dkv", "dq")) -> None:
+  """Raises ValueError if `kernels` ("dkv", "dq") cannot run `config` at
+  head_dim and dtype: the wide kernels take 64-row blocks, none of the
+  options of the kernels at head_dim 64 and 128, and buffers within a
+  Hopper CTA's shared memory."""
+  if (config.block_q, config.block_kv) != (ROWS, ROWS):
+    raise ValueError(f"head_dim {head_dim} takes block_q = block_kv = {ROWS}, got {config}")
+  options = ("dq_softmax_overlap", "fused_dq", "early_vectors")
+  if any(getattr(config, name) for name in options):
+    raise ValueError(f"head_dim {head_dim} takes none of {options}, got {config}")
+  smem = {"dkv": ("the dK/dV kernel", dkv_smem_bytes), "dq": ("the dQ kernel", dq_smem_bytes)}
+  check_smem(config, {smem[name][0]: smem[name][1](config, head_dim, dtype) for name in kernels}, head_dim)
 
 
 def _accumulate(accs: tuple[jax.Array, ...], products, *, interpret: bool) -> tuple[jax.Array, ...]:
@@ -649,7 +654,7 @@ def _gradients(names, q, k, v, do, lse, delta, config, interpret, **band_and_sco
   check_operands("the wide Mosaic GPU backward", HEAD_DIMS, q, k, v, do, lse, delta)
   if config is None:
     config = defaults.mosaic_backward(q.shape[-1], segments=band_and_scores.get("q_segment_ids") is not None)
-  _check_config(config)
-  kernels = {"dkv": (_dkv_call, dkv_smem_bytes), "dq": (_dq_call, dq_smem_bytes)}
+  check_config(config, q.shape[-1], q.dtype, kernels=names)
+  kernels = {"dkv": _dkv_call, "dq": _dq_call}
   return backward_kernels({name: kernels[name] for name in names}, q, k, v, do, lse, delta, config=config,
                           interpret=interpret, **band_and_scores)

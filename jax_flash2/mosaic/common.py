@@ -552,13 +552,10 @@ def backward_kernels(kernels: dict, q, k, v, do, lse, delta, *, causal: bool, wi
   """Runs a module's backward kernels on one padding of the operands
   (`pad_backward`; ragged lengths pad once, not once per kernel) and slices
   their gradients back to the real lengths: (dq, dk, dv), (dk, dv) or dq.
-  kernels: {"dkv" and/or "dq": (call, smem_bytes)}, call(*padded operands,
-  mask=, scores=, slopes=, config=, interpret=) giving (dk, dv) or dq, and
-  smem_bytes(config, head_dim, dtype) its shared memory, checked here; with
-  segment ids the calls take segment_ids=(q ids, kv ids) too."""
-  head_dim = q.shape[-1]
-  check_smem(config, {name: smem_bytes(config, head_dim, q.dtype) for name, (_, smem_bytes) in kernels.items()},
-             head_dim)
+  kernels: {"dkv" and/or "dq": call}, call(*padded operands, mask=,
+  scores=, slopes=, config=, interpret=) giving (dk, dv) or dq, `config`
+  already checked by the module (its check_config); with segment ids the
+  calls take segment_ids=(q ids, kv ids) too."""
   mask = band_of(q.shape[1], k.shape[1], causal, window_size)
   mask = with_segment_ids(mask, q_segment_ids, kv_segment_ids, q.shape[0])
   kwargs = dict(segment_ids=(q_segment_ids, kv_segment_ids)) if mask.segments else {}
@@ -567,9 +564,9 @@ def backward_kernels(kernels: dict, q, k, v, do, lse, delta, *, causal: bool, wi
   kwargs.update(mask=mask, scores=scores, slopes=alibi_slopes, config=config, interpret=interpret)
   grads = []
   if "dkv" in kernels:
-    grads += [unpad_seq(x, mask.seq_k) for x in kernels["dkv"][0](*padded, **kwargs)]
+    grads += [unpad_seq(x, mask.seq_k) for x in kernels["dkv"](*padded, **kwargs)]
   if "dq" in kernels:
-    grads.insert(0, unpad_seq(kernels["dq"][0](*padded, **kwargs), mask.seq_q))
+    grads.insert(0, unpad_seq(kernels["dq"](*padded, **kwargs), mask.seq_q))
   return grads[0] if len(grads) == 1 else tuple(grads)
 
 

@@ -82,6 +82,12 @@ def smem_bytes(config: MosaicForwardConfig, head_dim: int, dtype) -> int:
   return q + kv + lse + SMEM_RESERVE
 
 
+def check_config(config: MosaicForwardConfig, head_dim: int, dtype) -> None:
+  """Raises ValueError if the forward cannot run `config` at head_dim and
+  dtype: its buffers would exceed a Hopper CTA's shared memory."""
+  check_smem(config, {"the forward": smem_bytes(config, head_dim, dtype)}, head_dim)
+
+
 def _forward_kernel(
     q_ref, k_ref, v_ref, tiles_ref, *refs,
     mask: Mask, group: int, num_q_blocks: int, schedule: PersistentSchedule | None, scores: Scores,
@@ -449,7 +455,7 @@ def forward(
   check_per_head("sinks", sinks, q)
   if config is None:
     config = defaults.mosaic_forward(head_dim, seq_q=seq_q, causal=causal, segments=segments)
-  check_smem(config, {"the forward": smem_bytes(config, head_dim, q.dtype)}, head_dim)
+  check_config(config, head_dim, q.dtype)
   interpret_params, interpret = interpret_params_of(interpret)
   rows, dtype, consumers = config.rows_per_consumer, q.dtype, config.consumers
   # The kernel works on whole blocks; it bounds and masks with the real
