@@ -58,10 +58,10 @@ from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, OUTER_ROWS, WGMMA_M, KVOuter, KVOuterScratch, Operands, PersistentSchedule,
-    QTile, ScoreTile, Scores, backward_kernels, check_operands, check_smem, grad_scores, interpret_params_of,
-    kv_outer_scratch, kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_input, optional_ref,
-    outer_grid, recomputed_probs, run_tiles, same_ids, score_bias, segment_inputs, segment_range, segment_refs,
-    specialized_kernel, swizzled, tile_table, triangular,
+    QTile, ScoreTile, Scores, backward_kernels, check_backward_smem, check_operands, grad_scores,
+    interpret_params_of, kv_outer_scratch, kv_outer_smem_bytes, kv_range, kv_ring_producer, load_ids, optional_input,
+    optional_ref, outer_grid, recomputed_probs, run_tiles, same_ids, score_bias, segment_inputs, segment_range,
+    segment_refs, specialized_kernel, swizzled, tile_table, triangular,
 )
 
 HEAD_DIMS = (64, 128)
@@ -496,8 +496,7 @@ def check_config(config: MosaicBackwardConfig, head_dim: int, dtype, *, kernels=
   Hopper CTA's shared memory."""
   if config.fused_dq:
     raise ValueError(f"{config}: fused_dq is backward_fused's kernel; the two kernels here need fused_dq=False")
-  smem = {"dkv": ("the dK/dV kernel", dkv_smem_bytes), "dq": ("the dQ kernel", dq_smem_bytes)}
-  check_smem(config, {smem[name][0]: smem[name][1](config, head_dim, dtype) for name in kernels}, head_dim)
+  check_backward_smem(config, head_dim, dtype, {"dkv": dkv_smem_bytes, "dq": dq_smem_bytes}, kernels)
 
 
 def _gradients(names, q, k, v, do, lse, delta, config, interpret, **band_and_scores):

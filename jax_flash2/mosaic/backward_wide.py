@@ -84,10 +84,10 @@ from jax_flash2.config import MosaicBackwardConfig
 from jax_flash2.mask import Mask
 from jax_flash2.mosaic.common import (
     BWD_SMEM_RESERVE, LOG2_E, NUM_CONSUMERS, WGMMA_M, WIDE_HEAD_DIMS, PersistentSchedule, QTile, ScoreTile, Scores,
-    backward_kernels, check_operands, check_smem, copy_q_block, interpret_params_of, kv_range, kv_ring_producer,
-    load_ids, grad_scores, observe_last_releases, optional_input, optional_ref, outer_grid, recomputed_probs,
-    run_tiles, same_ids, segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled, triangular,
-    zero_padded_keys,
+    backward_kernels, check_backward_smem, check_operands, copy_q_block, interpret_params_of, kv_range,
+    kv_ring_producer, load_ids, grad_scores, observe_last_releases, optional_input, optional_ref, outer_grid,
+    recomputed_probs, run_tiles, same_ids, segment_inputs, segment_range, segment_refs, specialized_kernel, swizzled,
+    triangular, zero_padded_keys,
 )
 
 # Outer rows per CTA and rows per streamed block: one wgmma M.
@@ -127,8 +127,7 @@ def check_config(config: MosaicBackwardConfig, head_dim: int, dtype, *, kernels=
   options = ("dq_softmax_overlap", "fused_dq", "early_vectors")
   if any(getattr(config, name) for name in options):
     raise ValueError(f"head_dim {head_dim} takes none of {options}, got {config}")
-  smem = {"dkv": ("the dK/dV kernel", dkv_smem_bytes), "dq": ("the dQ kernel", dq_smem_bytes)}
-  check_smem(config, {smem[name][0]: smem[name][1](config, head_dim, dtype) for name in kernels}, head_dim)
+  check_backward_smem(config, head_dim, dtype, {"dkv": dkv_smem_bytes, "dq": dq_smem_bytes}, kernels)
 
 
 def _accumulate(accs: tuple[jax.Array, ...], products, *, interpret: bool) -> tuple[jax.Array, ...]:

@@ -407,6 +407,14 @@ def check_smem(config, needs: dict[str, int], head_dim: int) -> None:
       )
 
 
+def check_backward_smem(config, head_dim: int, dtype, smem_bytes: dict, kernels) -> None:
+  """check_smem for a module's backward kernels `kernels` ("dkv", "dq"),
+  smem_bytes: {"dkv": fn, "dq": fn}, fn(config, head_dim, dtype) a kernel's
+  shared memory."""
+  labels = {"dkv": "the dK/dV kernel", "dq": "the dQ kernel"}
+  check_smem(config, {labels[name]: smem_bytes[name](config, head_dim, dtype) for name in kernels}, head_dim)
+
+
 def pad_seq(x: jax.Array, multiple: int, *, axis: int = 1, value: float = 0.0) -> jax.Array:
   """x with its sequence `axis` padded with `value` up to a multiple of
   `multiple`; x itself, not a copy, when its length already is one."""
