@@ -16,7 +16,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT/logs"
-export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 # Six shards fit an H200's 141 GB; on an H100's 80 GB eight ran five tests
 # out of memory (2026-12-06), so four there.

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# A newer jax (with its CUDA 13 plugin) for the device machine, whose image
+# holds jax 0.11.2. The four wheels of 0.12.1 are 227 MB, over the 64 MiB
+# a call carries: here they are unpacked, their three large libraries
+# stripped of symbols (700 -> 517 MB), packed as one xz tarball and split
+# into pieces that fit a call beside the working tree (about 12 MB).
+#
+#   bash lab/newest_jax.sh stage [VERSION]   (here: .jaxw1, .jaxw2, ... in the root)
+#   bash lab/newest_jax.sh receive PIECE     (there, one call a piece, chained
+#                                             inside the machine's 30 s warm window)
+#   bash lab/newest_jax.sh install           (there, after the last piece)
+#
+# Then `export PYTHONPATH=/tmp/jax_site` before python (gpu_suite.sh keeps it).
+# Stripping keeps the dynamic symbols, which is all a shared library's
+# loader and Python's import need; the CPU backend of the stripped tree ran
+# here before it was first sent (2026-12-07).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+piece_mb=${PIECE_MB:-50}
+case ${1:-} in
+  stage)
+    version=${2:-0.12.1}
+    work=${WORK:-/tmp/jax_newest}
+    rm -rf "$work" && mkdir -p "$work/wheels" "$work/site"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+      -d "$work/wheels" "jax==$version" "jaxlib==$version" "jax-cuda13-plugin==$version" "jax-cuda13-pjrt==$version"
+    for w in "$work"/wheels/*.whl; do unzip -q -o "$w" -d "$work/site"; done
+    find "$work/site" -name '*.so' -size +1M -exec strip --strip-unneeded {} +
+    tar -C "$work/site" -cf - . | xz -9 -T2 >"$work/site.tar.xz"
+    rm -rf .jaxw* && split -b "${piece_mb}M" -d -a 1 "$work/site.tar.xz" "$work/piece."
+    for p in "$work"/piece.*; do
+      d=.jaxw$((${p##*.} + 1)); mkdir -p "$d" && mv "$p" "$d/"
+    done
+    grep -qx '/.jaxw\*/' .git/info/exclude 2>/dev/null || echo '/.jaxw*/' >>.git/info/exclude
+    ls -la .jaxw*/ ;;
+  receive)
+    mkdir -p /tmp/jax_pieces && cp ".jaxw$2"/piece.* /tmp/jax_pieces/ && ls -la /tmp/jax_pieces ;;
+  install)
+    rm -rf /tmp/jax_site && mkdir -p /tmp/jax_site
+    cat /tmp/jax_pieces/piece.* | xz -d | tar -C /tmp/jax_site -xf -
+    PYTHONPATH=/tmp/jax_site python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())" ;;
+  *) echo "usage: $0 stage [VERSION] | receive PIECE | install" >&2; exit 2 ;;
+esac
