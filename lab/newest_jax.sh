@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # A newer jax (with its CUDA 13 plugin) for the device machine, whose image
 # holds jax 0.11.2. The four wheels of 0.12.1 are 227 MB, over the 64 MiB
-# a call carries: here they are unpacked, their three large libraries
-# stripped of symbols (700 -> 517 MB), packed as one xz tarball and split
+# a call carries: here they are unpacked, their shared libraries stripped
+# of symbols (700 -> 511 MB), packed as one xz tarball (143 MB) and split
 # into pieces that fit a call beside the working tree (about 12 MB).
 #
-#   bash lab/newest_jax.sh stage [VERSION]   (here: .jaxw1, .jaxw2, ... in the root)
+#   bash lab/newest_jax.sh stage [VERSION]   (here, ~3.5 min: .jaxw1, .jaxw2, ...)
 #   bash lab/newest_jax.sh receive PIECE     (there, one call a piece, chained
 #                                             inside the machine's 30 s warm window)
 #   bash lab/newest_jax.sh install           (there, after the last piece)
 #
 # Then `export PYTHONPATH=/tmp/jax_site` before python (gpu_suite.sh keeps it).
-# Stripping keeps the dynamic symbols, which is all a shared library's
-# loader and Python's import need; the CPU backend of the stripped tree ran
-# here before it was first sent (2026-12-07).
+# Stripping keeps the dynamic symbols, which are all a shared library's
+# loader and Python's import need; the whole chain, run here (2026-12-07),
+# gave a tree that imports jax 0.12.1 and runs on the CPU backend.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 piece_mb=${PIECE_MB:-50}
