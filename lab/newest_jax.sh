@@ -32,7 +32,7 @@ case ${1:-} in
     for p in "$work"/piece.*; do
       d=.jaxw$((${p##*.} + 1)); mkdir -p "$d" && mv "$p" "$d/"
     done
-    grep -qx '/.jaxw\*/' .git/info/exclude 2>/dev/null || echo '/.jaxw*/' >>.git/info/exclude
+    mkdir -p .git/info && grep -qx '/.jaxw\*/' .git/info/exclude 2>/dev/null || echo '/.jaxw*/' >>.git/info/exclude
     ls -la .jaxw*/ ;;
   receive)
     mkdir -p /tmp/jax_pieces && cp ".jaxw$2"/piece.* /tmp/jax_pieces/ && ls -la /tmp/jax_pieces ;;
