@@ -6,10 +6,11 @@
 # into pieces that fit a call beside the working tree (about 12 MB).
 #
 #   bash lab/newest_jax.sh stage [VERSION]   (here, ~3.5 min: .jaxw1, .jaxw2, ...)
-#   bash lab/newest_jax.sh receive PIECE     (there, one call a piece, chained
-#                                             inside the machine's 30 s warm window)
-#   bash lab/newest_jax.sh install           (there, after the last piece)
+#   bash lab/newest_jax.sh install           (there, in the call carrying the last piece)
 #
+# The device keeps ignored paths between calls while warm (30 s idle), so
+# one call a piece (`carry` [".jaxwN"], any short command), chained, leaves
+# every piece in place for `install`; xz's checks fail it if one is missing.
 # Then `export PYTHONPATH=/tmp/jax_site` before python (gpu_suite.sh keeps it).
 # Stripping keeps the dynamic symbols, which are all a shared library's
 # loader and Python's import need; the whole chain, run here (2026-12-07),
@@ -34,11 +35,9 @@ case ${1:-} in
     done
     mkdir -p .git/info && grep -qx '/.jaxw\*/' .git/info/exclude 2>/dev/null || echo '/.jaxw*/' >>.git/info/exclude
     ls -la .jaxw*/ ;;
-  receive)
-    mkdir -p /tmp/jax_pieces && cp ".jaxw$2"/piece.* /tmp/jax_pieces/ && ls -la /tmp/jax_pieces ;;
   install)
     rm -rf /tmp/jax_site && mkdir -p /tmp/jax_site
-    cat /tmp/jax_pieces/piece.* | xz -d | tar -C /tmp/jax_site -xf -
+    cat .jaxw*/piece.* | xz -d | tar -C /tmp/jax_site -xf -
     PYTHONPATH=/tmp/jax_site python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())" ;;
-  *) echo "usage: $0 stage [VERSION] | receive PIECE | install" >&2; exit 2 ;;
+  *) echo "usage: $0 stage [VERSION] | install" >&2; exit 2 ;;
 esac
