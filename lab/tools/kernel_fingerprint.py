@@ -72,6 +72,7 @@ def _cases():
       "window": dict(window_size=(1024, 0)), "window_both": dict(window_size=(512, 512)),
       "alibi": dict(causal=True, alibi_slopes=True),
       "all": dict(causal=True, window_size=(1024, 0), softcap=20.0, alibi_slopes=True),
+      "segments": dict(causal=True, segments=True), "sinks": dict(causal=True, sinks=True),
   }
   for head_dim in (64, 128, 256):
     for name, kwargs in mosaic_options.items():
@@ -93,6 +94,8 @@ def _arguments(kwargs, shape, dtype):
   if kwargs.pop("segments", False):
     arrays["q_segment_ids"] = jax.ShapeDtypeStruct((batch, seq_q), jnp.int32)
     arrays["kv_segment_ids"] = jax.ShapeDtypeStruct((batch, seq_k), jnp.int32)
+  if kwargs.pop("sinks", False):
+    arrays["sinks"] = jax.ShapeDtypeStruct((heads,), jnp.float32)
   if kwargs.get("dropout_rate"):
     arrays["dropout_rng"] = jax.ShapeDtypeStruct((2,), jnp.uint32)
   return arrays, kwargs

@@ -39,7 +39,6 @@ CASES_ALL = [
 ] + [
     (2, 1024, 2048, 8, 2, 128, "bfloat16", True, None),  # grouped-query, seq_q < seq_k
     (1, 2048, 1024, 4, 4, 128, "bfloat16", True, None),  # seq_q > seq_k
-    (1, 4096, 4096, 4, 4, 128, "bfloat16", False, (128, 128, 2)),
     (1, 4096, 4096, 4, 4, 64, "bfloat16", True, (64, 64, 4)),
 ] + [
     # head_dim 256: backward_wide.py's kernels (--only d256)

@@ -50,7 +50,7 @@ CASES = [
     (2, 1024, 2048, 8, 2, 128, "bfloat16", True, None),  # grouped-query, seq_q < seq_k
     (1, 2048, 1024, 4, 4, 128, "bfloat16", True, None),  # seq_q > seq_k
     (1, 4096, 4096, 4, 4, 128, "bfloat16", True, (128, 64, 4)),
-    (1, 4096, 4096, 4, 4, 64, "bfloat16", False, (256, 128, 3)),
+    (1, 4096, 4096, 4, 4, 64, "bfloat16", False, (192, 128, 3)),
 ]
 
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 CASES = {
     "window": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True, window_size=(1024, 0))),
     "causal": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True)),
+    "causal64": dict(head_dim=64, heads=4, kv_heads=4, seq=4096, options=dict(causal=True)),
     "gptoss": dict(head_dim=64, heads=8, kv_heads=1, seq=4096, options=dict(causal=True, window_size=(128, 0))),
     "softcap": dict(head_dim=128, heads=4, kv_heads=4, seq=4096, options=dict(causal=True, softcap=50.0)),
     "softcap64": dict(head_dim=64, heads=4, kv_heads=4, seq=4096, options=dict(causal=True, softcap=50.0)),
@@ -62,7 +63,8 @@ def report(sass: str) -> str:
   lines = []
   for start, end, body in step_loops(sass):
     ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", x).split(" ")[0].split(".")[0] for x in body)
-    lines.append(f"loop {start:#x}-{end:#x}: {len(body)} instr; HGMMA {ops['HGMMA']} MUFU {ops['MUFU']}; "
+    lines.append(f"loop {start:#x}-{end:#x}: {len(body)} instr; HGMMA {ops['HGMMA']} MUFU {ops['MUFU']} "
+                 f"LDL {ops['LDL']} STL {ops['STL']}; "
                  + " ".join(f"{k}:{v}" for k, v in ops.most_common(18)))
   return "\n".join(lines)
 
